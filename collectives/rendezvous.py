@@ -1,0 +1,179 @@
+"""Rendezvous: how the ranks of a job find each other before any data moves.
+
+Three sources, tried in this order by :func:`detect_launch`:
+
+- ``mpi``: launched by ``mpirun``/``mpiexec`` (MPI/PMI variables in the environment); the
+  exchange rides on mpi4py, non-blocking and bounded by the timeout.
+- ``torchrun``: ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; torch's ``TCPStore``
+  (the elastic agent's store when torchrun provides one, else rank 0 hosts it, listening only
+  on ``MASTER_ADDR``).
+- ``launch``: :func:`collectives.launch` hosts a ``TCPStore`` bound to 127.0.0.1.
+- otherwise a single process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import struct
+import time
+from typing import Sequence
+
+import numpy as np
+
+from transports.base import CollectiveTimeoutError, Rendezvous
+
+# Variables that MPI launchers (MPICH/Hydra, Open MPI, Intel MPI, MVAPICH, PMIx, Slurm's PMI) set.
+_MPI_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE",
+            "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
+
+
+def detect_launch() -> str:
+    """'mpi', 'torchrun' or 'single': how this process was started."""
+    if os.environ.get("MOECOMM_LAUNCH") in ("mpi", "torchrun", "single"):
+        return os.environ["MOECOMM_LAUNCH"]
+    if any(v in os.environ for v in _MPI_ENV):
+        return "mpi"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return "torchrun"
+    return "single"
+
+
+class LocalRendezvous(Rendezvous):
+    """The trivial rendezvous of a one-rank group."""
+
+    def __init__(self, timeout: float):
+        self.rank, self.size, self.timeout = 0, 1, timeout
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        return [bytes(data)]
+
+    def split(self, color, key, new_rank, new_size, ranks):
+        return LocalRendezvous(self.timeout)
+
+
+class StoreRendezvous(Rendezvous):
+    """Exchange through a torch.distributed Store (TCPStore/FileStore), keys under a private prefix."""
+
+    def __init__(self, store, rank: int, size: int, timeout: float, prefix: str, global_ranks: Sequence[int]):
+        self.store, self.rank, self.size, self.timeout = store, rank, size, timeout
+        self.prefix = prefix
+        self.global_ranks = list(global_ranks)
+        self._round = 0
+        self._splits = 0
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        k = self._round
+        self._round += 1
+        keys = [f"{self.prefix}/ag{k}/{r}" for r in range(self.size)]
+        self.store.set(keys[self.rank], data)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                left = max(0.01, deadline - time.monotonic())
+                self.store.wait(keys, datetime.timedelta(seconds=left))
+                break
+            except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
+                missing = [self.global_ranks[r] for r, key in enumerate(keys) if not self.store.check([key])]
+                if not missing:
+                    continue
+                if time.monotonic() >= deadline:
+                    raise CollectiveTimeoutError(
+                        f"rendezvous timed out after {self.timeout:.1f}s on rank {self.global_ranks[self.rank]}: "
+                        f"rank(s) {missing} never arrived", missing) from e
+        values = [bytes(self.store.get(key)) for key in keys]
+        if k >= 2:  # every rank has finished round k-1, hence read round k-2
+            try:
+                self.store.delete_key(f"{self.prefix}/ag{k - 2}/{self.rank}")
+            except Exception:  # noqa: BLE001 - best-effort cleanup; FileStore lacks delete on old torch
+                pass
+        return values
+
+    def split(self, color, key, new_rank, new_size, ranks):
+        self._splits += 1
+        return StoreRendezvous(self.store, new_rank, new_size, self.timeout,
+                               f"{self.prefix}/s{self._splits}/c{color}",
+                               [self.global_ranks[r] for r in ranks])
+
+
+class MPIRendezvous(Rendezvous):
+    """Exchange through mpi4py, posted non-blocking and polled so it is bounded by the timeout."""
+
+    def __init__(self, comm, timeout: float, global_ranks: Sequence[int] | None = None):
+        self.comm = comm
+        self.rank, self.size, self.timeout = comm.Get_rank(), comm.Get_size(), timeout
+        self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(self.size))
+
+    def _wait(self, req, what):
+        deadline = time.monotonic() + self.timeout
+        sleep = 1e-5
+        while not req.Test():
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    f"MPI rendezvous ({what}) timed out after {self.timeout:.1f}s on rank "
+                    f"{self.global_ranks[self.rank]}")
+            time.sleep(sleep)
+            sleep = min(2 * sleep, 1e-2)
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        lens = np.zeros(self.size, dtype=np.int64)
+        self._wait(self.comm.Iallgather(np.array([len(data)], dtype=np.int64), lens), "lengths")
+        buf = np.empty(int(lens.sum()), dtype=np.uint8)
+        displs = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        from mpi4py import MPI
+
+        send = np.frombuffer(data, dtype=np.uint8) if data else np.empty(0, dtype=np.uint8)
+        self._wait(self.comm.Iallgatherv([send, MPI.BYTE], [buf, (lens.tolist(), displs.tolist()), MPI.BYTE]),
+                   "data")
+        return [buf[d : d + n].tobytes() for d, n in zip(displs, lens)]
+
+    def split(self, color, key, new_rank, new_size, ranks):
+        from mpi4py import MPI
+
+        sub = self.comm.Split(color if color >= 0 else MPI.UNDEFINED, key)
+        if color < 0:
+            return None
+        return MPIRendezvous(sub, self.timeout, [self.global_ranks[r] for r in ranks])
+
+    def close(self) -> None:
+        from mpi4py import MPI
+
+        if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and not MPI.Is_finalized():
+            try:
+                self.comm.Free()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def pack_ints(*values: int) -> bytes:
+    return struct.pack(f"<{len(values)}q", *values)
+
+
+def unpack_ints(data: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(data) // 8}q", data)
+
+
+def loopback_store_server(timeout: float):
+    """A TCPStore server that listens on 127.0.0.1 only (torch's own binds every interface)."""
+    return bound_store_server("127.0.0.1", 0, timeout)
+
+
+def bound_store_server(addr: str, port: int, timeout: float):
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, port))
+    sock.listen(512)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(addr, port, None, True, timeout=datetime.timedelta(seconds=timeout),
+                          wait_for_workers=False, master_listen_fd=sock.detach())
+    return store, port
+
+
+def store_client(addr: str, port: int, timeout: float):
+    import torch.distributed as dist
+
+    return dist.TCPStore(addr, port, None, False, timeout=datetime.timedelta(seconds=timeout))

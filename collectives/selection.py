@@ -1,0 +1,62 @@
+"""Which transport serves a call: an explicit fallback chain per (device, locality).
+
+Selection may only depend on what every rank agrees on (op, dtype, device, topology, and a
+size that has to match across ranks), so that ranks with a bad input still meet in the same
+transport and get a clear ``ValueError`` there instead of waiting in different ones. For that
+reason all_to_all, whose sizes differ by design, is never routed by size.
+
+Host (CPU tensor) chains, first available wins. Where the numbers come from:
+``benchmarks/results/cpu-shm-vs-mpi.txt`` (``moecomm bench --compare``, 2 ranks, CI machine):
+shm beat the mpi transport at every size of every op on one node, so shm serves all sizes there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transports.base import OpCode
+
+# (device, single_node) -> transports in order of preference
+FALLBACK_CHAINS: dict[tuple[str, bool], tuple[str, ...]] = {
+    ("cpu", True): ("shm", "mpi"),
+    ("cpu", False): ("mpi",),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call will run: transport, its algorithm, and why."""
+
+    op: str
+    transport: str
+    algorithm: str
+    nbytes: int
+    reason: str
+    staged_through_host: bool = False
+
+    def __str__(self) -> str:
+        host = ", staged through host memory" if self.staged_through_host else ""
+        return f"{self.op} of {self.nbytes} B -> {self.transport}/{self.algorithm} ({self.reason}{host})"
+
+
+def candidate_chain(device: str, single_node: bool) -> tuple[str, ...]:
+    return FALLBACK_CHAINS.get((device, single_node), FALLBACK_CHAINS[("cpu", single_node)])
+
+
+def choose_transport(opcode: OpCode, device: str, single_node: bool, available: dict, forced: str | None
+                     ) -> tuple[str, str]:
+    """(transport name, reason). ``available`` maps names to live transports of this communicator."""
+    if forced:
+        if forced not in available:
+            raise ValueError(
+                f"transport {forced!r} was requested but is not available in this communicator "
+                f"(available: {sorted(available)}); shm needs all ranks on one node, mpi needs an mpirun launch")
+        return forced, "forced by transport=/MOECOMM_TRANSPORT"
+    chain = candidate_chain(device, single_node)
+    for name in chain:
+        if name in available:
+            where = "one node" if single_node else "several nodes"
+            return name, f"first available of {'>'.join(chain)} for {device} tensors on {where}"
+    raise RuntimeError(
+        f"no transport can serve {device} tensors here (available: {sorted(available)}); "
+        "launch with mpirun for multi-node runs")

@@ -1,0 +1,38 @@
+"""How bytes move between ranks: one module per transport, all behind :class:`transports.base.Transport`.
+
+- ``shm``  (:mod:`transports.shm`): POSIX shared memory between the processes of one node (CPU tensors).
+- ``mpi``  (:mod:`transports.mpi`): mpi4py, zero-copy through the buffer protocol; spans nodes.
+
+The GPU transports (NCCL, CUDA IPC) implement the same interface.
+"""
+
+from .base import (
+    CollectiveTimeoutError,
+    CommunicatorBrokenError,
+    GroupInfo,
+    OpCode,
+    PeerFailedError,
+    ReduceOp,
+    Rendezvous,
+    Transport,
+)
+
+__all__ = [
+    "CollectiveTimeoutError", "CommunicatorBrokenError", "GroupInfo", "OpCode", "PeerFailedError",
+    "ReduceOp", "Rendezvous", "Transport", "transport_class", "TRANSPORT_NAMES",
+]
+
+TRANSPORT_NAMES = ("shm", "mpi")
+
+
+def transport_class(name: str) -> type[Transport]:
+    """The class of a transport by name, imported on first use (mpi4py is only loaded when asked for)."""
+    if name == "shm":
+        from .shm import SharedMemoryTransport
+
+        return SharedMemoryTransport
+    if name == "mpi":
+        from .mpi import MPITransport
+
+        return MPITransport
+    raise ValueError(f"unknown transport {name!r}; available: {', '.join(TRANSPORT_NAMES)}")

@@ -1,0 +1,280 @@
+"""The transport interface every byte-moving backend implements.
+
+A transport moves the data of one collective between the ranks of one group. It
+receives contiguous torch tensors (CPU for the host transports, CUDA for the GPU
+ones) that the communicator has already checked locally, plus a small int64
+*call signature* (``meta``) that describes the call. Before a transport touches
+any peer's data it must exchange the signatures of all ranks and call
+:func:`check_agreement`, so that a call whose shape, dtype or op differs across
+ranks raises ``ValueError`` on every rank instead of hanging or corrupting data.
+Host transports fold that exchange into their first synchronisation, so it costs
+nothing extra on the latency path.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Sequence
+
+import numpy as np
+import torch
+
+
+class CollectiveTimeoutError(TimeoutError):
+    """A wait ran past the communicator's timeout; ``missing_ranks`` names who never arrived."""
+
+    def __init__(self, message: str, missing_ranks: Sequence[int] = ()):
+        super().__init__(message)
+        self.missing_ranks = list(missing_ranks)
+
+
+class PeerFailedError(CollectiveTimeoutError):
+    """A peer process died (or aborted its communicator) while this rank waited for it."""
+
+
+class CommunicatorBrokenError(RuntimeError):
+    """An earlier timeout or peer failure left this communicator unusable."""
+
+
+class ReduceOp(enum.IntEnum):
+    SUM = 1
+    AVG = 2
+    MAX = 3
+    MIN = 4
+    PROD = 5
+
+    @classmethod
+    def parse(cls, op: "str | ReduceOp") -> "ReduceOp":
+        if isinstance(op, ReduceOp):
+            return op
+        try:
+            return cls[str(op).upper()]
+        except KeyError:
+            raise ValueError(
+                f"unknown reduction op {op!r}; use one of {[o.name.lower() for o in cls]}"
+            ) from None
+
+
+class OpCode(enum.IntEnum):
+    BARRIER = 1
+    ALL_REDUCE = 2
+    ALL_GATHER = 3
+    REDUCE_SCATTER = 4
+    ALL_TO_ALL = 5
+    BROADCAST = 6
+    LOCAL_ERROR = 99  # this rank rejected its own input; peers raise instead of waiting
+
+
+# dtype codes that travel in the call signature (stable numbers, never reorder).
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float64: 1,
+    torch.float32: 2,
+    torch.float16: 3,
+    torch.bfloat16: 4,
+    torch.int64: 5,
+    torch.int32: 6,
+    torch.uint8: 7,
+    torch.bool: 8,
+}
+DTYPE_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+# Layout of the int64 call signature.
+META_LEN = 16
+MAX_META_DIMS = 8
+F_OPCODE, F_DTYPE, F_REDOP, F_ROOT, F_NDIM = 0, 1, 2, 3, 4
+F_DIMS = 5  # F_DIMS .. F_DIMS + MAX_META_DIMS - 1
+F_ROWS = F_DIMS + MAX_META_DIMS  # all_to_all: this rank's row count (may differ across ranks)
+_FIELD_NAMES = {F_OPCODE: "collective", F_DTYPE: "dtype", F_REDOP: "op", F_ROOT: "src", F_NDIM: "ndim"}
+
+
+def make_meta(
+    opcode: OpCode,
+    *,
+    dtype: torch.dtype | None = None,
+    shape: Sequence[int] = (),
+    op: ReduceOp | None = None,
+    root: int = 0,
+    compare_first_dim: bool = True,
+    rows: int = 0,
+) -> np.ndarray:
+    """Build the call signature; fields that may legitimately differ across ranks are left 0."""
+    meta = np.zeros(META_LEN, dtype=np.int64)
+    meta[F_OPCODE] = int(opcode)
+    meta[F_DTYPE] = DTYPE_CODES.get(dtype, -1) if dtype is not None else 0
+    meta[F_REDOP] = int(op) if op is not None else 0
+    meta[F_ROOT] = root
+    dims = list(shape)
+    meta[F_NDIM] = len(dims)
+    if len(dims) > MAX_META_DIMS:  # fold trailing dims; the product still has to agree
+        dims = dims[: MAX_META_DIMS - 1] + [int(np.prod(dims[MAX_META_DIMS - 1 :]))]
+    for i, d in enumerate(dims):
+        meta[F_DIMS + i] = d
+    if not compare_first_dim and dims:
+        meta[F_DIMS] = 0
+    meta[F_ROWS] = rows
+    return meta
+
+
+def error_meta() -> np.ndarray:
+    meta = np.zeros(META_LEN, dtype=np.int64)
+    meta[F_OPCODE] = int(OpCode.LOCAL_ERROR)
+    return meta
+
+
+def _describe(meta: np.ndarray, field_idx: int) -> str:
+    v = int(meta[field_idx])
+    if field_idx == F_OPCODE:
+        return OpCode(v).name.lower() if v in OpCode._value2member_map_ else str(v)
+    if field_idx == F_DTYPE:
+        return str(DTYPE_BY_CODE.get(v, v)).replace("torch.", "")
+    if field_idx == F_REDOP:
+        return ReduceOp(v).name.lower() if v in ReduceOp._value2member_map_ else "-"
+    return str(v)
+
+
+def _shape_of(meta: np.ndarray) -> str:
+    ndim = int(meta[F_NDIM])
+    dims = [int(d) for d in meta[F_DIMS : F_DIMS + min(ndim, MAX_META_DIMS)]]
+    return "(" + ", ".join("*" if (i == 0 and d == 0 and meta[F_OPCODE] == OpCode.ALL_TO_ALL) else str(d)
+                           for i, d in enumerate(dims)) + ")"
+
+
+def check_agreement(metas: np.ndarray, ranks: Sequence[int] | None = None) -> None:
+    """Raise ``ValueError`` (identically on every rank) if the call signatures differ.
+
+    ``metas``: [size, META_LEN] int64, row i from group rank i. ``ranks`` maps group
+    ranks to the numbers shown in the message (global ranks for sub-groups).
+    """
+    names = list(ranks) if ranks is not None else list(range(len(metas)))
+    failed = [names[i] for i in range(len(metas)) if metas[i, F_OPCODE] == OpCode.LOCAL_ERROR]
+    if failed:
+        raise ValueError(
+            f"rank(s) {failed} rejected their input for this collective (see the error on those ranks); "
+            "every rank aborted the call"
+        )
+    cmp = metas[:, :F_ROWS]
+    if (cmp == cmp[0]).all():
+        return
+    diffs = []
+    for f in (F_OPCODE, F_DTYPE, F_REDOP, F_ROOT):
+        col = metas[:, f]
+        if not (col == col[0]).all():
+            per_rank = ", ".join(f"rank {names[i]}: {_describe(metas[i], f)}" for i in range(len(metas)))
+            diffs.append(f"{_FIELD_NAMES[f]} differs ({per_rank})")
+    shape_cols = metas[:, F_NDIM:F_ROWS]
+    if not (shape_cols == shape_cols[0]).all():
+        per_rank = ", ".join(f"rank {names[i]}: {_shape_of(metas[i])}" for i in range(len(metas)))
+        diffs.append(f"shape differs ({per_rank})")
+    raise ValueError(
+        f"{_describe(metas[0], F_OPCODE)} called with arguments that differ across ranks: "
+        + "; ".join(diffs)
+        + ". Every rank must pass the same shape, dtype and op (all_to_all: same trailing dims)."
+    )
+
+
+class Rendezvous(abc.ABC):
+    """Out-of-band exchange of small byte strings between the ranks of a group (not the data path)."""
+
+    rank: int
+    size: int
+    timeout: float
+
+    @abc.abstractmethod
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank contributes ``data``; returns all ranks' contributions in rank order."""
+
+    @abc.abstractmethod
+    def split(self, color: int, key: int, new_rank: int, new_size: int, ranks: list[int]) -> "Rendezvous":
+        """The rendezvous of a sub-group (called collectively by every parent rank, with color < 0 for none)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+@dataclass
+class GroupInfo:
+    """What a transport needs to know about the group it serves."""
+
+    rank: int
+    size: int
+    timeout: float
+    rendezvous: Rendezvous
+    global_ranks: list[int]  # group rank -> world rank, for messages
+    pids: list[int] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)  # node identity of each rank
+    mpi_comm: object | None = None  # mpi4py communicator of this group when launched by MPI
+
+    @property
+    def single_node(self) -> bool:
+        return len(set(self.hosts)) <= 1
+
+
+# The signature of all_to_all's output allocator: recv_counts (rows from each rank) -> output tensor.
+Allocator = Callable[[np.ndarray], torch.Tensor]
+
+
+class Transport(abc.ABC):
+    """One way of moving bytes between the ranks of a group.
+
+    All tensor arguments are contiguous and already validated locally. Every method
+    is collective: all ranks of the group call it in the same order.
+    """
+
+    name: ClassVar[str]
+    #: devices whose tensors this transport moves ("cpu", "cuda")
+    devices: ClassVar[tuple[str, ...]]
+
+    def __init__(self, group: GroupInfo):
+        self.group = group
+        self.rank = group.rank
+        self.size = group.size
+
+    # ---- capabilities -------------------------------------------------------------------
+    def supports(self, opcode: OpCode, dtype: torch.dtype, op: ReduceOp | None) -> str | None:
+        """None if this transport can run the call, else the reason it cannot."""
+        return None
+
+    @abc.abstractmethod
+    def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
+        """Name of the algorithm this transport would use for the call (for plans and logs)."""
+
+    # ---- collectives --------------------------------------------------------------------
+    @abc.abstractmethod
+    def exchange_meta(self, meta: np.ndarray) -> np.ndarray:
+        """Barrier that also gathers every rank's call signature: -> [size, META_LEN] int64."""
+
+    @abc.abstractmethod
+    def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, meta: np.ndarray) -> None:
+        """out = reduction over ranks of send (same shape)."""
+
+    @abc.abstractmethod
+    def all_gather(self, send: torch.Tensor, out: torch.Tensor, meta: np.ndarray) -> None:
+        """out ([size * n] flat) = concatenation of every rank's send ([n] flat) in rank order."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, meta: np.ndarray) -> None:
+        """out ([n] flat) = this rank's block of the reduction of send ([size * n] flat)."""
+
+    @abc.abstractmethod
+    def all_to_all(
+        self, send: torch.Tensor, send_counts: np.ndarray, row_numel: int, alloc: Allocator, meta: np.ndarray
+    ) -> torch.Tensor:
+        """Uneven all-to-all of rows.
+
+        send: [sum(send_counts) * row_numel] flat, rows ordered by destination rank;
+        send_counts: [size] int64. The transport exchanges the counts, calls
+        ``alloc(recv_counts)`` for the output ([sum(recv_counts) * row_numel] flat) and
+        fills it with the received rows in source-rank order.
+        """
+
+    @abc.abstractmethod
+    def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, meta: np.ndarray) -> None:
+        """out = send of rank ``src`` (every rank passes tensors of the same shape)."""
+
+    def barrier(self, meta: np.ndarray) -> None:
+        self.exchange_meta(meta)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass

@@ -1,0 +1,194 @@
+"""``mpi``: collectives through mpi4py, zero-copy through the buffer protocol.
+
+The transport of choice across nodes and the fallback for anything the node-local
+transports cannot serve. MPI calls block without a deadline, so every call here is
+posted non-blocking and then polled, which bounds it by the communicator's timeout.
+The call signature travels by point-to-point messages on a private duplicate of the
+group's communicator, so a rank that never arrives is named in the timeout error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from ._host import as_numpy, reduce_into
+from .base import (
+    META_LEN,
+    Allocator,
+    CollectiveTimeoutError,
+    CommunicatorBrokenError,
+    GroupInfo,
+    OpCode,
+    ReduceOp,
+    Transport,
+    check_agreement,
+)
+
+log = logging.getLogger(__name__)
+
+# Above this group size the signature goes through one Iallgather instead of n point-to-point
+# messages (which is what lets us name a missing rank).
+_P2P_META_MAX_RANKS = 64
+_META_TAG = 7
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+class MPITransport(Transport):
+    name = "mpi"
+    devices = ("cpu",)
+
+    def __init__(self, group: GroupInfo):
+        super().__init__(group)
+        if group.mpi_comm is None:
+            raise RuntimeError("the mpi transport needs an MPI launch (run under mpiexec/mpirun)")
+        MPI = _mpi()
+        self.MPI = MPI
+        self.comm = group.mpi_comm.Dup()  # private: our traffic never matches the user's
+        self.timeout = group.timeout
+        self._ranks = list(group.global_ranks)
+        self._broken: str | None = None
+        self._types = {
+            torch.float64: MPI.DOUBLE, torch.float32: MPI.FLOAT, torch.int64: MPI.INT64_T,
+            torch.int32: MPI.INT32_T, torch.uint8: MPI.UINT8_T, torch.bool: MPI.C_BOOL,
+        }
+        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PROD: MPI.PROD,
+                     ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN}
+        self._meta_recv = np.zeros((self.size, META_LEN), dtype=np.int64)
+
+    def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
+        names = {OpCode.ALL_REDUCE: "Iallreduce", OpCode.ALL_GATHER: "Iallgather",
+                 OpCode.REDUCE_SCATTER: "Ireduce_scatter_block", OpCode.ALL_TO_ALL: "Ialltoallv",
+                 OpCode.BROADCAST: "Ibcast", OpCode.BARRIER: "meta-exchange"}
+        return names.get(opcode, "?")
+
+    # ---- waiting --------------------------------------------------------------------------
+    def _wait(self, reqs, what: str, pending_ranks=None) -> None:
+        MPI = self.MPI
+        reqs = list(reqs)
+        deadline = time.monotonic() + self.timeout
+        i = 0
+        sleep = 20e-6
+        while not MPI.Request.Testall(reqs):
+            i += 1
+            if i < 2000:
+                continue
+            if time.monotonic() >= deadline:
+                missing = pending_ranks(reqs) if pending_ranks else []
+                self._broken = f"{what} timed out"
+                who = f"rank(s) {missing} never arrived" if missing else \
+                    "some rank never arrived (MPI cannot say which once the signatures matched)"
+                raise CollectiveTimeoutError(
+                    f"mpi {what} timed out after {self.timeout:.1f}s on rank {self._ranks[self.rank]}: {who}", missing)
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 1e-3)
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise CommunicatorBrokenError(
+                f"mpi communicator is unusable after an earlier failure ({self._broken}); create a new one")
+
+    def exchange_meta(self, meta: np.ndarray) -> np.ndarray:
+        self._check_usable()
+        n, me = self.size, self.rank
+        recv = self._meta_recv
+        recv[me] = meta
+        if n == 1:
+            return recv.copy()
+        if n > _P2P_META_MAX_RANKS:
+            self._wait([self.comm.Iallgather(meta, recv)], "signature exchange")
+            return recv.copy()
+        peers = [r for r in range(n) if r != me]
+        rreqs = [self.comm.Irecv(recv[r], source=r, tag=_META_TAG) for r in peers]
+        sreqs = [self.comm.Isend(meta, dest=r, tag=_META_TAG) for r in peers]
+
+        def missing(_):
+            return [self._ranks[r] for r, q in zip(peers, rreqs) if not q.Test()]
+
+        self._wait(rreqs + sreqs, "signature exchange", missing)
+        return recv.copy()
+
+    def barrier(self, meta: np.ndarray) -> None:
+        check_agreement(self.exchange_meta(meta), self._ranks)
+
+    def _agree(self, meta: np.ndarray) -> None:
+        check_agreement(self.exchange_meta(meta), self._ranks)
+
+    # ---- collectives ----------------------------------------------------------------------
+    def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, meta: np.ndarray) -> None:
+        self._agree(meta)
+        self._reduce(send, out, op, lambda s, r, mop: self.comm.Iallreduce(s, r, op=mop), "all_reduce")
+
+    def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, meta: np.ndarray) -> None:
+        self._agree(meta)
+        self._reduce(send, out, op, lambda s, r, mop: self.comm.Ireduce_scatter_block(s, r, op=mop),
+                     "reduce_scatter")
+
+    def _reduce(self, send, out, op, post, what):
+        dtype = send.dtype
+        MPI = self.MPI
+        if dtype in (torch.float16, torch.bfloat16):
+            # no portable MPI 16-bit float reductions: accumulate in float32, round once
+            s32 = send.float()
+            r32 = torch.empty(out.shape, dtype=torch.float32)
+            mop = self._ops[op]
+            self._wait([post([s32.numpy(), MPI.FLOAT], [r32.numpy(), MPI.FLOAT], mop)], what)
+            if op == ReduceOp.AVG:
+                r32.div_(self.size)
+            out.copy_(r32)
+            return
+        mtype = self._types[dtype]
+        mop = self._ops[op]
+        if dtype == torch.bool:
+            mop = {ReduceOp.MAX: MPI.LOR, ReduceOp.MIN: MPI.LAND}[op]
+        y = as_numpy(out)
+        self._wait([post([as_numpy(send), mtype], [y, mtype], mop)], what)
+        if op == ReduceOp.AVG:
+            reduce_into(y, [y], op, dtype, self.size)
+
+    def all_gather(self, send: torch.Tensor, out: torch.Tensor, meta: np.ndarray) -> None:
+        self._agree(meta)
+        B = self.MPI.BYTE
+        self._wait([self.comm.Iallgather([as_numpy(send).view(np.uint8), B], [as_numpy(out).view(np.uint8), B])],
+                   "all_gather")
+
+    def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, meta: np.ndarray) -> None:
+        self._agree(meta)
+        if self.rank == src:
+            out.copy_(send)
+        self._wait([self.comm.Ibcast([as_numpy(out).view(np.uint8), self.MPI.BYTE], root=src)], "broadcast")
+
+    def all_to_all(self, send: torch.Tensor, send_counts: np.ndarray, row_numel: int, alloc: Allocator,
+                   meta: np.ndarray) -> torch.Tensor:
+        self._agree(meta)
+        recv_counts = np.zeros(self.size, dtype=np.int64)
+        self._wait([self.comm.Ialltoall(np.ascontiguousarray(send_counts, dtype=np.int64), recv_counts)],
+                   "all_to_all count exchange")
+        out = alloc(recv_counts)
+        row_bytes = row_numel * send.element_size()
+        sc = send_counts.astype(np.int64) * row_bytes
+        rc = recv_counts * row_bytes
+        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
+        B = self.MPI.BYTE
+        self._wait([self.comm.Ialltoallv([as_numpy(send).view(np.uint8), (sc.tolist(), sd.tolist()), B],
+                                         [as_numpy(out).view(np.uint8), (rc.tolist(), rd.tolist()), B])],
+                   "all_to_all")
+        return out
+
+    def close(self) -> None:
+        if self.comm is not None:
+            try:
+                if not self._broken:
+                    self.comm.Free()
+            except Exception:  # noqa: BLE001 - MPI may already be finalized at exit
+                pass
+            self.comm = None

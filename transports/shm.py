@@ -1,0 +1,483 @@
+"""``shm``: collectives between the processes of one node through POSIX shared memory.
+
+One segment per group, created by group rank 0 and mapped by every rank::
+
+    [control: one block per rank][data: per rank, two slots of ``slot_bytes``]
+
+A control block holds the rank's arrival counter (epoch), an abort/close flag,
+and two parity copies of its call signature and all-to-all send counts. Data
+moves in *rounds*: a rank writes its slot, publishes its epoch, waits for every
+peer's epoch, then reads what it needs straight out of the peers' slots (no
+pickling, no extra hop). Rounds alternate between the two slots, so a slot is
+rewritten only after every peer has arrived at a later synchronisation, which
+it does only after finishing its reads of the earlier round.
+
+Waits spin briefly, then yield, then sleep with backoff, so runs with more ranks
+than cores do not crawl, and every wait ends at the communicator's timeout, when
+a peer's process dies, or when a peer aborts, naming the ranks involved.
+
+The segment is unlinked as soon as every rank has mapped it, so nothing stays in
+/dev/shm even when all ranks are SIGKILLed; a crash inside that short window is
+cleaned up by the next start (segments of dead creators are removed).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import platform
+import re
+import secrets
+import threading
+import time
+
+import numpy as np
+import torch
+
+from ._host import as_numpy, np_storage_dtype, reduce_into
+from .base import (
+    META_LEN,
+    Allocator,
+    CollectiveTimeoutError,
+    GroupInfo,
+    OpCode,
+    PeerFailedError,
+    ReduceOp,
+    Transport,
+    check_agreement,
+)
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "moecomm"
+
+# Control block layout (int64 words).
+_EPOCH, _STATE = 0, 1
+_META0 = 2  # two parities of META_LEN words
+_STATE_OK, _STATE_ABORTED, _STATE_CLOSED = 0, 1, 2
+
+# Default per-slot size; each rank has two slots. Messages larger than a slot go in rounds.
+# 4 MiB: large enough that a round's two synchronisations cost < 1% of its copy time on the
+# CI machine, small enough that 2 ranks x 2 slots stay within L3-sized working sets per round.
+DEFAULT_SLOT_BYTES = 4 << 20
+
+# all_reduce: one-shot (every rank reduces the whole message from all slots) up to this many
+# bytes, two-shot (reduce-scatter + all-gather through the slots) above. Keyed by group size;
+# measured with `moecomm bench --ops all_reduce --transport shm` (see benchmarks/results/).
+ONE_SHOT_MAX_BYTES = {2: 256 << 10, 3: 128 << 10, 4: 64 << 10}
+ONE_SHOT_MAX_BYTES_DEFAULT = 32 << 10
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    """Order our data stores before the epoch store that publishes them.
+
+    x86-64 is TSO (stores and loads are not reordered with each other), so plain stores in
+    program order suffice there. Elsewhere a lock round trip issues the acquire/release
+    barriers that the architecture needs.
+    """
+    if not _X86:
+        with _fence_lock:
+            pass
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # state is the field after the parenthesised command name
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+
+_SEGMENT_RE = re.compile(rf"^{SEGMENT_PREFIX}-(\d+)-(\d+)-[0-9a-f]+$")
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink this user's segments whose creating process is gone (left by a crash)."""
+    removed = []
+    uid = os.getuid()
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        m = _SEGMENT_RE.match(name)
+        if not m or int(m.group(1)) != uid or _pid_alive(int(m.group(2))):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.lstat(path).st_uid == uid:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed %d stale shared-memory segment(s) left by crashed runs: %s", len(removed), removed)
+    return removed
+
+
+class SharedMemoryTransport(Transport):
+    name = "shm"
+    devices = ("cpu",)
+
+    def __init__(self, group: GroupInfo, *, slot_bytes: int | None = None):
+        super().__init__(group)
+        if not group.single_node:
+            raise RuntimeError("shm transport needs every rank of the group on one node")
+        n = self.size
+        env_slot = os.environ.get("MOECOMM_SHM_SLOT_BYTES")
+        self.slot_bytes = _align(int(slot_bytes or env_slot or DEFAULT_SLOT_BYTES), 4096)
+        self.timeout = group.timeout
+        self._pids = list(group.pids)
+        self._ranks = list(group.global_ranks)
+        self._ctrl_words = _align(_META0 + 2 * META_LEN + 2 * n, 16)  # 128-byte aligned blocks
+        ctrl_bytes = _align(n * self._ctrl_words * 8, 4096)
+        total = ctrl_bytes + n * 2 * self.slot_bytes
+        self._map, self.segment_name = self._create_and_map(total)
+        self._ctrl = np.frombuffer(self._map, dtype=np.int64, count=n * self._ctrl_words).reshape(n, self._ctrl_words)
+        self._q = memoryview(self._map)[: n * self._ctrl_words * 8].cast("q")  # fast scalar access
+        self._slots = [
+            [np.frombuffer(self._map, dtype=np.uint8, count=self.slot_bytes,
+                           offset=ctrl_bytes + (r * 2 + b) * self.slot_bytes) for r in range(n)]
+            for b in range(2)
+        ]
+        self._epoch = 0
+        self._use = 0
+        self._broken: str | None = None
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        oversubscribed = n > cpus
+        # Spin long only when every rank has a core; otherwise yield early so peers can run.
+        self._spin_iters = 64 if oversubscribed else 20000
+        self._yield_iters = 2000
+        self._one_shot_max = ONE_SHOT_MAX_BYTES.get(n, ONE_SHOT_MAX_BYTES_DEFAULT)
+        log.debug("shm transport up: segment %s, %d ranks, slot %d B, oversubscribed=%s",
+                  self.segment_name, n, self.slot_bytes, oversubscribed)
+
+    # ---- segment setup --------------------------------------------------------------------
+    def _create_and_map(self, total: int) -> tuple[mmap.mmap, str]:
+        rdv = self.group.rendezvous
+        name, path, err = "", "", ""
+        if self.rank == 0:
+            remove_stale_segments()
+            name = f"{SEGMENT_PREFIX}-{os.getuid()}-{os.getpid()}-{secrets.token_hex(16)}"
+            path = os.path.join(SHM_DIR, name)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                try:
+                    os.fchmod(fd, 0o600)
+                    os.ftruncate(fd, total)
+                    mm = mmap.mmap(fd, total)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                err = f"rank {self._ranks[0]} could not create {path}: {e}"
+        names = rdv.allgather_bytes((err or name).encode() if self.rank == 0 else b"")
+        leader = names[0].decode()
+        if not leader.startswith(SEGMENT_PREFIX):
+            raise RuntimeError(f"shared memory unavailable: {leader}")
+        if self.rank != 0:
+            name, path = leader, os.path.join(SHM_DIR, leader)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+                try:
+                    st = os.fstat(fd)
+                    if st.st_uid != os.getuid() or (st.st_mode & 0o077):
+                        raise PermissionError(f"{path} is not private to this user (mode {oct(st.st_mode)})")
+                    if st.st_size != total:
+                        raise OSError(f"{path} has size {st.st_size}, expected {total}")
+                    mm = mmap.mmap(fd, total)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                err = f"rank {self.group.global_ranks[self.rank]} could not map {path}: {e}"
+        status = rdv.allgather_bytes(err.encode())
+        if self.rank == 0:
+            try:
+                os.unlink(path)  # every rank holds a mapping now; the name is no longer needed
+            except OSError:
+                pass
+        errors = [s.decode() for s in status if s]
+        if errors:
+            raise RuntimeError("shared memory unavailable: " + "; ".join(errors))
+        return mm, name
+
+    # ---- synchronisation ------------------------------------------------------------------
+    def _begin_round(self) -> int:
+        """Slot index for the next round (see module docstring for why alternation is safe)."""
+        self._check_usable()
+        b = self._use & 1
+        self._use += 1
+        return b
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            from .base import CommunicatorBrokenError
+
+            raise CommunicatorBrokenError(
+                f"shm communicator is unusable after an earlier failure ({self._broken}); create a new one")
+
+    def _sync(self, meta: np.ndarray | None = None, counts: np.ndarray | None = None) -> None:
+        e = self._epoch + 1
+        self._epoch = e
+        me = self.rank
+        if meta is not None:
+            base = _META0 + (e & 1) * META_LEN
+            self._ctrl[me, base : base + META_LEN] = meta
+        if counts is not None:
+            base = _META0 + 2 * META_LEN + (e & 1) * self.size
+            self._ctrl[me, base : base + self.size] = counts
+        _fence()
+        q, stride = self._q, self._ctrl_words
+        q[me * stride + _EPOCH] = e
+        pending = [r for r in range(self.size) if r != me and q[r * stride] < e]
+        if pending:
+            self._wait(pending, e)
+        _fence()
+
+    def _wait(self, pending: list[int], e: int) -> None:
+        q, stride = self._q, self._ctrl_words
+        i = 0
+        spin_end = self._spin_iters
+        yield_end = spin_end + self._yield_iters
+        deadline = None
+        next_check = 0.0
+        sleep = 20e-6
+        while True:
+            pending = [r for r in pending if q[r * stride] < e]
+            if not pending:
+                return
+            i += 1
+            if i < spin_end:
+                continue
+            if i < yield_end:
+                os.sched_yield()
+                continue
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.timeout
+            if now >= next_check:
+                self._check_peers(pending)
+                next_check = now + 0.05
+            if now >= deadline:
+                missing = [self._ranks[r] for r in pending]
+                self._abort(f"timed out after {self.timeout:.1f}s waiting for rank(s) {missing}")
+                raise CollectiveTimeoutError(
+                    f"shm collective timed out after {self.timeout:.1f}s on rank {self._ranks[self.rank]}: "
+                    f"rank(s) {missing} never arrived (stuck, deadlocked, or calling a different collective)",
+                    missing,
+                )
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 1e-3)
+
+    def _check_peers(self, pending: list[int]) -> None:
+        q, stride = self._q, self._ctrl_words
+        for r in pending:
+            state = q[r * stride + _STATE]
+            if state == _STATE_ABORTED or state == _STATE_CLOSED:
+                why = "aborted after a failure" if state == _STATE_ABORTED else "closed its communicator"
+                self._abort(f"rank {self._ranks[r]} {why}")
+                raise PeerFailedError(
+                    f"rank {self._ranks[r]} {why} while rank {self._ranks[self.rank]} waited for it", [self._ranks[r]])
+            if r < len(self._pids) and not _pid_alive(self._pids[r]):
+                self._abort(f"rank {self._ranks[r]} (pid {self._pids[r]}) died")
+                raise PeerFailedError(
+                    f"rank {self._ranks[r]} (pid {self._pids[r]}) died while rank {self._ranks[self.rank]} "
+                    "waited for it in a collective", [self._ranks[r]])
+
+    def _abort(self, why: str) -> None:
+        self._broken = why
+        self._q[self.rank * self._ctrl_words + _STATE] = _STATE_ABORTED
+
+    def _metas(self) -> np.ndarray:
+        base = _META0 + (self._epoch & 1) * META_LEN
+        return self._ctrl[:, base : base + META_LEN].copy()
+
+    def _checked_sync(self, meta: np.ndarray, counts: np.ndarray | None = None) -> None:
+        self._sync(meta, counts)
+        check_agreement(self._metas(), self._ranks)
+
+    # ---- capabilities ---------------------------------------------------------------------
+    def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
+        if opcode == OpCode.ALL_REDUCE:
+            return "one_shot" if self._is_one_shot(nbytes) else "two_shot"
+        return {OpCode.ALL_GATHER: "pull", OpCode.REDUCE_SCATTER: "pull_reduce", OpCode.ALL_TO_ALL: "pull",
+                OpCode.BROADCAST: "pull", OpCode.BARRIER: "flags"}.get(opcode, "flags")
+
+    def _is_one_shot(self, nbytes: int) -> bool:
+        return self.size <= 1 or nbytes <= min(self._one_shot_max, self.slot_bytes)
+
+    # ---- collectives ----------------------------------------------------------------------
+    def exchange_meta(self, meta: np.ndarray) -> np.ndarray:
+        self._begin_round()
+        self._sync(meta)
+        return self._metas()
+
+    def barrier(self, meta: np.ndarray) -> None:
+        self._begin_round()
+        self._checked_sync(meta)
+
+    def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, meta: np.ndarray) -> None:
+        x, y = as_numpy(send), as_numpy(out)
+        n, me, dtype = self.size, self.rank, send.dtype
+        st = np_storage_dtype(dtype)
+        if self._is_one_shot(x.nbytes):
+            b = self._begin_round()
+            np.copyto(self._slots[b][me][: x.nbytes].view(st), x)
+            self._checked_sync(meta)
+            reduce_into(y, [self._slots[b][r][: x.nbytes].view(st) for r in range(n)], op, dtype, n)
+            return
+        # two-shot: per round, reduce-scatter of the window through the slots, then all-gather.
+        item = x.itemsize
+        window = self.slot_bytes // item // (n * 16) * (n * 16)  # elements; parts stay 64B-aligned
+        total = x.size
+        first = True
+        for lo in range(0, total, window):
+            hi = min(lo + window, total)
+            cnt = hi - lo
+            b = self._begin_round()
+            slots = [s[: cnt * item].view(st) for s in self._slots[b]]
+            np.copyto(slots[me], x[lo:hi])
+            if first:
+                self._checked_sync(meta)
+                first = False
+            else:
+                self._sync()
+            bounds = self._parts(cnt)
+            p0, p1 = bounds[me], bounds[me + 1]
+            mine = y[lo + p0 : lo + p1]
+            reduce_into(mine, [s[p0:p1] for s in slots], op, dtype, n)
+            np.copyto(slots[me][p0:p1], mine)
+            self._sync()
+            for r in range(n):
+                if r != me:
+                    np.copyto(y[lo + bounds[r] : lo + bounds[r + 1]], slots[r][bounds[r] : bounds[r + 1]])
+
+    def _parts(self, cnt: int) -> list[int]:
+        n = self.size
+        per = _align(math.ceil(cnt / n), 16) if cnt else 0
+        return [min(cnt, i * per) for i in range(n)] + [cnt]
+
+    def all_gather(self, send: torch.Tensor, out: torch.Tensor, meta: np.ndarray) -> None:
+        x = as_numpy(send).view(np.uint8)
+        y = as_numpy(out).view(np.uint8)
+        nbytes, S = x.nbytes, self.slot_bytes
+        for i, lo in enumerate(range(0, max(nbytes, 1), S)):
+            hi = min(lo + S, nbytes)
+            b = self._begin_round()
+            np.copyto(self._slots[b][self.rank][: hi - lo], x[lo:hi])
+            if i == 0:
+                self._checked_sync(meta)
+            else:
+                self._sync()
+            for r in range(self.size):
+                if r == self.rank:
+                    np.copyto(y[r * nbytes + lo : r * nbytes + hi], x[lo:hi])
+                else:
+                    np.copyto(y[r * nbytes + lo : r * nbytes + hi], self._slots[b][r][: hi - lo])
+
+    def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, meta: np.ndarray) -> None:
+        x, y = as_numpy(send), as_numpy(out)
+        n, me, dtype = self.size, self.rank, send.dtype
+        st = np_storage_dtype(dtype)
+        m = y.size
+        window = max(1, self.slot_bytes // x.itemsize // n)
+        for i, lo in enumerate(range(0, max(m, 1), window)):
+            hi = min(lo + window, m)
+            w = hi - lo
+            b = self._begin_round()
+            slots = [s[: n * w * x.itemsize].view(st) for s in self._slots[b]]
+            if w:
+                np.copyto(slots[me].reshape(n, w), x.reshape(n, m)[:, lo:hi])
+            if i == 0:
+                self._checked_sync(meta)
+            else:
+                self._sync()
+            reduce_into(y[lo:hi], [s[me * w : (me + 1) * w] for s in slots], op, dtype, n)
+
+    def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, meta: np.ndarray) -> None:
+        x = as_numpy(send).view(np.uint8)
+        y = as_numpy(out).view(np.uint8)
+        nbytes, S = x.nbytes, self.slot_bytes
+        root = self.rank == src
+        for i, lo in enumerate(range(0, max(nbytes, 1), S)):
+            hi = min(lo + S, nbytes)
+            b = self._begin_round()
+            if root:
+                np.copyto(self._slots[b][src][: hi - lo], x[lo:hi])
+            if i == 0:
+                self._checked_sync(meta)
+            else:
+                self._sync()
+            np.copyto(y[lo:hi], x[lo:hi] if root else self._slots[b][src][: hi - lo])
+
+    def all_to_all(self, send: torch.Tensor, send_counts: np.ndarray, row_numel: int, alloc: Allocator,
+                   meta: np.ndarray) -> torch.Tensor:
+        n, me, S = self.size, self.rank, self.slot_bytes
+        x = as_numpy(send).view(np.uint8)
+        row_bytes = row_numel * send.element_size()
+        b = self._begin_round()
+        np.copyto(self._slots[b][me][: min(S, x.nbytes)], x[:S])
+        self._checked_sync(meta, send_counts)
+        base = _META0 + 2 * META_LEN + (self._epoch & 1) * n
+        counts = self._ctrl[:, base : base + n].copy()  # counts[src, dst] rows
+        recv_counts = counts[:, me].copy()
+        out = alloc(recv_counts)
+        y = as_numpy(out).view(np.uint8)
+        send_bytes = counts.sum(axis=1) * row_bytes
+        # byte offset of the block for `me` inside each source's send buffer, and in our output
+        src_off = counts[:, :me].sum(axis=1) * row_bytes
+        blk_len = recv_counts * row_bytes
+        dst_off = np.concatenate([[0], np.cumsum(blk_len)[:-1]])
+        rounds = max(1, math.ceil(int(send_bytes.max()) / S)) if n else 1
+        for j in range(rounds):
+            w_lo = j * S
+            if j > 0:
+                b = self._begin_round()
+                chunk = x[w_lo : w_lo + S]
+                np.copyto(self._slots[b][me][: chunk.nbytes], chunk)
+                self._sync()
+            for r in range(n):
+                lo = max(int(src_off[r]), w_lo)
+                hi = min(int(src_off[r] + blk_len[r]), w_lo + S)
+                if hi <= lo:
+                    continue
+                d = int(dst_off[r]) + lo - int(src_off[r])
+                src = x[lo:hi] if r == me else self._slots[b][r][lo - w_lo : hi - w_lo]
+                np.copyto(y[d : d + hi - lo], src)
+        return out
+
+    # ---- teardown -------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._map is None:
+            return
+        try:
+            if not self._broken:
+                self._q[self.rank * self._ctrl_words + _STATE] = _STATE_CLOSED
+        except (ValueError, TypeError):
+            pass
+        self._q.release()
+        self._ctrl = self._slots = None  # drop views so the mapping can close
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with it
+        self._map = None
