@@ -339,6 +339,20 @@ class Communicator:
         tr, _ = self._select(OpCode.BARRIER, "cpu", 0, torch.uint8, "barrier")
         tr.barrier(make_meta(OpCode.BARRIER))
 
+    def using(self, transport: str) -> "Communicator":
+        """A view of this communicator that routes every call to ``transport`` ("shm", "mpi", ...).
+
+        Shares this communicator's transports and state; closing the view does nothing. Collective
+        calls on a view and on its parent interleave like calls on one communicator.
+        """
+        if transport != "auto" and transport not in self.transports:
+            raise ValueError(f"transport {transport!r} is not available here (available: {sorted(self.transports)})")
+        view = object.__new__(Communicator)
+        view.__dict__.update(self.__dict__)
+        view._forced = None if transport == "auto" else transport
+        view._is_view = True
+        return view
+
     # ---- groups -------------------------------------------------------------------------------
     def split(self, color: int | None, key: int | None = None) -> "Communicator | None":
         """Sub-communicator of the ranks that pass the same ``color`` (MPI_Comm_split semantics).
@@ -364,7 +378,7 @@ class Communicator:
 
     def close(self) -> None:
         """Release transports and shared memory; peers still waiting on this rank raise at once."""
-        if self._closed:
+        if self._closed or getattr(self, "_is_view", False):
             return
         self._closed = True
         for t in self.transports.values():

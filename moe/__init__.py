@@ -1,0 +1,1 @@
+"""Mixture-of-experts: router, expert-parallel token dispatch/combine, the MoE layer."""
