@@ -5,9 +5,10 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 import weakref
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -20,9 +21,9 @@ from transports.base import (
     OpCode,
     ReduceOp,
     Rendezvous,
+    Signature,
     Transport,
     error_meta,
-    make_meta,
 )
 
 from .selection import Plan, choose_transport
@@ -45,6 +46,14 @@ def _close_all() -> None:
             comm.close()
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
+
+
+class _Entry(NamedTuple):
+    transport: Transport
+    sig: Signature
+    rop: ReduceOp | None
+    out_shape: torch.Size
+    staged: bool  # device tensors copied through host memory (no transport for that device)
 
 
 class Communicator:
@@ -70,6 +79,8 @@ class Communicator:
         self._forced = None if forced == "auto" else forced
         self._closed = False
         self._warned_staging = False
+        self._cache: dict = {}
+        self._barrier_entry = None
         self.transports: dict[str, Transport] = {}
         self._make_transports()
         if self._forced and self._forced not in self.transports:
@@ -108,7 +119,8 @@ class Communicator:
                 f"forced={self._forced})")
 
     # ---- selection ----------------------------------------------------------------------------
-    def _select(self, opcode: OpCode, device: str, nbytes: int, dtype: torch.dtype, name: str) -> tuple[Transport, Plan]:
+    def _select(self, opcode: OpCode, device: str, nbytes: int, dtype: torch.dtype, name: str
+                ) -> tuple[Transport, Plan]:
         if self._closed:
             raise CommunicatorBrokenError("this communicator is closed")
         tname, reason = choose_transport(opcode, device, self.topology.single_node, self.transports, self._forced)
@@ -137,79 +149,127 @@ class Communicator:
         """Tell the peers this rank rejected its input (so they raise too), then raise ``err``."""
         try:
             t, _ = self._select(opcode, device, 0, torch.float32, opcode.name.lower())
-            t.exchange_meta(error_meta())
+            t.exchange_meta(Signature(error_meta()))
         except Exception:  # noqa: BLE001 - the local error is what the caller needs to see
             pass
         raise err
 
-    def _prepare(self, opcode: OpCode, name: str, x: Array, op: str | None = None):
-        try:
-            t, was_numpy, orig = _as_tensor(x)
-        except TypeError as e:
-            self._fail_locally(opcode, "cpu", TypeError(f"{name}: {e}"))
+    def _entry(self, opcode: OpCode, t: torch.Tensor, op, src: int) -> _Entry:
+        """Validated, cached description of a call (transport, signature, output shape)."""
+        shape = t.shape[1:] if opcode == OpCode.ALL_TO_ALL else t.shape
+        key = (opcode, shape, t.dtype, t.device, op, src)
+        ent = self._cache.get(key)
+        if ent is not None:
+            return ent
+        name = opcode.name.lower()
         device = t.device.type
+        me = self.global_ranks[self.rank]
+        rop = None
         try:
             if t.dtype not in DTYPE_CODES:
                 raise TypeError(f"{name}: dtype {t.dtype} is not supported; use one of {_SUPPORTED}")
-            rop = None
-            if op is not None:
+            if opcode in (OpCode.ALL_REDUCE, OpCode.REDUCE_SCATTER):
                 rop = ReduceOp.parse(op)
                 if t.dtype == torch.bool and rop not in (ReduceOp.MAX, ReduceOp.MIN):
                     raise TypeError(f"{name}: op {op!r} is not defined for bool; use 'max' (any) or 'min' (all)")
                 if rop == ReduceOp.AVG and t.dtype not in _FLOATS:
-                    raise TypeError(f"{name}: op 'avg' needs a floating dtype, got {t.dtype}; "
-                                    "use op='sum' and divide")
+                    raise TypeError(f"{name}: op 'avg' needs a floating dtype, got {t.dtype}; use op='sum' and divide")
+            if opcode in (OpCode.REDUCE_SCATTER, OpCode.ALL_TO_ALL) and t.dim() == 0:
+                raise ValueError(f"{name}: x needs at least 1 dim (rows); rank {me} passed a 0-d tensor")
+            if opcode == OpCode.REDUCE_SCATTER and t.shape[0] % self.size:
+                raise ValueError(f"reduce_scatter: x.shape[0] must be divisible by the group size {self.size}; "
+                                 f"rank {me} passed shape {tuple(t.shape)}")
+            if opcode == OpCode.BROADCAST and not (isinstance(src, (int, np.integer)) and 0 <= src < self.size):
+                raise ValueError(f"broadcast: src={src!r} is not a rank of this group of size {self.size}")
         except (TypeError, ValueError) as e:
             self._fail_locally(opcode, device, e)
-        return t, was_numpy, orig, rop
+        nbytes = t.numel() * t.element_size()
+        tr, plan = self._select(opcode, device, nbytes, t.dtype, name)
+        if opcode == OpCode.ALL_GATHER:
+            out_shape = torch.Size((self.size * (t.shape[0] if t.dim() else 1), *t.shape[1:]))
+        elif opcode == OpCode.REDUCE_SCATTER:
+            out_shape = torch.Size((t.shape[0] // self.size, *t.shape[1:]))
+        else:
+            out_shape = t.shape
+        sig = Signature.of(opcode, dtype=t.dtype, shape=t.shape if t.dim() or opcode != OpCode.ALL_GATHER else (1,),
+                           op=rop, root=int(src) if opcode == OpCode.BROADCAST else 0,
+                           compare_first_dim=opcode != OpCode.ALL_TO_ALL)
+        ent = _Entry(tr, sig, rop, out_shape, device not in tr.devices)
+        if len(self._cache) > 512:
+            self._cache.clear()
+        self._cache[key] = ent
+        return ent
 
-    def _finish(self, result: torch.Tensor, out: Array | None, was_numpy: bool, device: torch.device):
-        if result.device != device:
-            result = result.to(device)
-        if out is not None:
-            out_t = out if isinstance(out, torch.Tensor) else torch.from_numpy(out)
-            if out_t.data_ptr() != result.data_ptr():
-                out_t.copy_(result.view(out_t.shape))
-            return out
-        return result.numpy() if was_numpy else result
+    def _input(self, opcode: OpCode, x: Array) -> tuple[torch.Tensor, bool, torch.Tensor]:
+        try:
+            return _as_tensor(x)
+        except TypeError as e:
+            self._fail_locally(opcode, "cpu", TypeError(f"{opcode.name.lower()}: {e}"))
 
-    def _output(self, name: str, opcode: OpCode, device: torch.device, shape, dtype, out, src_t: torch.Tensor):
-        """A contiguous tensor the transport may write to: ``out`` itself when possible."""
-        if out is None:
-            return None
+    def _check_out(self, opcode: OpCode, out: Array, t: torch.Tensor, shape) -> torch.Tensor:
         out_t = out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out))
-        if tuple(out_t.shape) != tuple(shape) or out_t.dtype != dtype:
-            self._fail_locally(opcode, device.type, ValueError(
+        name = opcode.name.lower()
+        if tuple(out_t.shape) != tuple(shape) or out_t.dtype != t.dtype:
+            self._fail_locally(opcode, t.device.type, ValueError(
                 f"{name}: out has shape {tuple(out_t.shape)} and dtype {out_t.dtype}; "
-                f"expected shape {tuple(shape)} and dtype {dtype}"))
-        if out_t.device != device:
-            self._fail_locally(opcode, device.type, ValueError(
-                f"{name}: out is on {out_t.device} but the input is on {device}; put both on one device"))
-        if out_t.is_contiguous() and not _overlaps(out_t, src_t):
-            return out_t
-        return None  # write into a temporary, then copy into out
+                f"expected shape {tuple(shape)} and dtype {t.dtype}"))
+        if out_t.device != t.device:
+            self._fail_locally(opcode, t.device.type, ValueError(
+                f"{name}: out is on {out_t.device} but the input is on {t.device}; put both on one device"))
+        return out_t
 
-    def _staged(self, t: torch.Tensor, transport: Transport) -> torch.Tensor:
-        return t.cpu() if t.device.type not in transport.devices else t
+    def _run(self, opcode: OpCode, x: Array, out: Array | None, op=None, src: int = 0) -> Array:
+        """General path: any input kind, out= of any layout, host staging. Same semantics as the fast paths."""
+        t, was_numpy, orig = self._input(opcode, x)
+        ent = self._entry(opcode, t, op, src)
+        out_t = self._check_out(opcode, out, t, ent.out_shape) if out is not None else None
+        s = t.cpu() if ent.staged else t
+        if t.dim() == 0 and opcode == OpCode.ALL_GATHER:
+            s = s.reshape(1)
+        in_place_ok = opcode in (OpCode.ALL_REDUCE, OpCode.BROADCAST)
+        if out_t is not None and not ent.staged and out_t.is_contiguous() and (
+                not _overlaps(out_t, orig) or (in_place_ok and out_t.data_ptr() == s.data_ptr()
+                                               and out_t.shape == s.shape)):
+            res = out_t
+        else:
+            res = torch.empty(ent.out_shape, dtype=t.dtype, device=s.device)
+        tr = ent.transport
+        if opcode == OpCode.ALL_REDUCE:
+            tr.all_reduce(s, res, ent.rop, ent.sig)
+        elif opcode == OpCode.ALL_GATHER:
+            tr.all_gather(s, res, ent.sig)
+        elif opcode == OpCode.REDUCE_SCATTER:
+            tr.reduce_scatter(s, res, ent.rop, ent.sig)
+        elif opcode == OpCode.BROADCAST:
+            tr.broadcast(s, res, int(src), ent.sig)
+        if res.device != t.device:
+            res = res.to(t.device)
+        if out is not None:
+            if res.data_ptr() != out_t.data_ptr():
+                out_t.copy_(res)
+            return out
+        return res.numpy() if was_numpy else res
 
     # ---- collectives --------------------------------------------------------------------------
     def all_reduce(self, x: Array, op: str = "sum", *, out: Array | None = None) -> Array:
         """Reduce ``x`` over all ranks; every rank gets the result.
 
         x: any shape, any supported dtype (sum/avg/prod need a numeric dtype, avg a floating one;
-        bool only with max/min). Returns a new tensor of x's shape and dtype (or ``out``).
-        16-bit floats accumulate in float32; every rank gets bitwise-identical results.
+        bool only with max/min). Returns a new tensor of x's shape and dtype (or ``out``, which may
+        be x itself). 16-bit floats accumulate in float32; all ranks get bitwise-identical results.
         """
-        opcode = OpCode.ALL_REDUCE
-        t, was_numpy, orig, rop = self._prepare(opcode, "all_reduce", x, op)
-        nbytes = t.numel() * t.element_size()
-        tr, _ = self._select(opcode, t.device.type, nbytes, t.dtype, "all_reduce")
-        dst = self._output("all_reduce", opcode, t.device, t.shape, t.dtype, out, orig)
-        meta = make_meta(opcode, dtype=t.dtype, shape=t.shape, op=rop)
-        src = self._staged(t, tr)
-        res = dst if (dst is not None and dst.device == src.device) else torch.empty_like(src)
-        tr.all_reduce(src, res, rop, meta)
-        return self._finish(res, out, was_numpy, t.device)
+        if type(x) is torch.Tensor and not x.requires_grad and x.is_contiguous():  # hot path: cached call
+            ent = self._cache.get((OpCode.ALL_REDUCE, x.shape, x.dtype, x.device, op, 0))
+            if ent is not None and not ent.staged:
+                if out is None:
+                    res = torch.empty_like(x)
+                elif _direct_out(out, x, ent.out_shape, in_place_ok=True):
+                    res = out
+                else:
+                    return self._run(OpCode.ALL_REDUCE, x, out, op)
+                ent.transport.all_reduce(x, res, ent.rop, ent.sig)
+                return res
+        return self._run(OpCode.ALL_REDUCE, x, out, op)
 
     def all_gather(self, x: Array, *, out: Array | None = None) -> Array:
         """Concatenate every rank's ``x`` along dim 0 in rank order.
@@ -217,19 +277,18 @@ class Communicator:
         x: [n, *rest] (a 0-d x counts as [1]), same shape and dtype on every rank.
         Returns [size * n, *rest].
         """
-        opcode = OpCode.ALL_GATHER
-        t, was_numpy, orig, _ = self._prepare(opcode, "all_gather", x)
-        if t.dim() == 0:
-            t = t.reshape(1)
-        out_shape = (self.size * t.shape[0], *t.shape[1:])
-        tr, _ = self._select(opcode, t.device.type, t.numel() * t.element_size(), t.dtype, "all_gather")
-        dst = self._output("all_gather", opcode, t.device, out_shape, t.dtype, out, orig)
-        meta = make_meta(opcode, dtype=t.dtype, shape=t.shape)
-        src = self._staged(t, tr)
-        res = dst if (dst is not None and dst.device == src.device) else torch.empty(
-            out_shape, dtype=t.dtype, device=src.device)
-        tr.all_gather(src, res, meta)
-        return self._finish(res, out, was_numpy, t.device)
+        if type(x) is torch.Tensor and not x.requires_grad and x.is_contiguous() and x.dim():
+            ent = self._cache.get((OpCode.ALL_GATHER, x.shape, x.dtype, x.device, None, 0))
+            if ent is not None and not ent.staged:
+                if out is None:
+                    res = torch.empty(ent.out_shape, dtype=x.dtype, device=x.device)
+                elif _direct_out(out, x, ent.out_shape, in_place_ok=False):
+                    res = out
+                else:
+                    return self._run(OpCode.ALL_GATHER, x, out)
+                ent.transport.all_gather(x, res, ent.sig)
+                return res
+        return self._run(OpCode.ALL_GATHER, x, out)
 
     def reduce_scatter(self, x: Array, op: str = "sum", *, out: Array | None = None) -> Array:
         """Reduce ``x`` over all ranks and keep this rank's block of dim 0.
@@ -237,38 +296,43 @@ class Communicator:
         x: [size * n, *rest], same on every rank. Returns [n, *rest]: rows
         [rank * n, (rank + 1) * n) of the reduction.
         """
-        opcode = OpCode.REDUCE_SCATTER
-        t, was_numpy, orig, rop = self._prepare(opcode, "reduce_scatter", x, op)
-        if t.dim() == 0 or t.shape[0] % self.size:
-            self._fail_locally(opcode, t.device.type, ValueError(
-                f"reduce_scatter: x.shape[0] must be divisible by the group size {self.size}; "
-                f"rank {self.global_ranks[self.rank]} passed shape {tuple(t.shape)}"))
-        out_shape = (t.shape[0] // self.size, *t.shape[1:])
-        tr, _ = self._select(opcode, t.device.type, t.numel() * t.element_size(), t.dtype, "reduce_scatter")
-        dst = self._output("reduce_scatter", opcode, t.device, out_shape, t.dtype, out, orig)
-        meta = make_meta(opcode, dtype=t.dtype, shape=t.shape, op=rop)
-        src = self._staged(t, tr)
-        res = dst if (dst is not None and dst.device == src.device) else torch.empty(
-            out_shape, dtype=t.dtype, device=src.device)
-        tr.reduce_scatter(src, res, rop, meta)
-        return self._finish(res, out, was_numpy, t.device)
+        if type(x) is torch.Tensor and not x.requires_grad and x.is_contiguous():
+            ent = self._cache.get((OpCode.REDUCE_SCATTER, x.shape, x.dtype, x.device, op, 0))
+            if ent is not None and not ent.staged:
+                if out is None:
+                    res = torch.empty(ent.out_shape, dtype=x.dtype, device=x.device)
+                elif _direct_out(out, x, ent.out_shape, in_place_ok=False):
+                    res = out
+                else:
+                    return self._run(OpCode.REDUCE_SCATTER, x, out, op)
+                ent.transport.reduce_scatter(x, res, ent.rop, ent.sig)
+                return res
+        return self._run(OpCode.REDUCE_SCATTER, x, out, op)
+
+    def broadcast(self, x: Array, src: int = 0, *, out: Array | None = None) -> Array:
+        """Every rank gets rank ``src``'s ``x``.
+
+        x: same shape and dtype on every rank (its values matter only on ``src``). Returns a new
+        tensor (or ``out``, which may be x itself).
+        """
+        return self._run(OpCode.BROADCAST, x, out, None, src)
 
     def all_to_all(self, x: Array, send_counts: Sequence[int] | None = None, *, out: Array | None = None,
                    return_counts: bool = False) -> Array:
         """Exchange rows: ``send_counts[i]`` rows of ``x`` (in rank order) go to rank i.
 
         x: [sum(send_counts), *rest]; rest and dtype agree across ranks, row counts need not.
-        send_counts: [size] ints (None = x.shape[0] split evenly). The receiver needs no prior
-        knowledge: counts are exchanged here. Returns [sum(recv_counts), *rest], rows in source-rank
-        order; with ``return_counts=True`` returns ``(result, recv_counts)`` (recv_counts: [size] int64
-        tensor, or NumPy for NumPy input). ``out=`` must then already have the received row count.
+        send_counts: [size] ints or int tensor (None = x.shape[0] split evenly). The receiver needs
+        no prior knowledge: counts are exchanged here. Returns [sum(recv_counts), *rest], rows in
+        source-rank order; with ``return_counts=True`` returns ``(result, recv_counts)``
+        (recv_counts: [size] int64, a tensor, or NumPy for NumPy input). ``out=`` must have the
+        received row count.
         """
         opcode = OpCode.ALL_TO_ALL
-        t, was_numpy, orig, _ = self._prepare(opcode, "all_to_all", x)
+        t, was_numpy, orig = self._input(opcode, x)
+        ent = self._entry(opcode, t, None, 0)
         me = self.global_ranks[self.rank]
         try:
-            if t.dim() == 0:
-                raise ValueError("all_to_all: x needs at least 1 dim (rows)")
             if send_counts is None:
                 if t.shape[0] % self.size:
                     raise ValueError(f"all_to_all: rank {me} has {t.shape[0]} rows, not divisible by the group "
@@ -276,8 +340,8 @@ class Communicator:
                 counts = np.full(self.size, t.shape[0] // self.size, dtype=np.int64)
             else:
                 if isinstance(send_counts, torch.Tensor):
-                    send_counts = send_counts.cpu().tolist()
-                counts = np.asarray(list(send_counts), dtype=np.int64)
+                    send_counts = send_counts.cpu().numpy()
+                counts = np.asarray(send_counts, dtype=np.int64).reshape(-1)
                 if counts.shape != (self.size,):
                     raise ValueError(f"all_to_all: rank {me} passed {counts.size} send_counts; "
                                      f"need one per rank ({self.size})")
@@ -286,58 +350,46 @@ class Communicator:
                                      f"x.shape[0] = {t.shape[0]}")
         except ValueError as e:
             self._fail_locally(opcode, t.device.type, e)
-        row_numel = int(np.prod(t.shape[1:])) if t.dim() > 1 else 1
-        tr, _ = self._select(opcode, t.device.type, t.numel() * t.element_size(), t.dtype, "all_to_all")
-        meta = make_meta(opcode, dtype=t.dtype, shape=t.shape, compare_first_dim=False, rows=t.shape[0])
-        src = self._staged(t, tr)
         rest = tuple(t.shape[1:])
-        holder: dict[str, Any] = {}
+        row_numel = math.prod(rest)
+        s = t.cpu() if ent.staged else t
+        holder: list[np.ndarray] = []
 
         def alloc(recv_counts: np.ndarray) -> torch.Tensor:
+            holder.append(recv_counts)
             rows = int(recv_counts.sum())
-            holder["counts"] = recv_counts.copy()
-            if out is not None:
-                out_t = out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out))
-                if tuple(out_t.shape) == (rows, *rest) and out_t.dtype == t.dtype and out_t.is_contiguous() \
-                        and out_t.device == src.device and not _overlaps(out_t, orig):
-                    return out_t.reshape(-1)
-            return torch.empty(rows * row_numel, dtype=t.dtype, device=src.device)
+            if out is not None and type(out) is torch.Tensor and out.shape == (rows, *rest) and \
+                    out.dtype == t.dtype and out.is_contiguous() and out.device == s.device and not _overlaps(out, orig):
+                return out.view(-1)
+            return torch.empty(rows * row_numel, dtype=t.dtype, device=s.device)
 
-        flat = tr.all_to_all(src.reshape(-1), counts, row_numel, alloc, meta)
-        rows = int(holder["counts"].sum())
+        flat = ent.transport.all_to_all(s.view(-1), counts, row_numel, alloc, ent.sig)
+        recv_counts = holder[0]
+        rows = int(recv_counts.sum())
+        res = flat.view(rows, *rest)
+        if res.device != t.device:
+            res = res.to(t.device)
         if out is not None:
             out_t = out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out))
-            if tuple(out_t.shape) != (rows, *rest):
-                raise ValueError(f"all_to_all: out has shape {tuple(out_t.shape)} but rank {me} received "
-                                 f"{rows} rows of {rest}")
-        result = self._finish(flat.view(rows, *rest), out, was_numpy, t.device)
+            if tuple(out_t.shape) != (rows, *rest) or out_t.dtype != t.dtype:
+                raise ValueError(f"all_to_all: out has shape {tuple(out_t.shape)} and dtype {out_t.dtype} but rank "
+                                 f"{me} received {rows} rows of {rest} {t.dtype}")
+            if out_t.data_ptr() != res.data_ptr():
+                out_t.copy_(res)
+            result = out
+        else:
+            result = res.numpy() if was_numpy else res
         if return_counts:
-            rc = holder["counts"]
-            return result, (rc if was_numpy else torch.from_numpy(rc))
+            return result, (recv_counts if was_numpy else torch.from_numpy(recv_counts))
         return result
-
-    def broadcast(self, x: Array, src: int = 0, *, out: Array | None = None) -> Array:
-        """Every rank gets rank ``src``'s ``x``.
-
-        x: same shape and dtype on every rank (its values matter only on ``src``). Returns a new tensor.
-        """
-        opcode = OpCode.BROADCAST
-        t, was_numpy, orig, _ = self._prepare(opcode, "broadcast", x)
-        if not (isinstance(src, (int, np.integer)) and 0 <= src < self.size):
-            self._fail_locally(opcode, t.device.type, ValueError(
-                f"broadcast: src={src!r} is not a rank of this group of size {self.size}"))
-        tr, _ = self._select(opcode, t.device.type, t.numel() * t.element_size(), t.dtype, "broadcast")
-        dst = self._output("broadcast", opcode, t.device, t.shape, t.dtype, out, orig)
-        meta = make_meta(opcode, dtype=t.dtype, shape=t.shape, root=int(src))
-        s = self._staged(t, tr)
-        res = dst if (dst is not None and dst.device == s.device) else torch.empty_like(s)
-        tr.broadcast(s, res, int(src), meta)
-        return self._finish(res, out, was_numpy, t.device)
 
     def barrier(self) -> None:
         """Return once every rank of the group has called barrier (bounded by the timeout)."""
-        tr, _ = self._select(OpCode.BARRIER, "cpu", 0, torch.uint8, "barrier")
-        tr.barrier(make_meta(OpCode.BARRIER))
+        ent = self._barrier_entry
+        if ent is None or self._closed:
+            tr, _ = self._select(OpCode.BARRIER, "cpu", 0, torch.uint8, "barrier")
+            ent = self._barrier_entry = (tr, Signature.of(OpCode.BARRIER))
+        ent[0].barrier(ent[1])
 
     def using(self, transport: str) -> "Communicator":
         """A view of this communicator that routes every call to ``transport`` ("shm", "mpi", ...).
@@ -351,6 +403,8 @@ class Communicator:
         view.__dict__.update(self.__dict__)
         view._forced = None if transport == "auto" else transport
         view._is_view = True
+        view._cache = {}
+        view._barrier_entry = None
         return view
 
     # ---- groups -------------------------------------------------------------------------------
@@ -405,7 +459,7 @@ _OPCODE_BY_NAME = {"all_reduce": OpCode.ALL_REDUCE, "all_gather": OpCode.ALL_GAT
 def _as_tensor(x: Array) -> tuple[torch.Tensor, bool, torch.Tensor]:
     """(contiguous tensor, input was NumPy, tensor view of the original input)."""
     if isinstance(x, torch.Tensor):
-        orig = x
+        orig = x.detach() if x.requires_grad else x  # collectives are not differentiable themselves
         was_numpy = False
     elif isinstance(x, np.ndarray):
         was_numpy = True
@@ -420,9 +474,25 @@ def _as_tensor(x: Array) -> tuple[torch.Tensor, bool, torch.Tensor]:
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two tensors (from first to last element) intersect."""
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + a.untyped_storage().nbytes()
-    b1 = b0 + b.untyped_storage().nbytes()
+    a1 = a0 + _span(a)
+    b1 = b0 + _span(b)
     return a0 < b1 and b0 < a1
+
+
+def _span(t: torch.Tensor) -> int:
+    return (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _direct_out(out, x: torch.Tensor, shape, *, in_place_ok: bool) -> bool:
+    """Whether the transport can write straight into ``out`` (hot-path check, no validation errors)."""
+    if type(out) is not torch.Tensor or out.shape != shape or out.dtype != x.dtype or out.device != x.device \
+            or not out.is_contiguous():
+        return False
+    if in_place_ok and out.data_ptr() == x.data_ptr():
+        return True
+    o0, x0 = out.data_ptr(), x.data_ptr()
+    return o0 + out.nbytes <= x0 or x0 + x.nbytes <= o0

@@ -38,9 +38,9 @@ def np_storage_dtype(dtype: torch.dtype) -> np.dtype:
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """Zero-copy flat NumPy view of a contiguous CPU tensor (bfloat16 as uint16 bits)."""
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.reshape(-1).numpy().view(_NP_STORAGE[t.dtype] if t.dtype != torch.int16 else np.uint16)
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().reshape(-1).view(np.uint16)
+    return t.numpy().reshape(-1)  # NumPy's reshape is several times cheaper than torch's
 
 
 def reduce_into(dst: np.ndarray, srcs: Sequence[np.ndarray], op: ReduceOp, dtype: torch.dtype,

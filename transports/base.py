@@ -2,8 +2,8 @@
 
 A transport moves the data of one collective between the ranks of one group. It
 receives contiguous torch tensors (CPU for the host transports, CUDA for the GPU
-ones) that the communicator has already checked locally, plus a small int64
-*call signature* (``meta``) that describes the call. Before a transport touches
+ones) that the communicator has already checked locally, plus a :class:`Signature`
+(a small int64 vector and its digest) that describes the call. Before a transport touches
 any peer's data it must exchange the signatures of all ranks and call
 :func:`check_agreement`, so that a call whose shape, dtype or op differs across
 ranks raises ``ValueError`` on every rank instead of hanging or corrupting data.
@@ -121,6 +121,32 @@ def error_meta() -> np.ndarray:
     meta = np.zeros(META_LEN, dtype=np.int64)
     meta[F_OPCODE] = int(OpCode.LOCAL_ERROR)
     return meta
+
+
+class Signature:
+    """A call signature prepared once and reused by every call with the same arguments.
+
+    ``meta``: the [META_LEN] int64 vector; ``value``: a 63-bit digest of the fields that must
+    agree, so a transport can compare one word per peer on the fast path and fall back to the
+    full :func:`check_agreement` only when a digest differs; ``words``: ``meta`` as a 'q'
+    memoryview for cheap copies into shared memory.
+    """
+
+    __slots__ = ("meta", "value", "words")
+
+    def __init__(self, meta: np.ndarray):
+        self.meta = np.ascontiguousarray(meta, dtype=np.int64)
+        self.value = hash(self.meta[:F_ROWS].tobytes()) & 0x7FFF_FFFF_FFFF_FFFF
+        self.words = memoryview(self.meta).cast("B").cast("q")
+
+    @classmethod
+    def of(cls, opcode: OpCode, **kw) -> "Signature":
+        return cls(make_meta(opcode, **kw))
+
+    def with_rows(self, rows: int) -> "Signature":
+        meta = self.meta.copy()
+        meta[F_ROWS] = rows
+        return Signature(meta)
 
 
 def _describe(meta: np.ndarray, field_idx: int) -> str:
@@ -242,24 +268,24 @@ class Transport(abc.ABC):
 
     # ---- collectives --------------------------------------------------------------------
     @abc.abstractmethod
-    def exchange_meta(self, meta: np.ndarray) -> np.ndarray:
+    def exchange_meta(self, sig: Signature) -> np.ndarray:
         """Barrier that also gathers every rank's call signature: -> [size, META_LEN] int64."""
 
     @abc.abstractmethod
-    def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, meta: np.ndarray) -> None:
+    def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         """out = reduction over ranks of send (same shape)."""
 
     @abc.abstractmethod
-    def all_gather(self, send: torch.Tensor, out: torch.Tensor, meta: np.ndarray) -> None:
+    def all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature) -> None:
         """out ([size * n] flat) = concatenation of every rank's send ([n] flat) in rank order."""
 
     @abc.abstractmethod
-    def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, meta: np.ndarray) -> None:
+    def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         """out ([n] flat) = this rank's block of the reduction of send ([size * n] flat)."""
 
     @abc.abstractmethod
     def all_to_all(
-        self, send: torch.Tensor, send_counts: np.ndarray, row_numel: int, alloc: Allocator, meta: np.ndarray
+        self, send: torch.Tensor, send_counts: np.ndarray, row_numel: int, alloc: Allocator, sig: Signature
     ) -> torch.Tensor:
         """Uneven all-to-all of rows.
 
@@ -270,11 +296,11 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, meta: np.ndarray) -> None:
+    def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, sig: Signature) -> None:
         """out = send of rank ``src`` (every rank passes tensors of the same shape)."""
 
-    def barrier(self, meta: np.ndarray) -> None:
-        self.exchange_meta(meta)
+    def barrier(self, sig: Signature) -> None:
+        check_agreement(self.exchange_meta(sig), self.group.global_ranks)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass

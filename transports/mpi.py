@@ -24,6 +24,7 @@ from .base import (
     GroupInfo,
     OpCode,
     ReduceOp,
+    Signature,
     Transport,
     check_agreement,
 )
@@ -96,8 +97,9 @@ class MPITransport(Transport):
             raise CommunicatorBrokenError(
                 f"mpi communicator is unusable after an earlier failure ({self._broken}); create a new one")
 
-    def exchange_meta(self, meta: np.ndarray) -> np.ndarray:
+    def exchange_meta(self, sig: Signature) -> np.ndarray:
         self._check_usable()
+        meta = sig.meta
         n, me = self.size, self.rank
         recv = self._meta_recv
         recv[me] = meta
@@ -116,19 +118,19 @@ class MPITransport(Transport):
         self._wait(rreqs + sreqs, "signature exchange", missing)
         return recv.copy()
 
-    def barrier(self, meta: np.ndarray) -> None:
-        check_agreement(self.exchange_meta(meta), self._ranks)
+    def barrier(self, sig: Signature) -> None:
+        check_agreement(self.exchange_meta(sig), self._ranks)
 
-    def _agree(self, meta: np.ndarray) -> None:
-        check_agreement(self.exchange_meta(meta), self._ranks)
+    def _agree(self, sig: Signature) -> None:
+        check_agreement(self.exchange_meta(sig), self._ranks)
 
     # ---- collectives ----------------------------------------------------------------------
-    def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, meta: np.ndarray) -> None:
-        self._agree(meta)
+    def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
+        self._agree(sig)
         self._reduce(send, out, op, lambda s, r, mop: self.comm.Iallreduce(s, r, op=mop), "all_reduce")
 
-    def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, meta: np.ndarray) -> None:
-        self._agree(meta)
+    def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
+        self._agree(sig)
         self._reduce(send, out, op, lambda s, r, mop: self.comm.Ireduce_scatter_block(s, r, op=mop),
                      "reduce_scatter")
 
@@ -150,25 +152,26 @@ class MPITransport(Transport):
         if dtype == torch.bool:
             mop = {ReduceOp.MAX: MPI.LOR, ReduceOp.MIN: MPI.LAND}[op]
         y = as_numpy(out)
-        self._wait([post([as_numpy(send), mtype], [y, mtype], mop)], what)
+        x = self.MPI.IN_PLACE if send.data_ptr() == out.data_ptr() else [as_numpy(send), mtype]
+        self._wait([post(x, [y, mtype], mop)], what)
         if op == ReduceOp.AVG:
             reduce_into(y, [y], op, dtype, self.size)
 
-    def all_gather(self, send: torch.Tensor, out: torch.Tensor, meta: np.ndarray) -> None:
-        self._agree(meta)
+    def all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature) -> None:
+        self._agree(sig)
         B = self.MPI.BYTE
         self._wait([self.comm.Iallgather([as_numpy(send).view(np.uint8), B], [as_numpy(out).view(np.uint8), B])],
                    "all_gather")
 
-    def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, meta: np.ndarray) -> None:
-        self._agree(meta)
+    def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, sig: Signature) -> None:
+        self._agree(sig)
         if self.rank == src:
             out.copy_(send)
         self._wait([self.comm.Ibcast([as_numpy(out).view(np.uint8), self.MPI.BYTE], root=src)], "broadcast")
 
     def all_to_all(self, send: torch.Tensor, send_counts: np.ndarray, row_numel: int, alloc: Allocator,
-                   meta: np.ndarray) -> torch.Tensor:
-        self._agree(meta)
+                   sig: Signature) -> torch.Tensor:
+        self._agree(sig)
         recv_counts = np.zeros(self.size, dtype=np.int64)
         self._wait([self.comm.Ialltoall(np.ascontiguousarray(send_counts, dtype=np.int64), recv_counts)],
                    "all_to_all count exchange")

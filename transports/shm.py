@@ -41,10 +41,12 @@ from .base import (
     META_LEN,
     Allocator,
     CollectiveTimeoutError,
+    CommunicatorBrokenError,
     GroupInfo,
     OpCode,
     PeerFailedError,
     ReduceOp,
+    Signature,
     Transport,
     check_agreement,
 )
@@ -56,7 +58,8 @@ SEGMENT_PREFIX = "moecomm"
 
 # Control block layout (int64 words).
 _EPOCH, _STATE = 0, 1
-_META0 = 2  # two parities of META_LEN words
+_SIG0 = 2  # two parities of the signature digest
+_META0 = 4  # two parities of META_LEN words, then two parities of `size` all-to-all counts
 _STATE_OK, _STATE_ABORTED, _STATE_CLOSED = 0, 1, 2
 
 # Default per-slot size; each rank has two slots. Messages larger than a slot go in rounds.
@@ -150,6 +153,7 @@ class SharedMemoryTransport(Transport):
         self._pids = list(group.pids)
         self._ranks = list(group.global_ranks)
         self._ctrl_words = _align(_META0 + 2 * META_LEN + 2 * n, 16)  # 128-byte aligned blocks
+        self._counts0 = _META0 + 2 * META_LEN
         ctrl_bytes = _align(n * self._ctrl_words * 8, 4096)
         total = ctrl_bytes + n * 2 * self.slot_bytes
         self._map, self.segment_name = self._create_and_map(total)
@@ -160,15 +164,21 @@ class SharedMemoryTransport(Transport):
                            offset=ctrl_bytes + (r * 2 + b) * self.slot_bytes) for r in range(n)]
             for b in range(2)
         ]
+        self._bases = [r * self._ctrl_words for r in range(n)]
+        self._my_base = self._bases[self.rank]
+        self._peers = [r for r in range(n) if r != self.rank]
+        self._peer_bases = [self._bases[r] for r in self._peers]
+        self._view_cache: dict = {}
         self._epoch = 0
         self._use = 0
         self._broken: str | None = None
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         oversubscribed = n > cpus
-        # Spin long only when every rank has a core; otherwise yield early so peers can run.
-        self._spin_iters = 64 if oversubscribed else 20000
+        # Spin (~100 ns a turn) only briefly: a peer that is not running now will not arrive soon, and
+        # with more ranks than cores the spinning would steal its core. Then yield, then sleep.
+        self._spin_iters = 16 if oversubscribed else 400
         self._yield_iters = 2000
-        self._one_shot_max = ONE_SHOT_MAX_BYTES.get(n, ONE_SHOT_MAX_BYTES_DEFAULT)
+        self._one_shot_limit = min(ONE_SHOT_MAX_BYTES.get(n, ONE_SHOT_MAX_BYTES_DEFAULT), self.slot_bytes)
         log.debug("shm transport up: segment %s, %d ranks, slot %d B, oversubscribed=%s",
                   self.segment_name, n, self.slot_bytes, oversubscribed)
 
@@ -223,75 +233,86 @@ class SharedMemoryTransport(Transport):
     # ---- synchronisation ------------------------------------------------------------------
     def _begin_round(self) -> int:
         """Slot index for the next round (see module docstring for why alternation is safe)."""
-        self._check_usable()
+        if self._broken:
+            self._raise_broken()
         b = self._use & 1
         self._use += 1
         return b
 
-    def _check_usable(self) -> None:
-        if self._broken:
-            from .base import CommunicatorBrokenError
+    def _raise_broken(self):
+        raise CommunicatorBrokenError(
+            f"shm communicator is unusable after an earlier failure ({self._broken}); create a new one")
 
-            raise CommunicatorBrokenError(
-                f"shm communicator is unusable after an earlier failure ({self._broken}); create a new one")
+    def _sync(self, sig: Signature | None = None, counts: np.ndarray | None = None, check: bool = True) -> None:
+        """Publish our arrival (with the call signature on a call's first sync) and wait for every peer.
 
-    def _sync(self, meta: np.ndarray | None = None, counts: np.ndarray | None = None) -> None:
+        With ``sig``, afterwards compares the peers' signature digests with ours (one word each) and
+        raises the detailed ``ValueError`` of :func:`check_agreement` on any difference.
+        """
         e = self._epoch + 1
         self._epoch = e
-        me = self.rank
-        if meta is not None:
-            base = _META0 + (e & 1) * META_LEN
-            self._ctrl[me, base : base + META_LEN] = meta
+        q = self._q
+        mine = self._my_base
+        par = e & 1
+        if sig is not None:
+            m0 = mine + _META0 + par * META_LEN
+            q[m0 : m0 + META_LEN] = sig.words
+            q[mine + _SIG0 + par] = sig.value
         if counts is not None:
-            base = _META0 + 2 * META_LEN + (e & 1) * self.size
-            self._ctrl[me, base : base + self.size] = counts
+            c0 = mine + self._counts0 + par * self.size
+            self._ctrl.reshape(-1)[c0 : c0 + self.size] = counts
         _fence()
-        q, stride = self._q, self._ctrl_words
-        q[me * stride + _EPOCH] = e
-        pending = [r for r in range(self.size) if r != me and q[r * stride] < e]
-        if pending:
-            self._wait(pending, e)
+        q[mine] = e
+        for base in self._peer_bases:
+            if q[base] < e:
+                self._wait(e)
+                break
         _fence()
+        if sig is not None and check:
+            so = _SIG0 + par
+            v = sig.value
+            for base in self._peer_bases:
+                if q[base + so] != v:
+                    check_agreement(self._metas(), self._ranks)
 
-    def _wait(self, pending: list[int], e: int) -> None:
-        q, stride = self._q, self._ctrl_words
+    def _wait(self, e: int) -> None:
+        q = self._q
+        pending = [r for r in self._peers if q[self._bases[r]] < e]
         i = 0
         spin_end = self._spin_iters
         yield_end = spin_end + self._yield_iters
         deadline = None
         next_check = 0.0
         sleep = 20e-6
-        while True:
-            pending = [r for r in pending if q[r * stride] < e]
-            if not pending:
-                return
-            i += 1
+        while pending:
             if i < spin_end:
-                continue
-            if i < yield_end:
+                i += 1
+            elif i < yield_end:
+                i += 1
                 os.sched_yield()
-                continue
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + self.timeout
-            if now >= next_check:
-                self._check_peers(pending)
-                next_check = now + 0.05
-            if now >= deadline:
-                missing = [self._ranks[r] for r in pending]
-                self._abort(f"timed out after {self.timeout:.1f}s waiting for rank(s) {missing}")
-                raise CollectiveTimeoutError(
-                    f"shm collective timed out after {self.timeout:.1f}s on rank {self._ranks[self.rank]}: "
-                    f"rank(s) {missing} never arrived (stuck, deadlocked, or calling a different collective)",
-                    missing,
-                )
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 1e-3)
+            else:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.timeout
+                if now >= next_check:
+                    self._check_peers(pending)
+                    next_check = now + 0.05
+                if now >= deadline:
+                    missing = [self._ranks[r] for r in pending]
+                    self._abort(f"timed out after {self.timeout:.1f}s waiting for rank(s) {missing}")
+                    raise CollectiveTimeoutError(
+                        f"shm collective timed out after {self.timeout:.1f}s on rank {self._ranks[self.rank]}: "
+                        f"rank(s) {missing} never arrived (stuck, deadlocked, or calling a different collective)",
+                        missing,
+                    )
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 1e-3)
+            pending = [r for r in pending if q[self._bases[r]] < e]
 
     def _check_peers(self, pending: list[int]) -> None:
-        q, stride = self._q, self._ctrl_words
+        q = self._q
         for r in pending:
-            state = q[r * stride + _STATE]
+            state = q[self._bases[r] + _STATE]
             if state == _STATE_ABORTED or state == _STATE_CLOSED:
                 why = "aborted after a failure" if state == _STATE_ABORTED else "closed its communicator"
                 self._abort(f"rank {self._ranks[r]} {why}")
@@ -305,62 +326,62 @@ class SharedMemoryTransport(Transport):
 
     def _abort(self, why: str) -> None:
         self._broken = why
-        self._q[self.rank * self._ctrl_words + _STATE] = _STATE_ABORTED
+        self._q[self._my_base + _STATE] = _STATE_ABORTED
 
     def _metas(self) -> np.ndarray:
         base = _META0 + (self._epoch & 1) * META_LEN
         return self._ctrl[:, base : base + META_LEN].copy()
 
-    def _checked_sync(self, meta: np.ndarray, counts: np.ndarray | None = None) -> None:
-        self._sync(meta, counts)
-        check_agreement(self._metas(), self._ranks)
+    def _views(self, b: int, nbytes: int, st: np.dtype) -> list[np.ndarray]:
+        """Typed views of the first ``nbytes`` of every rank's slot ``b`` (cached: the hot path)."""
+        key = (b, nbytes, st)
+        v = self._view_cache.get(key)
+        if v is None:
+            if len(self._view_cache) > 256:
+                self._view_cache.clear()
+            v = self._view_cache[key] = [s[:nbytes].view(st) for s in self._slots[b]]
+        return v
 
     # ---- capabilities ---------------------------------------------------------------------
     def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
         if opcode == OpCode.ALL_REDUCE:
-            return "one_shot" if self._is_one_shot(nbytes) else "two_shot"
+            return "one_shot" if nbytes <= self._one_shot_limit else "two_shot"
         return {OpCode.ALL_GATHER: "pull", OpCode.REDUCE_SCATTER: "pull_reduce", OpCode.ALL_TO_ALL: "pull",
                 OpCode.BROADCAST: "pull", OpCode.BARRIER: "flags"}.get(opcode, "flags")
 
-    def _is_one_shot(self, nbytes: int) -> bool:
-        return self.size <= 1 or nbytes <= min(self._one_shot_max, self.slot_bytes)
-
     # ---- collectives ----------------------------------------------------------------------
-    def exchange_meta(self, meta: np.ndarray) -> np.ndarray:
+    def exchange_meta(self, sig: Signature) -> np.ndarray:
         self._begin_round()
-        self._sync(meta)
+        self._sync(sig, check=False)
         return self._metas()
 
-    def barrier(self, meta: np.ndarray) -> None:
+    def barrier(self, sig: Signature) -> None:
         self._begin_round()
-        self._checked_sync(meta)
+        self._sync(sig)
 
-    def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, meta: np.ndarray) -> None:
+    def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
+        dtype = send.dtype
         x, y = as_numpy(send), as_numpy(out)
-        n, me, dtype = self.size, self.rank, send.dtype
-        st = np_storage_dtype(dtype)
-        if self._is_one_shot(x.nbytes):
-            b = self._begin_round()
-            np.copyto(self._slots[b][me][: x.nbytes].view(st), x)
-            self._checked_sync(meta)
-            reduce_into(y, [self._slots[b][r][: x.nbytes].view(st) for r in range(n)], op, dtype, n)
+        nbytes = x.nbytes
+        if nbytes <= self._one_shot_limit:
+            views = self._views(self._begin_round(), nbytes, x.dtype)
+            np.copyto(views[self.rank], x)
+            self._sync(sig)
+            reduce_into(y, views, op, dtype, self.size)
             return
         # two-shot: per round, reduce-scatter of the window through the slots, then all-gather.
+        n, me = self.size, self.rank
         item = x.itemsize
         window = self.slot_bytes // item // (n * 16) * (n * 16)  # elements; parts stay 64B-aligned
         total = x.size
-        first = True
+        first = sig
         for lo in range(0, total, window):
             hi = min(lo + window, total)
             cnt = hi - lo
-            b = self._begin_round()
-            slots = [s[: cnt * item].view(st) for s in self._slots[b]]
+            slots = self._views(self._begin_round(), cnt * item, x.dtype)
             np.copyto(slots[me], x[lo:hi])
-            if first:
-                self._checked_sync(meta)
-                first = False
-            else:
-                self._sync()
+            self._sync(first)
+            first = None
             bounds = self._parts(cnt)
             p0, p1 = bounds[me], bounds[me + 1]
             mine = y[lo + p0 : lo + p1]
@@ -376,78 +397,74 @@ class SharedMemoryTransport(Transport):
         per = _align(math.ceil(cnt / n), 16) if cnt else 0
         return [min(cnt, i * per) for i in range(n)] + [cnt]
 
-    def all_gather(self, send: torch.Tensor, out: torch.Tensor, meta: np.ndarray) -> None:
+    def all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature) -> None:
         x = as_numpy(send).view(np.uint8)
         y = as_numpy(out).view(np.uint8)
-        nbytes, S = x.nbytes, self.slot_bytes
-        for i, lo in enumerate(range(0, max(nbytes, 1), S)):
+        nbytes, S, me = x.nbytes, self.slot_bytes, self.rank
+        first = sig
+        for lo in range(0, max(nbytes, 1), S):
             hi = min(lo + S, nbytes)
-            b = self._begin_round()
-            np.copyto(self._slots[b][self.rank][: hi - lo], x[lo:hi])
-            if i == 0:
-                self._checked_sync(meta)
-            else:
-                self._sync()
+            slots = self._views(self._begin_round(), hi - lo, np.dtype(np.uint8))
+            np.copyto(slots[me], x[lo:hi])
+            self._sync(first)
+            first = None
             for r in range(self.size):
-                if r == self.rank:
-                    np.copyto(y[r * nbytes + lo : r * nbytes + hi], x[lo:hi])
-                else:
-                    np.copyto(y[r * nbytes + lo : r * nbytes + hi], self._slots[b][r][: hi - lo])
+                np.copyto(y[r * nbytes + lo : r * nbytes + hi], x[lo:hi] if r == me else slots[r])
 
-    def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, meta: np.ndarray) -> None:
+    def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         x, y = as_numpy(send), as_numpy(out)
         n, me, dtype = self.size, self.rank, send.dtype
-        st = np_storage_dtype(dtype)
         m = y.size
         window = max(1, self.slot_bytes // x.itemsize // n)
-        for i, lo in enumerate(range(0, max(m, 1), window)):
+        first = sig
+        for lo in range(0, max(m, 1), window):
             hi = min(lo + window, m)
             w = hi - lo
-            b = self._begin_round()
-            slots = [s[: n * w * x.itemsize].view(st) for s in self._slots[b]]
+            slots = self._views(self._begin_round(), n * w * x.itemsize, x.dtype)
             if w:
                 np.copyto(slots[me].reshape(n, w), x.reshape(n, m)[:, lo:hi])
-            if i == 0:
-                self._checked_sync(meta)
-            else:
-                self._sync()
+            self._sync(first)
+            first = None
             reduce_into(y[lo:hi], [s[me * w : (me + 1) * w] for s in slots], op, dtype, n)
 
-    def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, meta: np.ndarray) -> None:
+    def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, sig: Signature) -> None:
         x = as_numpy(send).view(np.uint8)
         y = as_numpy(out).view(np.uint8)
         nbytes, S = x.nbytes, self.slot_bytes
         root = self.rank == src
-        for i, lo in enumerate(range(0, max(nbytes, 1), S)):
+        first = sig
+        for lo in range(0, max(nbytes, 1), S):
             hi = min(lo + S, nbytes)
-            b = self._begin_round()
+            slots = self._views(self._begin_round(), hi - lo, np.dtype(np.uint8))
             if root:
-                np.copyto(self._slots[b][src][: hi - lo], x[lo:hi])
-            if i == 0:
-                self._checked_sync(meta)
+                np.copyto(slots[src], x[lo:hi])
+            self._sync(first)
+            first = None
+            if root:
+                if y.ctypes.data != x.ctypes.data:
+                    np.copyto(y[lo:hi], x[lo:hi])
             else:
-                self._sync()
-            np.copyto(y[lo:hi], x[lo:hi] if root else self._slots[b][src][: hi - lo])
+                np.copyto(y[lo:hi], slots[src])
 
     def all_to_all(self, send: torch.Tensor, send_counts: np.ndarray, row_numel: int, alloc: Allocator,
-                   meta: np.ndarray) -> torch.Tensor:
+                   sig: Signature) -> torch.Tensor:
         n, me, S = self.size, self.rank, self.slot_bytes
         x = as_numpy(send).view(np.uint8)
         row_bytes = row_numel * send.element_size()
         b = self._begin_round()
         np.copyto(self._slots[b][me][: min(S, x.nbytes)], x[:S])
-        self._checked_sync(meta, send_counts)
-        base = _META0 + 2 * META_LEN + (self._epoch & 1) * n
-        counts = self._ctrl[:, base : base + n].copy()  # counts[src, dst] rows
+        self._sync(sig, send_counts)
+        c0 = self._counts0 + (self._epoch & 1) * n
+        counts = self._ctrl[:, c0 : c0 + n].copy()  # counts[src, dst] rows
         recv_counts = counts[:, me].copy()
         out = alloc(recv_counts)
         y = as_numpy(out).view(np.uint8)
         send_bytes = counts.sum(axis=1) * row_bytes
         # byte offset of the block for `me` inside each source's send buffer, and in our output
-        src_off = counts[:, :me].sum(axis=1) * row_bytes
-        blk_len = recv_counts * row_bytes
-        dst_off = np.concatenate([[0], np.cumsum(blk_len)[:-1]])
-        rounds = max(1, math.ceil(int(send_bytes.max()) / S)) if n else 1
+        src_off = (counts[:, :me].sum(axis=1) * row_bytes).tolist()
+        blk_len = (recv_counts * row_bytes).tolist()
+        dst_off = np.concatenate([[0], np.cumsum(blk_len)[:-1]]).astype(np.int64).tolist()
+        rounds = max(1, math.ceil(int(send_bytes.max()) / S))
         for j in range(rounds):
             w_lo = j * S
             if j > 0:
@@ -456,11 +473,11 @@ class SharedMemoryTransport(Transport):
                 np.copyto(self._slots[b][me][: chunk.nbytes], chunk)
                 self._sync()
             for r in range(n):
-                lo = max(int(src_off[r]), w_lo)
-                hi = min(int(src_off[r] + blk_len[r]), w_lo + S)
+                lo = max(src_off[r], w_lo)
+                hi = min(src_off[r] + blk_len[r], w_lo + S)
                 if hi <= lo:
                     continue
-                d = int(dst_off[r]) + lo - int(src_off[r])
+                d = dst_off[r] + lo - src_off[r]
                 src = x[lo:hi] if r == me else self._slots[b][r][lo - w_lo : hi - w_lo]
                 np.copyto(y[d : d + hi - lo], src)
         return out
@@ -471,11 +488,12 @@ class SharedMemoryTransport(Transport):
             return
         try:
             if not self._broken:
-                self._q[self.rank * self._ctrl_words + _STATE] = _STATE_CLOSED
+                self._q[self._my_base + _STATE] = _STATE_CLOSED
         except (ValueError, TypeError):
             pass
         self._q.release()
         self._ctrl = self._slots = None  # drop views so the mapping can close
+        self._view_cache.clear()
         try:
             self._map.close()
         except BufferError:

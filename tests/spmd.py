@@ -1,0 +1,92 @@
+"""Run a test body on N ranks: spawned by collectives.launch, or the ranks of `mpiexec -n N python -m pytest`.
+
+Bodies are module-level functions ``body(comm, *args)`` that assert on every rank. Under
+mpiexec each pytest process is one rank: ``run`` calls the body on the world communicator
+routed to the requested transport, and skips cases whose rank count differs from the job's.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import collectives
+
+UNDER_MPI = collectives.detect_launch() == "mpi"
+_world = None
+
+
+def world():
+    global _world
+    if _world is None:
+        _world = collectives.init(timeout=60.0)
+    return _world
+
+
+def transports_under_test() -> list[str]:
+    """shm always; mpi too when pytest itself runs under mpiexec."""
+    return ["mpi", "shm"] if UNDER_MPI else ["shm"]
+
+
+def run(body, nprocs: int, *args, transport: str = "shm", timeout: float = 60.0, **kwargs):
+    if UNDER_MPI:
+        comm = world()
+        if comm.size != nprocs:
+            pytest.skip(f"needs {nprocs} ranks; this mpiexec job has {comm.size}")
+        return [body(comm.using(transport), *args, **kwargs)]
+    if transport == "mpi":
+        pytest.skip("the mpi transport is tested under mpiexec (tests/test_mpi_launch.py)")
+    return collectives.launch(body, nprocs, *args, transport=transport, timeout=timeout, **kwargs)
+
+
+def shm_segments() -> set[str]:
+    return {os.path.basename(p) for p in glob.glob(f"/dev/shm/moecomm-{os.getuid()}-*")}
+
+
+def rank_input(kind: str, rank: int, shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Deterministic random input any rank can regenerate for any other rank (never all-zeros/ones)."""
+    # crc32, not hash(): str hashes differ between processes
+    g = torch.Generator().manual_seed(zlib.crc32(repr((kind, rank, tuple(shape), str(dtype), seed)).encode()))
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) < 0.5
+    if dtype.is_floating_point:
+        return (torch.rand(shape, generator=g, dtype=torch.float64) * 4 - 2).to(dtype)
+    lo, hi = (0, 256) if dtype == torch.uint8 else (-1000, 1000)
+    return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def reference_reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """NumPy reference in rank order: float64 for floats, wrapping arithmetic of the dtype for ints."""
+    dtype = xs[0].dtype
+    if dtype.is_floating_point:
+        arrs = [x.double().numpy() for x in xs]
+    else:
+        arrs = [x.numpy() for x in xs]
+    ufunc = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
+    acc = arrs[0].copy()
+    for a in arrs[1:]:
+        acc = ufunc(acc, a)
+    if op == "avg":
+        acc = acc / len(xs)
+    return torch.from_numpy(np.asarray(acc))
+
+
+def assert_reduced(result: torch.Tensor, xs: list[torch.Tensor], op: str, what: str) -> None:
+    ref = reference_reduce(xs, op)
+    dtype = xs[0].dtype
+    assert result.dtype == dtype and tuple(result.shape) == tuple(xs[0].shape), what
+    if not dtype.is_floating_point or op in ("max", "min"):
+        assert torch.equal(result, ref.to(dtype)), f"{what}: mismatch"
+        return
+    # float32 accumulation (16-bit types) or the dtype's own (f32/f64), then one rounding to the dtype
+    eps = {torch.float64: 2.2e-16, torch.float32: 1.2e-7, torch.float16: 9.8e-4, torch.bfloat16: 7.9e-3}[dtype]
+    acc_eps = 2.2e-16 if dtype == torch.float64 else 1.2e-7
+    mag = sum(x.double().abs() for x in xs) if op != "prod" else ref.abs() * len(xs)
+    tol = eps * ref.abs() + acc_eps * len(xs) * mag + 1e-300
+    err = (result.double() - ref).abs()
+    assert (err <= tol * 1.01).all(), f"{what}: max error {err.max().item():.3g}"

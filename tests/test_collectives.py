@@ -1,0 +1,317 @@
+"""Every collective x transport x dtype x op against a NumPy reference, on 2, 3 and 4 ranks."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from spmd import assert_reduced, rank_input, run, transports_under_test
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
+          torch.bool]
+# 0, 1, odd, not divisible by 3 or 4, past the one-shot limit, several slot rounds with a small slot
+SIZES = [0, 1, 7, 1001, 70_001]
+SMALL_SLOT = 64 << 10
+
+
+def ops_for(dtype: torch.dtype) -> list[str]:
+    if dtype == torch.bool:
+        return ["max", "min"]
+    if dtype.is_floating_point:
+        return ["sum", "avg", "max", "min", "prod"]
+    return ["sum", "max", "min", "prod"]
+
+
+def _digest(t: torch.Tensor) -> int:
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+
+
+def _small_slot(comm):
+    """A sub-communicator over the same ranks whose shm slots are small, so messages take many rounds."""
+    os.environ["MOECOMM_SHM_SLOT_BYTES"] = str(SMALL_SLOT)
+    try:
+        return comm.split(0)
+    finally:
+        del os.environ["MOECOMM_SHM_SLOT_BYTES"]
+
+
+def _assert_same_on_all_ranks(comm, digests: list[int], what: str) -> None:
+    mine = torch.tensor(digests, dtype=torch.int64)
+    everyone = comm.all_gather(mine.reshape(1, -1))
+    assert (everyone == mine).all(), f"{what}: ranks got different bits"
+
+
+def _body_all_reduce(comm, seed: int, small_slot: bool):
+    c = _small_slot(comm) if small_slot else comm
+    n, r = c.size, c.rank
+    digests = []
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for numel in SIZES:
+                shape = (numel,) if numel < 100 else (numel // 7, 7) if numel % 7 == 0 else (numel,)
+                xs = [rank_input("ar", i, shape, dtype, seed) for i in range(n)]
+                if op == "prod" and dtype.is_floating_point:
+                    xs = [(x.double() * 0.25 + 1).to(dtype) for x in xs]  # keep products finite
+                y = c.all_reduce(xs[r].clone(), op=op)
+                assert_reduced(y, xs, op, f"all_reduce {dtype} {op} {shape} on {n} ranks")
+                digests.append(_digest(y))
+    _assert_same_on_all_ranks(c, digests, "all_reduce")
+    return len(digests)
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_all_reduce(nprocs, transport):
+    cases = run(_body_all_reduce, nprocs, 11, False, transport=transport)
+    assert cases[0] > 100
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+def test_all_reduce_many_rounds(transport):
+    run(_body_all_reduce, 2, 12, True, transport=transport)
+
+
+def _body_gather_scatter(comm, seed: int, small_slot: bool):
+    c = _small_slot(comm) if small_slot else comm
+    n, r = c.size, c.rank
+    for dtype in DTYPES:
+        for rows in [0, 1, 5, 2003]:
+            for rest in [(), (3,)]:
+                shape = (rows, *rest)
+                xs = [rank_input("ag", i, shape, dtype, seed) for i in range(n)]
+                y = c.all_gather(xs[r])
+                assert torch.equal(y, torch.cat(xs)), f"all_gather {dtype} {shape}"
+                # broadcast from every source
+                for src in range(n):
+                    b = c.broadcast(xs[r], src=src)
+                    assert torch.equal(b, xs[src]), f"broadcast {dtype} {shape} src {src}"
+                # reduce_scatter of [n * rows, *rest]
+                big = (n * rows, *rest)
+                xs2 = [rank_input("rs", i, big, dtype, seed) for i in range(n)]
+                for op in ops_for(dtype)[:3]:
+                    z = c.reduce_scatter(xs2[r], op=op)
+                    blocks = [x[r * rows : (r + 1) * rows] for x in xs2]
+                    assert_reduced(z, blocks, op, f"reduce_scatter {dtype} {op} {big}")
+    return True
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_all_gather_broadcast_reduce_scatter(nprocs, transport):
+    run(_body_gather_scatter, nprocs, 21, False, transport=transport)
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+def test_gather_scatter_many_rounds(transport):
+    run(_body_gather_scatter, 3, 22, True, transport=transport)
+
+
+def _send_counts(n: int, src: int, case: int, seed: int) -> list[int]:
+    """Uneven counts with zeros; any rank can compute any rank's counts."""
+    g = np.random.default_rng([seed, case, src])
+    counts = g.integers(0, 40, size=n)
+    counts[g.integers(0, n)] = 0
+    if case % 4 == 0:
+        counts[:] = 0  # this case: nobody sends anything
+    if case % 4 == 1 and src == 0:
+        counts[:] = 0  # rank 0 sends nothing
+    if case % 4 == 2:
+        counts = counts * 0 + (np.arange(n) == 1) * 5000  # everyone sends only to rank 1, several rounds
+    return counts.tolist()
+
+
+def _body_all_to_all(comm, seed: int, small_slot: bool):
+    c = _small_slot(comm) if small_slot else comm
+    n, r = c.size, c.rank
+    for dtype in DTYPES:
+        for case in range(8):
+            rest = (3, 2) if case % 2 else ()
+            counts = [_send_counts(n, i, case, seed) for i in range(n)]
+            xs = [rank_input("a2a", i, (sum(counts[i]), *rest), dtype, seed + case) for i in range(n)]
+            y, rc = c.all_to_all(xs[r], counts[r], return_counts=True)
+            offs = [np.concatenate([[0], np.cumsum(counts[i])]) for i in range(n)]
+            expect = torch.cat([xs[i][offs[i][r] : offs[i][r + 1]] for i in range(n)])
+            assert torch.equal(y, expect), f"all_to_all {dtype} case {case}"
+            assert rc.tolist() == [counts[i][r] for i in range(n)]
+        # equal split with send_counts=None
+        x = rank_input("a2a-even", r, (2 * n, 4), dtype, seed)
+        y = c.all_to_all(x)
+        expect = torch.cat([rank_input("a2a-even", i, (2 * n, 4), dtype, seed)[2 * r : 2 * r + 2] for i in range(n)])
+        assert torch.equal(y, expect)
+    return True
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_all_to_all_uneven(nprocs, transport):
+    run(_body_all_to_all, nprocs, 31, False, transport=transport)
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+def test_all_to_all_many_rounds(transport):
+    run(_body_all_to_all, 2, 32, True, transport=transport)
+
+
+def _body_large(comm, seed: int):
+    """>= 16 MiB messages through every collective (float32 and bfloat16)."""
+    n, r = comm.size, comm.rank
+    numel = (4 << 20) + 3  # 16 MiB + 12 B of float32
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = [rank_input("big", i, (numel,), dtype, seed) for i in range(n)]
+        assert_reduced(comm.all_reduce(xs[r]), xs, "sum", f"all_reduce large {dtype}")
+        rows = numel // n
+        assert torch.equal(comm.all_gather(xs[r][:rows]), torch.cat([x[:rows] for x in xs]))
+        z = comm.reduce_scatter(xs[r][: rows * n])
+        assert_reduced(z, [x[r * rows : (r + 1) * rows] for x in xs], "sum", "reduce_scatter large")
+        counts = [rows // 3] * n
+        counts[(r + 1) % n] += numel - sum(counts)  # uneven: one destination gets the rest
+        allc = []
+        for i in range(n):
+            ci = [rows // 3] * n
+            ci[(i + 1) % n] += numel - sum(ci)
+            allc.append(ci)
+        y = comm.all_to_all(xs[r], counts)
+        offs = [np.concatenate([[0], np.cumsum(c)]) for c in allc]
+        assert torch.equal(y, torch.cat([xs[i][offs[i][r] : offs[i][r + 1]] for i in range(n)]))
+        assert torch.equal(comm.broadcast(xs[r], src=n - 1), xs[n - 1])
+    return True
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_large_messages(nprocs, transport):
+    run(_body_large, nprocs, 41, transport=transport)
+
+
+def _body_layouts(comm, seed: int):
+    """NumPy in/out, non-contiguous inputs, out= (contiguous, strided, in place), 0-d tensors."""
+    n, r = comm.size, comm.rank
+    xs = [rank_input("lay", i, (6, 10), torch.float32, seed) for i in range(n)]
+    ref = sum(x.double() for x in xs).float()
+    # NumPy in -> NumPy out
+    y = comm.all_reduce(xs[r].numpy())
+    assert isinstance(y, np.ndarray) and np.allclose(y, ref.numpy(), rtol=1e-6, atol=1e-6)
+    g = comm.all_gather(xs[r].numpy())
+    assert isinstance(g, np.ndarray) and np.array_equal(g, torch.cat(xs).numpy())
+    # non-contiguous input (transpose) and a NumPy view with negative strides
+    yt = comm.all_reduce(xs[r].t())
+    assert torch.allclose(yt, ref.t(), rtol=1e-6, atol=1e-6)
+    yn = comm.all_reduce(xs[r].numpy()[::-1])
+    assert np.allclose(yn, ref.numpy()[::-1], rtol=1e-6, atol=1e-6)
+    # out=: contiguous, strided, in place
+    out = torch.empty(6, 10)
+    assert comm.all_reduce(xs[r], out=out) is out and torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+    strided = torch.empty(10, 6).t()
+    assert comm.all_reduce(xs[r], out=strided) is strided and torch.allclose(strided, ref, rtol=1e-6, atol=1e-6)
+    inplace = xs[r].clone()
+    assert comm.all_reduce(inplace, out=inplace) is inplace and torch.allclose(inplace, ref, rtol=1e-6, atol=1e-6)
+    outg = torch.empty(6 * n, 10)
+    assert comm.all_gather(xs[r], out=outg) is outg and torch.equal(outg, torch.cat(xs))
+    npout = np.empty((6, 10), dtype=np.float32)
+    assert comm.broadcast(xs[r].numpy(), src=0, out=npout) is npout and np.array_equal(npout, xs[0].numpy())
+    # out= that overlaps the input goes through a temporary; the result is still right
+    buf = torch.empty(n * 60)
+    buf[:60] = xs[r].reshape(-1)
+    res = comm.all_gather(buf[:60].view(6, 10), out=buf.view(6 * n, 10))
+    assert torch.equal(res, torch.cat(xs))
+    # 0-d tensors
+    s = torch.tensor(float(r + 1))
+    assert comm.all_reduce(s).item() == n * (n + 1) / 2
+    assert comm.all_gather(s).tolist() == [float(i + 1) for i in range(n)]
+    # requires_grad inputs are detached, not rejected
+    w = xs[r].clone().requires_grad_(True)
+    assert not comm.all_reduce(w).requires_grad
+    return True
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+def test_layouts_numpy_out_and_noncontiguous(transport):
+    run(_body_layouts, 2, 51, transport=transport)
+
+
+def _body_split(comm, seed: int):
+    n, r = comm.size, comm.rank
+    color = r % 2
+    sub = comm.split(color, key=-r)  # key reverses the order inside each group
+    members = [i for i in range(n) if i % 2 == color]
+    assert sub.size == len(members)
+    assert sub.rank == sorted(members, key=lambda i: -i).index(r)
+    assert sub.global_ranks == sorted(members, key=lambda i: -i)
+    none = comm.split(None if r == 0 else 1)
+    assert (none is None) if r == 0 else (none.size == n - 1)
+    # the parent and the sub-communicators used alternately
+    for step in range(20):
+        x = rank_input("split", r, (17 + step,), torch.float64, seed + step)
+        xs = [rank_input("split", i, (17 + step,), torch.float64, seed + step) for i in range(n)]
+        total = comm.all_reduce(x)
+        assert torch.allclose(total, sum(xs))
+        part = sub.all_reduce(x)
+        assert torch.allclose(part, sum(xs[i] for i in members))
+        g = sub.all_gather(x)
+        assert torch.equal(g, torch.cat([xs[i] for i in sorted(members, key=lambda i: -i)]))
+        if none is not None:
+            none.barrier()
+    sub.close()
+    if none is not None:
+        none.close()
+    return sub.global_ranks
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("nprocs", [3, 4])
+def test_split_subgroups(nprocs, transport):
+    run(_body_split, nprocs, 61, transport=transport)
+
+
+def _body_soak(comm, seed: int, calls: int):
+    """Back-to-back mixed calls of random sizes: no corruption, no desynchronisation."""
+    n, r = comm.size, comm.rank
+    rng = np.random.default_rng(seed)  # same stream on every rank: same sequence of calls
+    for i in range(calls):
+        kind = rng.integers(0, 5)
+        numel = int(rng.choice([0, 1, 3, 100, 4097, 60_000]))
+        dtype = [torch.float32, torch.int32, torch.bfloat16][rng.integers(0, 3)]
+        xs = [rank_input("soak", j, (numel * n,), dtype, seed + i) for j in range(n)]
+        if kind == 0:
+            assert_reduced(comm.all_reduce(xs[r]), xs, "sum", f"call {i}")
+        elif kind == 1:
+            assert torch.equal(comm.all_gather(xs[r]), torch.cat(xs)), f"call {i}"
+        elif kind == 2:
+            assert_reduced(comm.reduce_scatter(xs[r], op="max"), [x[r * numel : (r + 1) * numel] for x in xs],
+                           "max", f"call {i}")
+        elif kind == 3:
+            assert torch.equal(comm.all_to_all(xs[r]), torch.cat([x[r * numel : (r + 1) * numel] for x in xs]))
+        else:
+            src = int(rng.integers(0, n))
+            assert torch.equal(comm.broadcast(xs[r], src=src), xs[src]), f"call {i}"
+    return calls
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+def test_500_mixed_calls(transport):
+    assert run(_body_soak, 2, 71, 500, transport=transport)[0] == 500
+
+
+def test_500_mixed_calls_oversubscribed():
+    """4 ranks on this 2-core machine: waits must yield, not spin the peers off their cores."""
+    assert run(_body_soak, 4, 72, 500)[0] == 500
+
+
+def _body_plan(comm):
+    x = torch.randn(1000)
+    p = comm.plan("all_reduce", x)
+    assert p.transport in comm.transports and p.algorithm in ("one_shot", "two_shot", "Iallreduce")
+    big = comm.plan("all_reduce", torch.empty(1 << 22))
+    return str(p), p.algorithm, big.algorithm, sorted(comm.transports)
+
+
+def test_plan_reports_transport_and_algorithm():
+    res = run(_body_plan, 2)
+    text, small, big, names = res[0]
+    assert "shm" in names
+    assert small == "one_shot" and big == "two_shot", res
+    assert "all_reduce of 4000 B -> shm/one_shot" in text

@@ -1,0 +1,254 @@
+"""Bad input and faults: every rank raises a clear error, nobody hangs, nothing is left in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import collectives
+from collectives import CollectiveTimeoutError, PeerFailedError, RankFailedError
+from spmd import UNDER_MPI, run, shm_segments, transports_under_test
+
+
+def _catch(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return type(e).__name__, str(e)
+    return None
+
+
+def _body_mismatch(comm):
+    """Each case differs on one rank; every rank must raise ValueError naming what differs, then go on."""
+    r = comm.rank
+    x = torch.randn(8, 3)
+    results = {
+        "shape": _catch(lambda: comm.all_reduce(torch.randn(8 + r, 3))),
+        "dtype": _catch(lambda: comm.all_gather(x.double() if r == 1 else x)),
+        "op": _catch(lambda: comm.all_reduce(x, op="max" if r == 0 else "sum")),
+        "collective": _catch(lambda: comm.all_gather(x) if r == 0 else comm.broadcast(x)),
+        "src": _catch(lambda: comm.broadcast(x, src=r)),
+        "a2a_trailing": _catch(lambda: comm.all_to_all(torch.randn(comm.size * 2, 3 + r))),
+        "local_dtype": _catch(lambda: comm.all_reduce(torch.zeros(4, dtype=torch.complex64) if r == 1 else
+                                                      torch.zeros(4))),
+        "bad_counts": _catch(lambda: comm.all_to_all(torch.randn(4, 2), [4] + [0] * (comm.size - 1) if r else [1, 1])),
+        "bad_rs_rows": _catch(lambda: comm.reduce_scatter(torch.randn(comm.size * 2 + (r == 0), 2))),
+    }
+    results["rank"] = r
+    # the communicator stays usable after every one of these
+    ok = comm.all_reduce(torch.ones(3) * (r + 1))
+    assert torch.equal(ok, torch.full((3,), float(sum(range(1, comm.size + 1)))))
+    return results
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+def test_mismatched_arguments_raise_on_every_rank(transport):
+    res = run(_body_mismatch, 2, transport=transport)
+    for results in res:
+        r = results["rank"]
+        shape = results["shape"]
+        assert shape[0] == "ValueError" and "shape differs" in shape[1] and "rank 0: (8, 3)" in shape[1] \
+            and "rank 1: (9, 3)" in shape[1], shape
+        assert results["dtype"][0] == "ValueError" and "dtype differs" in results["dtype"][1]
+        assert "float64" in results["dtype"][1]
+        assert results["op"][0] == "ValueError" and "op differs" in results["op"][1] and "max" in results["op"][1]
+        assert results["collective"][0] == "ValueError" and "collective differs" in results["collective"][1]
+        assert results["src"][0] == "ValueError" and "src differs" in results["src"][1]
+        assert results["a2a_trailing"][0] == "ValueError" and "shape differs" in results["a2a_trailing"][1]
+        if r == 1:  # the rank that passed complex64
+            assert results["local_dtype"][0] == "TypeError" and "complex64" in results["local_dtype"][1]
+        else:
+            assert results["local_dtype"][0] == "ValueError" and "rank(s) [1] rejected" in results["local_dtype"][1]
+        assert results["bad_counts"] is not None and results["bad_counts"][0] == "ValueError"
+        assert results["bad_rs_rows"] is not None and results["bad_rs_rows"][0] == "ValueError"
+
+
+def _body_unsupported(comm):
+    r = {}
+    r["avg_int"] = _catch(lambda: comm.all_reduce(torch.arange(4), op="avg"))
+    r["sum_bool"] = _catch(lambda: comm.all_reduce(torch.ones(4, dtype=torch.bool)))
+    r["bad_op"] = _catch(lambda: comm.all_reduce(torch.ones(4), op="xor"))
+    r["bad_type"] = _catch(lambda: comm.all_reduce([1.0, 2.0]))
+    r["np_complex"] = _catch(lambda: comm.all_gather(np.zeros(3, dtype=np.complex128)))
+    r["bad_src"] = _catch(lambda: comm.broadcast(torch.ones(2), src=comm.size))
+    r["bad_out"] = _catch(lambda: comm.all_reduce(torch.ones(4), out=torch.empty(5)))
+    r["after"] = comm.all_reduce(torch.ones(2)).tolist()
+    return r
+
+
+def test_unsupported_input_raises_up_front():
+    res = run(_body_unsupported, 2)[0]
+    assert res["avg_int"][0] == "TypeError" and "floating" in res["avg_int"][1]
+    assert res["sum_bool"][0] == "TypeError" and "bool" in res["sum_bool"][1]
+    assert res["bad_op"][0] == "ValueError" and "xor" in res["bad_op"][1]
+    assert res["bad_type"][0] == "TypeError"
+    assert res["np_complex"][0] == "TypeError"
+    assert res["bad_src"][0] == "ValueError" and "src" in res["bad_src"][1]
+    assert res["bad_out"][0] == "ValueError" and "out has shape (5,)" in res["bad_out"][1]
+    assert res["after"] == [2.0, 2.0]
+
+
+# ---- process faults: spawned ranks only (under mpiexec a dead rank takes the job down) -------------
+pytestmark_spawn = pytest.mark.skipif(UNDER_MPI, reason="fault injection needs spawned ranks")
+
+
+def _body_user_error(comm):
+    comm.barrier()
+    if comm.rank == 1:
+        raise KeyError("boom on rank 1")
+    comm.all_reduce(torch.ones(3))  # rank 0 waits here until launch kills it
+    return "unreachable"
+
+
+@pytestmark_spawn
+def test_rank_error_is_reraised_and_others_killed():
+    before = shm_segments()
+    t0 = time.monotonic()
+    with pytest.raises(KeyError, match="boom on rank 1") as info:
+        collectives.launch(_body_user_error, 3, timeout=60)
+    assert time.monotonic() - t0 < 30  # not the 60 s timeout: launch killed the waiting ranks
+    assert info.value.rank == 1
+    assert "Traceback on rank 1" in str(info.value.__cause__)
+    assert shm_segments() <= before
+
+
+def _body_killed(comm, victim: int):
+    x = torch.randn(1000)
+    for i in range(10_000):
+        if comm.rank == victim and i == 50:
+            os.kill(os.getpid(), signal.SIGKILL)
+        comm.all_reduce(x)
+    return "finished"
+
+
+@pytestmark_spawn
+def test_rank_killed_mid_loop_makes_others_raise():
+    before = shm_segments()
+    timeout = 20.0
+    t0 = time.monotonic()
+    res = collectives.launch(_body_killed, 4, 2, timeout=timeout, return_exceptions=True)
+    elapsed = time.monotonic() - t0
+    assert isinstance(res[2], RankFailedError) and "SIGKILL" in str(res[2])
+    for r in (0, 1, 3):
+        assert isinstance(res[r], PeerFailedError), res[r]
+        assert "rank 2" in str(res[r]) and res[r].missing_ranks == [2]
+    assert elapsed < timeout, f"survivors took {elapsed:.1f}s: a dead peer must be noticed before the timeout"
+    assert shm_segments() <= before
+
+
+def _body_absent(comm):
+    if comm.rank == 1:
+        time.sleep(6)  # never arrives within the others' timeout
+        return "late"
+    t0 = time.monotonic()
+    try:
+        comm.all_gather(torch.ones(2))
+    except CollectiveTimeoutError as e:
+        return type(e).__name__, str(e), e.missing_ranks, time.monotonic() - t0
+    return "no error"
+
+
+@pytestmark_spawn
+def test_absent_rank_times_out_naming_it():
+    res = collectives.launch(_body_absent, 3, timeout=2.0, return_exceptions=True)
+    for r in (0, 2):
+        name, msg, missing, waited = res[r]
+        assert name == "CollectiveTimeoutError" and missing == [1] and "rank(s) [1]" in msg
+        assert 1.5 < waited < 6, waited
+
+
+def _body_closed_peer(comm):
+    if comm.rank == 0:
+        comm.close()
+        time.sleep(3)
+        return "closed"
+    try:
+        comm.barrier()
+    except PeerFailedError as e:
+        return str(e)
+    return "no error"
+
+
+@pytestmark_spawn
+def test_peer_that_closed_makes_waiters_raise():
+    res = collectives.launch(_body_closed_peer, 2, timeout=30.0)
+    assert "rank 0 closed its communicator" in res[1]
+
+
+def _body_broken_after_failure(comm):
+    if comm.rank == 1:
+        time.sleep(4)
+        return "late"
+    with pytest.raises(CollectiveTimeoutError):
+        comm.all_reduce(torch.ones(1))
+    with pytest.raises(collectives.CommunicatorBrokenError, match="create a new one"):
+        comm.all_reduce(torch.ones(1))
+    return "ok"
+
+
+@pytestmark_spawn
+def test_communicator_unusable_after_timeout_says_so():
+    assert collectives.launch(_body_broken_after_failure, 2, timeout=1.0)[0] == "ok"
+
+
+# ---- shared memory hygiene ----------------------------------------------------------------------
+@pytestmark_spawn
+def test_segment_private_unguessable_and_unlinked(monkeypatch):
+    seen = []
+    real_unlink = os.unlink
+
+    def spy(path, *a, **k):
+        if "moecomm-" in str(path):
+            st = os.stat(path)
+            seen.append((os.path.basename(path), st.st_mode & 0o777, st.st_uid))
+        return real_unlink(path, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", spy)
+    with collectives.init(transport="shm") as comm:
+        assert comm.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]
+        name = comm.transports["shm"].segment_name
+    assert [s[0] for s in seen] == [name]
+    _, mode, uid = seen[0]
+    assert mode == 0o600 and uid == os.getuid()
+    token = name.rsplit("-", 1)[1]
+    assert len(token) == 32 and int(token, 16) >= 0  # 128 random bits
+    assert name not in shm_segments()
+
+
+@pytestmark_spawn
+def test_stale_segment_of_dead_process_is_removed_on_next_start():
+    import subprocess
+
+    from transports.shm import remove_stale_segments
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"/dev/shm/moecomm-{os.getuid()}-{dead.pid}-{'ab' * 16}"
+    live = f"/dev/shm/moecomm-{os.getuid()}-{os.getpid()}-{'cd' * 16}"
+    for p in (stale, live):
+        with open(p, "wb") as f:
+            f.write(b"x")
+    try:
+        with collectives.init(transport="shm"):
+            pass  # creating a communicator sweeps stale segments
+        assert not os.path.exists(stale)
+        assert os.path.exists(live)  # its creator (this process) is alive
+    finally:
+        for p in (stale, live):
+            if os.path.exists(p):
+                os.unlink(p)
+    assert remove_stale_segments() == []
+
+
+@pytestmark_spawn
+def test_forced_transport_unavailable_says_what_to_do(monkeypatch):
+    with pytest.raises(ValueError, match="mpi needs a launch by mpirun"):
+        collectives.init(transport="mpi")
+    monkeypatch.setenv("MOECOMM_TRANSPORT", "shm")
+    with collectives.init() as comm:
+        assert comm.plan("all_reduce", torch.ones(3)).reason.startswith("forced")
