@@ -99,6 +99,12 @@ class Communicator:
             wanted.append("shm")
         if self._mpi_comm is not None:
             wanted.append("mpi")
+        from transports.nccl import nccl_module
+
+        # NCCL only if every rank has it: creation is collective.
+        has_nccl = self._rdv.allgather_bytes(b"1" if nccl_module() is not None else b"0")
+        if all(f == b"1" for f in has_nccl):
+            wanted.append("nccl")
         for name in wanted:
             try:
                 self.transports[name] = transport_class(name)(group)
