@@ -67,11 +67,13 @@ _STATE_OK, _STATE_ABORTED, _STATE_CLOSED = 0, 1, 2
 # CI machine, small enough that 2 ranks x 2 slots stay within L3-sized working sets per round.
 DEFAULT_SLOT_BYTES = 4 << 20
 
-# all_reduce: one-shot (every rank reduces the whole message from all slots) up to this many
-# bytes, two-shot (reduce-scatter + all-gather through the slots) above. Keyed by group size;
-# measured with `moecomm bench --ops all_reduce --transport shm` (see benchmarks/results/).
-ONE_SHOT_MAX_BYTES = {2: 256 << 10, 3: 128 << 10, 4: 64 << 10}
-ONE_SHOT_MAX_BYTES_DEFAULT = 32 << 10
+# all_reduce: one-shot (every rank reduces each window from all slots: 1 sync a round) up to this
+# many bytes, two-shot (reduce-scatter + all-gather through the slots: 2 syncs a round, 1/n of the
+# additions) above. On CPUs the additions are cheap next to the copies, so one-shot moves fewer bytes
+# per rank until n grows: (n + 3) vs 5.5 window-sizes of memory traffic. Keyed by group size; from
+# benchmarks/tune_shm.py runs recorded in benchmarks/results/shm-allreduce-tuning.txt.
+ONE_SHOT_MAX_BYTES = {1: 1 << 62, 2: 1 << 62, 3: 1 << 20, 4: 256 << 10}
+ONE_SHOT_MAX_BYTES_DEFAULT = 64 << 10
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 _fence_lock = threading.Lock()
@@ -178,7 +180,9 @@ class SharedMemoryTransport(Transport):
         # with more ranks than cores the spinning would steal its core. Then yield, then sleep.
         self._spin_iters = 16 if oversubscribed else 400
         self._yield_iters = 2000
-        self._one_shot_limit = min(ONE_SHOT_MAX_BYTES.get(n, ONE_SHOT_MAX_BYTES_DEFAULT), self.slot_bytes)
+        env_one_shot = os.environ.get("MOECOMM_SHM_ONE_SHOT_MAX")
+        self._one_shot_limit = int(env_one_shot) if env_one_shot else ONE_SHOT_MAX_BYTES.get(
+            n, ONE_SHOT_MAX_BYTES_DEFAULT)
         log.debug("shm transport up: segment %s, %d ranks, slot %d B, oversubscribed=%s",
                   self.segment_name, n, self.slot_bytes, oversubscribed)
 
@@ -363,18 +367,28 @@ class SharedMemoryTransport(Transport):
         dtype = send.dtype
         x, y = as_numpy(send), as_numpy(out)
         nbytes = x.nbytes
-        if nbytes <= self._one_shot_limit:
+        if nbytes <= self.slot_bytes and nbytes <= self._one_shot_limit:  # the latency path: one round
             views = self._views(self._begin_round(), nbytes, x.dtype)
             np.copyto(views[self.rank], x)
             self._sync(sig)
             reduce_into(y, views, op, dtype, self.size)
             return
-        # two-shot: per round, reduce-scatter of the window through the slots, then all-gather.
         n, me = self.size, self.rank
         item = x.itemsize
         window = self.slot_bytes // item // (n * 16) * (n * 16)  # elements; parts stay 64B-aligned
         total = x.size
         first = sig
+        if nbytes <= self._one_shot_limit:
+            # one-shot in rounds: every rank reduces each whole window from all slots
+            for lo in range(0, total, window):
+                hi = min(lo + window, total)
+                views = self._views(self._begin_round(), (hi - lo) * item, x.dtype)
+                np.copyto(views[me], x[lo:hi])
+                self._sync(first)
+                first = None
+                reduce_into(y[lo:hi], views, op, dtype, n)
+            return
+        # two-shot: per round, reduce-scatter of the window through the slots, then all-gather.
         for lo in range(0, total, window):
             hi = min(lo + window, total)
             cnt = hi - lo
