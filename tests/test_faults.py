@@ -252,3 +252,15 @@ def test_forced_transport_unavailable_says_what_to_do(monkeypatch):
     monkeypatch.setenv("MOECOMM_TRANSPORT", "shm")
     with collectives.init() as comm:
         assert comm.plan("all_reduce", torch.ones(3)).reason.startswith("forced")
+
+
+def test_signature_digest_is_the_same_in_every_process():
+    """The fast agreement check compares digests across processes, so they must not be salted."""
+    import subprocess
+    import sys
+
+    code = ("from transports.base import Signature, OpCode; import torch; "
+            "print(Signature.of(OpCode.ALL_REDUCE, dtype=torch.float32, shape=(3, 5)).value)")
+    values = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
+    assert len(values) == 1
