@@ -74,5 +74,9 @@ def bench(minbytes, maxbytes, stepfactor, ops, dtype, iters, warmup, check, tran
         sys.exit(1)
 
 
+from .topo import topo  # noqa: E402
+
+main.add_command(topo)
+
 if __name__ == "__main__":
     main()
