@@ -576,3 +576,14 @@ def test_probe_on_real_gpus():
     for i, j in pairs:
         assert t.peers[i][j].probed == torch.cuda.can_device_access_peer(t.gpus[i].cuda_device, t.gpus[j].cuda_device) \
             or t.peers[i][j].probed is False  # can-access but failed copy counts as not usable
+
+
+def test_communicator_topology_exposes_gpu_topology():
+    import collectives
+
+    with collectives.init() as comm:
+        topo = comm.topology.gpus
+        assert isinstance(topo, gt.GpuTopology)
+        assert comm.topology.gpus is topo  # detected once, cached
+        if torch.cuda.is_available():
+            assert len(topo.gpus) == torch.cuda.device_count()
