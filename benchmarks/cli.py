@@ -74,5 +74,9 @@ def bench(minbytes, maxbytes, stepfactor, ops, dtype, iters, warmup, check, tran
         sys.exit(1)
 
 
+from .bench_tp import bench_tp  # noqa: E402
+
+main.add_command(bench_tp)
+
 if __name__ == "__main__":
     main()

@@ -30,7 +30,6 @@ backward), as for every collective. Double backward is not supported (it raises)
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
@@ -38,8 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
-
-log = logging.getLogger("collectives.tensor_parallel")
 
 __all__ = [
     "ColumnParallelLinear",

@@ -350,7 +350,32 @@ def _train_body(comm) -> None:
     assert n == comm.size
 
 
-_CHECKS = {"regions": _regions_body, "layers": _layers_body, "round_trip": _dense_roundtrip_body,
+def _subgroup_body(comm) -> None:
+    """TP groups that are sub-communicators (as under TP x DP): groups of 2 ranks, each with its own data."""
+    if comm.size % 2:
+        return
+    group = comm.split(comm.rank // 2)
+    try:
+        replica = comm.rank // 2
+        fc1d, fc2d = _dense_linear(H, FFN, 1), _dense_linear(FFN, H, 3)
+        fc1 = tp.ColumnParallelLinear.from_dense(fc1d, group, sequence_parallel=True)
+        fc2 = tp.RowParallelLinear.from_dense(fc2d, group, sequence_parallel=True)
+        X, G = _rand(600 + replica, S, B, H), _rand(700 + replica, S, B, H)
+        xd = X.clone().requires_grad_()
+        yd = fc2d(F.gelu(fc1d(xd)))
+        (yd * G).sum().backward()
+        x = _blk(X, 0, group).clone().requires_grad_()
+        y = fc2(F.gelu(fc1(x)))
+        (y * _blk(G, 0, group)).sum().backward()
+        _close(y, _blk(yd.detach(), 0, group), f"subgroup {replica}: forward", group)
+        _close(x.grad, _blk(xd.grad, 0, group), f"subgroup {replica}: input grad", group)
+        _close(_gather_rows(fc1.weight.grad, group), fc1d.weight.grad, f"subgroup {replica}: fc1 weight grad", group)
+        _close(fc2.bias.grad, fc2d.bias.grad, f"subgroup {replica}: fc2 bias grad", group)
+    finally:
+        group.close()
+
+
+_CHECKS = {"regions": _regions_body, "subgroups": _subgroup_body, "layers": _layers_body, "round_trip": _dense_roundtrip_body,
            "errors": _errors_body, "init": _init_body, "train": _train_body}
 
 
@@ -393,6 +418,11 @@ def test_region_functions_forward_and_backward(n, tp_run):
 @pytest.mark.parametrize("n", TP_SIZES)
 def test_layers_match_dense_forward_and_grads(n, tp_run):
     tp_run(n, "layers")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_layers_on_sub_communicators(n, tp_run):
+    tp_run(n, "subgroups")
 
 
 @pytest.mark.parametrize("n", TP_SIZES)
