@@ -77,6 +77,9 @@ def bench(minbytes, maxbytes, stepfactor, ops, dtype, iters, warmup, check, tran
 from .topo import topo  # noqa: E402
 
 main.add_command(topo)
+from .bench_tp import bench_tp  # noqa: E402
+
+main.add_command(bench_tp)
 
 if __name__ == "__main__":
     main()
