@@ -74,5 +74,8 @@ def bench(minbytes, maxbytes, stepfactor, ops, dtype, iters, warmup, check, tran
         sys.exit(1)
 
 
+from .bench_moe import bench_moe  # noqa: E402
+main.add_command(bench_moe)
+
 if __name__ == "__main__":
     main()

@@ -120,6 +120,19 @@ def _all_to_all(comm: Any, x: torch.Tensor, send_counts: list[int], *, return_co
     return comm.all_to_all(x, send_counts)
 
 
+def _sum_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int, *,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out[i] = sum of src rows j with index[j] == i: [num_rows, H] in out_dtype (default src.dtype).
+
+    Accumulates in float32 for 16-bit inputs (float64 for float64).
+    """
+    acc = _acc_dtype(src.dtype)
+    out = torch.zeros((num_rows, src.shape[1]), dtype=acc, device=src.device)
+    out.index_add_(0, index, src if src.dtype == acc else src.to(acc))
+    want = src.dtype if out_dtype is None else out_dtype
+    return out if want == acc else out.to(want)
+
+
 def _tensor_id(t: torch.Tensor) -> tuple:
     """Same storage, view and version => same values (detach() and views of one tensor share the version)."""
     return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t._version)
@@ -166,13 +179,9 @@ class _DispatchAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         h, comm = ctx.handle, ctx.comm
-        acc = _acc_dtype(ctx.dtype)
-        g_rows = torch.zeros((h.num_recv_rows, grad.shape[1]), dtype=acc, device=grad.device)
-        g_rows.index_add_(0, h.pair_row, grad.to(acc))
-        back = _all_to_all(comm, g_rows.to(ctx.dtype), h.recv_counts)
-        gx = torch.zeros((ctx.num_tokens, grad.shape[1]), dtype=acc, device=grad.device)
-        gx.index_add_(0, h.layout.send_token_idx, back.to(acc))
-        return gx.to(ctx.dtype), None, None
+        g_rows = _sum_rows(grad, h.pair_row, h.num_recv_rows)          # pairs -> received rows
+        back = _all_to_all(comm, g_rows, h.recv_counts)
+        return _sum_rows(back, h.layout.send_token_idx, ctx.num_tokens), None, None
 
 
 class _CombineAllToAll(torch.autograd.Function):
@@ -193,16 +202,15 @@ class _CombineAllToAll(torch.autograd.Function):
                                  torch.zeros((), dtype=w_dtype, device=weights.device))
             w_recv = _all_to_all(comm, w_rows, lay.send_counts)
             w_pair = w_recv[handle.pair_row, handle.pair_slot]
-        acc = _acc_dtype(expert_out.dtype)
         eo = expert_out.detach()
-        partial = torch.zeros((handle.num_recv_rows, eo.shape[1]), dtype=acc, device=eo.device)
-        partial.index_add_(0, handle.pair_row, eo.to(acc) * w_pair.to(acc).unsqueeze(1))
-        back = _all_to_all(comm, partial.to(eo.dtype), handle.recv_counts)
-        y = torch.zeros((lay.num_tokens, eo.shape[1]), dtype=acc, device=eo.device)
-        y.index_add_(0, lay.send_token_idx, back.to(acc))
+        acc = _acc_dtype(eo.dtype)
+        weighted = eo.to(acc, copy=True).mul_(w_pair.to(acc).unsqueeze(1))
+        partial = _sum_rows(weighted, handle.pair_row, handle.num_recv_rows, out_dtype=eo.dtype)
+        del weighted
+        back = _all_to_all(comm, partial, handle.recv_counts)
         ctx.save_for_backward(eo, w_pair)
         ctx.handle, ctx.comm, ctx.w_dtype = handle, comm, w_dtype
-        return y.to(eo.dtype)
+        return _sum_rows(back, lay.send_token_idx, lay.num_tokens)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -213,10 +221,10 @@ class _CombineAllToAll(torch.autograd.Function):
         g_send = grad_y.to(eo.dtype).index_select(0, lay.send_token_idx)
         g_recv = _all_to_all(comm, g_send, lay.send_counts)
         g_pair = g_recv.index_select(0, h.pair_row).to(acc)
-        grad_eo = (g_pair * w_pair.to(acc).unsqueeze(1)).to(eo.dtype)
         # Weight gradients are born on the expert rank; the k-wide grid mirrors the dispatched rows.
         gw_grid = torch.zeros((h.num_recv_rows, lay.top_k), dtype=ctx.w_dtype, device=eo.device)
-        gw_grid[h.pair_row, h.pair_slot] = (g_pair * eo.to(acc)).sum(1).to(ctx.w_dtype)
+        gw_grid[h.pair_row, h.pair_slot] = torch.linalg.vecdot(g_pair, eo.to(acc)).to(ctx.w_dtype)
+        grad_eo = g_pair.mul_(w_pair.to(acc).unsqueeze(1)).to(eo.dtype)
         gw_back = _all_to_all(comm, gw_grid, h.recv_counts)
         grad_w = torch.zeros((lay.num_tokens, lay.top_k), dtype=ctx.w_dtype, device=eo.device)
         grad_w.index_add_(0, lay.send_token_idx, gw_back)
