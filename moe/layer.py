@@ -70,6 +70,7 @@ class SharedExpert(nn.Module):
         self.fc1, self.fc2 = nn.Parameter(w1), nn.Parameter(w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, H] fc1.dtype."""
         return _ACTIVATIONS[self.activation](x.to(self.fc1.dtype) @ self.fc1) @ self.fc2
 
 
@@ -99,9 +100,8 @@ class MoELayer(nn.Module):
         try:
             if activation not in _ACTIVATIONS:
                 raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
-            for name, v in (("ffn_hidden_size", ffn_hidden_size),):
-                if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                    raise ValueError(f"{name} must be a positive int, got {v!r}")
+            if not isinstance(ffn_hidden_size, int) or isinstance(ffn_hidden_size, bool) or ffn_hidden_size <= 0:
+                raise ValueError(f"ffn_hidden_size must be a positive int, got {ffn_hidden_size!r}")
             if not isinstance(shared_ffn_hidden_size, int) or shared_ffn_hidden_size < 0:
                 raise ValueError(f"shared_ffn_hidden_size must be an int >= 0, got {shared_ffn_hidden_size!r}")
             bad = set(router_kwargs) - {"score", "normalize", "aux_loss_coef", "z_loss_coef"}
