@@ -436,8 +436,8 @@ class ExpertDispatcher:
         x: [T, H] float64/32/16 or bf16 (T may differ between ranks, and be 0). experts: [T, k]
         int, global expert index per slot (-1: unused slot). weights: [T, k] router weights, only
         used (and then required) with a capacity factor. layout: a precomputed
-        :meth:`get_dispatch_layout` result for these experts; None computes it here (the one count
-        exchange). Returns ``(recv_x [N, H] x.dtype, tokens_per_expert [E/P] int64 on CPU, handle)``:
+        :meth:`get_dispatch_layout` result for these experts (it carries the weights, so
+        ``weights`` is then ignored); None computes it here (the one count exchange). Returns ``(recv_x [N, H] x.dtype, tokens_per_expert [E/P] int64 on CPU, handle)``:
         recv_x holds one row per pair routed to this rank, grouped by local expert in expert order,
         then by source rank, token and slot; ``handle`` is for :meth:`combine`.
         """

@@ -205,6 +205,12 @@ def _error_body(comm) -> list[str]:
     expect(lambda: disp.dispatch(x, e, weights=w if r == 0 else None), "weights")
     cap = ExpertDispatcher(comm, 4, capacity_factor=1.0)
     expect(lambda: cap.dispatch(x, e), "weights")
+    # a precomputed layout serves any x of the same shape; a mismatched x is rejected on every rank
+    lay = disp.get_dispatch_layout(x, e, weights=w)
+    x2 = torch.randn(5, H)
+    rx2, _, h2 = disp.dispatch(x2, e, layout=lay)
+    torch.testing.assert_close(disp.combine(rx2, h2, w), x2 * w.sum(-1, keepdim=True))
+    expect(lambda: disp.dispatch(x[:3] if r else x, e[:3] if r else e, layout=lay), "layout", "rejected")
     # the communicator still works after the aborted calls
     y = disp.combine(*disp.dispatch(x, e)[::2], w)
     torch.testing.assert_close(y, x * w.sum(-1, keepdim=True))
