@@ -160,6 +160,15 @@ class Communicator:
             pass
         raise err
 
+    def reject(self, error: Exception, *, device: str = "cpu") -> None:
+        """Raise ``error`` here and make the peers' matching collective raise ``ValueError`` at once.
+
+        For libraries that validate their own arguments on one rank while the other ranks go
+        on into the next collective (on tensors of ``device``): instead of leaving them to wait
+        for the timeout, they learn that this rank rejected its input. Never returns.
+        """
+        self._fail_locally(OpCode.ALL_TO_ALL, device, error)
+
     def _entry(self, opcode: OpCode, t: torch.Tensor, op, src: int) -> _Entry:
         """Validated, cached description of a call (transport, signature, output shape)."""
         shape = t.shape[1:] if opcode == OpCode.ALL_TO_ALL else t.shape

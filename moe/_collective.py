@@ -29,21 +29,6 @@ def dtype_name(code: int) -> str:
     return str(d).replace("torch.", "") if d is not None else f"<dtype {code}>"
 
 
-def abort_peers(comm: Any) -> None:
-    """Make the peers' current collective raise ``ValueError`` at once (this rank rejected its input).
-
-    The Communicator has no public "abort" call; an all_to_all with invalid ``send_counts`` is
-    rejected locally, and the Communicator tells every peer that this rank rejected its input,
-    whatever collective they are in. The local ValueError is swallowed: the caller raises its own.
-    """
-    if comm.size == 1:
-        return
-    try:
-        comm.all_to_all(torch.zeros(1, dtype=torch.uint8), [-1] * comm.size)
-    except ValueError:
-        pass
-
-
 def agree(comm: Any, where: str, values: Mapping[str, float], *, error: str | None = None,
           extra: torch.Tensor | None = None, hint: str = "",
           formats: Mapping[str, Callable[[float], str]] | None = None) -> torch.Tensor | None:

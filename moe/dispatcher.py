@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ._collective import abort_peers, agree, dtype_code, dtype_name
+from ._collective import agree, dtype_code, dtype_name
 
 log = logging.getLogger("moe")
 
@@ -453,8 +453,7 @@ class ExpertDispatcher:
                        f"layout ([{layout.num_tokens}, {layout.hidden}] {layout.dtype} "
                        f"requires_grad={layout.requires_grad}, k={layout.top_k}); recompute the layout")
             if err is not None:
-                abort_peers(self.comm)
-                raise ValueError(err)
+                self.comm.reject(ValueError(err))
         handle = DispatchHandle(layout)
         recv_x = _DispatchAllToAll.apply(x, handle, self.comm)
         return recv_x, layout.tokens_per_expert, handle
@@ -489,6 +488,5 @@ class ExpertDispatcher:
             err = (f"combine (rank {me}): weights differ from the weights given to dispatch, which travelled with "
                    "the tokens; pass the same weights (or none to dispatch without a capacity factor)")
         if err is not None:
-            abort_peers(self.comm)
-            raise ValueError(err)
+            self.comm.reject(ValueError(err))
         return _CombineAllToAll.apply(expert_out, weights, handle, self.comm)

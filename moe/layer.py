@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._collective import abort_peers, agree
+from ._collective import agree
 from .dispatcher import ExpertDispatcher
 from .router import EXPERT_STREAM, SHARED_STREAM, TopKRouter, seeded_generator
 
@@ -145,10 +145,11 @@ class MoELayer(nn.Module):
         The dispatch handle of the last call is kept as ``last_handle`` (e.g. ``.dropped``).
         """
         if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != self.hidden_size:
-            abort_peers(self.comm)  # the peers are in dispatch's count exchange: make it raise there too
-            raise ValueError(f"MoELayer (rank {self.comm.global_ranks[self.comm.rank]}): x must be "
-                             f"[T, {self.hidden_size}] or [B, S, {self.hidden_size}], got "
-                             + (f"{tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
+            # the peers are in dispatch's count exchange: make it raise there too
+            self.comm.reject(ValueError(
+                f"MoELayer (rank {self.comm.global_ranks[self.comm.rank]}): x must be "
+                f"[T, {self.hidden_size}] or [B, S, {self.hidden_size}], got "
+                + (f"{tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)))
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         weights, experts, scores = self.router.route(x2)

@@ -38,6 +38,7 @@ def _body_mismatch(comm):
                                                       torch.zeros(4))),
         "bad_counts": _catch(lambda: comm.all_to_all(torch.randn(4, 2), [4] + [0] * (comm.size - 1) if r else [1, 1])),
         "bad_rs_rows": _catch(lambda: comm.reduce_scatter(torch.randn(comm.size * 2 + (r == 0), 2))),
+        "reject": _catch(lambda: comm.reject(KeyError("layer config")) if r == 1 else comm.all_gather(x)),
     }
     results["rank"] = r
     # the communicator stays usable after every one of these
@@ -64,6 +65,10 @@ def test_mismatched_arguments_raise_on_every_rank(transport):
             assert results["local_dtype"][0] == "TypeError" and "complex64" in results["local_dtype"][1]
         else:
             assert results["local_dtype"][0] == "ValueError" and "rank(s) [1] rejected" in results["local_dtype"][1]
+        if r == 1:
+            assert results["reject"][0] == "KeyError"
+        else:
+            assert results["reject"][0] == "ValueError" and "rank(s) [1] rejected" in results["reject"][1]
         assert results["bad_counts"] is not None and results["bad_counts"][0] == "ValueError"
         assert results["bad_rs_rows"] is not None and results["bad_rs_rows"][0] == "ValueError"
 
