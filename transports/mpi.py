@@ -18,6 +18,7 @@ import torch
 
 from ._host import as_numpy, reduce_into
 from .base import (
+    F_ROWS,
     META_LEN,
     Allocator,
     CollectiveTimeoutError,
@@ -65,6 +66,12 @@ class MPITransport(Transport):
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PROD: MPI.PROD,
                      ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN}
         self._meta_recv = np.zeros((self.size, META_LEN), dtype=np.int64)
+        self._meta_send = np.zeros(META_LEN, dtype=np.int64)
+        self._peers = [r for r in range(self.size) if r != self.rank]
+        if 1 < self.size <= _P2P_META_MAX_RANKS:
+            self._meta_rreqs = [self.comm.Recv_init(self._meta_recv[r], source=r, tag=_META_TAG) for r in self._peers]
+            self._meta_reqs = self._meta_rreqs + [self.comm.Send_init(self._meta_send, dest=r, tag=_META_TAG)
+                                                  for r in self._peers]
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         local = sum(1 for h in group.hosts if h == group.hosts[group.rank]) if group.hosts else 1
         # poll flat out for 5 ms when every local rank has a core, 50 us when oversubscribed
@@ -120,29 +127,31 @@ class MPITransport(Transport):
 
     def exchange_meta(self, sig: Signature) -> np.ndarray:
         self._check_usable()
-        meta = sig.meta
         n, me = self.size, self.rank
         recv = self._meta_recv
-        recv[me] = meta
         if n == 1:
-            return recv.copy()
+            return sig.meta.reshape(1, -1).copy()
         if n > _P2P_META_MAX_RANKS:
-            self._wait([self.comm.Iallgather(meta, recv)], "signature exchange")
+            recv[me] = sig.meta
+            self._wait([self.comm.Iallgather(sig.meta, recv)], "signature exchange")
             return recv.copy()
-        peers = [r for r in range(n) if r != me]
-        rreqs = [self.comm.Irecv(recv[r], source=r, tag=_META_TAG) for r in peers]
-        sreqs = [self.comm.Isend(meta, dest=r, tag=_META_TAG) for r in peers]
+        # persistent point-to-point requests: cheap to restart, and they tell who never arrived
+        self._meta_send[:] = sig.meta
+        recv[me] = sig.meta
+        self.MPI.Prequest.Startall(self._meta_reqs)
 
         def missing(_):
-            return [self._ranks[r] for r, q in zip(peers, rreqs) if not q.Test()]
+            return [self._ranks[r] for r, q in zip(self._peers, self._meta_rreqs) if not q.Test()]
 
-        self._wait(rreqs + sreqs, "signature exchange", missing)
+        self._wait(self._meta_reqs, "signature exchange", missing)
         return recv.copy()
 
-    def barrier(self, sig: Signature) -> None:
-        check_agreement(self.exchange_meta(sig), self._ranks)
-
     def _agree(self, sig: Signature) -> None:
+        metas = self.exchange_meta(sig)
+        if not (metas[:, :F_ROWS] == sig.meta[:F_ROWS]).all():
+            check_agreement(metas, self._ranks)
+
+    def barrier(self, sig: Signature) -> None:
         check_agreement(self.exchange_meta(sig), self._ranks)
 
     # ---- collectives ----------------------------------------------------------------------
@@ -211,6 +220,8 @@ class MPITransport(Transport):
     def close(self) -> None:
         if self.comm is not None:
             try:
+                for q in getattr(self, "_meta_reqs", []):
+                    q.Free()
                 if not self._broken:
                     self.comm.Free()
             except Exception:  # noqa: BLE001 - MPI may already be finalized at exit
