@@ -99,6 +99,12 @@ class Communicator:
             wanted.append("shm")
         if self._mpi_comm is not None:
             wanted.append("mpi")
+        from transports.nccl import nccl_module
+
+        # NCCL only if every rank has it: creation is collective.
+        has_nccl = self._rdv.allgather_bytes(b"1" if nccl_module() is not None else b"0")
+        if all(f == b"1" for f in has_nccl):
+            wanted.append("nccl")
         for name in wanted:
             try:
                 self.transports[name] = transport_class(name)(group)
@@ -153,6 +159,15 @@ class Communicator:
         except Exception:  # noqa: BLE001 - the local error is what the caller needs to see
             pass
         raise err
+
+    def reject(self, error: Exception, *, device: str = "cpu") -> None:
+        """Raise ``error`` here and make the peers' matching collective raise ``ValueError`` at once.
+
+        For libraries that validate their own arguments on one rank while the other ranks go
+        on into the next collective (on tensors of ``device``): instead of leaving them to wait
+        for the timeout, they learn that this rank rejected its input. Never returns.
+        """
+        self._fail_locally(OpCode.ALL_TO_ALL, device, error)
 
     def _entry(self, opcode: OpCode, t: torch.Tensor, op, src: int) -> _Entry:
         """Validated, cached description of a call (transport, signature, output shape)."""

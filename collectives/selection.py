@@ -16,10 +16,13 @@ from dataclasses import dataclass
 
 from transports.base import OpCode
 
-# (device, single_node) -> transports in order of preference
+# (device, single_node) -> transports in order of preference. A host transport serving CUDA
+# tensors stages them through host memory (the communicator warns once when that happens).
 FALLBACK_CHAINS: dict[tuple[str, bool], tuple[str, ...]] = {
     ("cpu", True): ("shm", "mpi"),
     ("cpu", False): ("mpi",),
+    ("cuda", True): ("nccl", "shm", "mpi"),
+    ("cuda", False): ("nccl", "mpi"),
 }
 
 

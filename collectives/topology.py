@@ -1,7 +1,8 @@
-"""What the communicator knows about where its ranks run: nodes, local ranks, CPUs (GPUs later)."""
+"""What the communicator knows about where its ranks run: nodes, local ranks, CPUs, GPUs and NICs."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -58,6 +59,17 @@ class Topology:
         return Topology(new_rank, len(ranks), tuple(self.hosts[r] for r in ranks),
                         tuple(self.node_ids[r] for r in ranks), tuple(self.pids[r] for r in ranks),
                         tuple(self.cpus_per_rank[r] for r in ranks), self.launch)
+
+    @functools.cached_property
+    def gpus(self):
+        """This node's GPUs, NVLinks, P2P capability, NUMA nodes and NICs (:class:`GpuTopology`).
+
+        Detected on first use (NVML, else nvidia-smi, else sysfs; ~ms, no CUDA context) and cached.
+        Empty ``gpus`` list on a machine without NVIDIA GPUs.
+        """
+        from .gpu_topology import detect
+
+        return detect()
 
     @property
     def local_ranks(self) -> tuple[int, ...]:

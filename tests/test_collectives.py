@@ -310,7 +310,7 @@ def _body_plan(comm):
 
 
 def test_plan_reports_transport_and_algorithm():
-    res = run(_body_plan, 2)
+    res = run(_body_plan, 4)
     text, small, big, names = res[0]
     assert "shm" in names
     assert small == "one_shot" and big == "two_shot", res

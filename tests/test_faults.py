@@ -38,6 +38,7 @@ def _body_mismatch(comm):
                                                       torch.zeros(4))),
         "bad_counts": _catch(lambda: comm.all_to_all(torch.randn(4, 2), [4] + [0] * (comm.size - 1) if r else [1, 1])),
         "bad_rs_rows": _catch(lambda: comm.reduce_scatter(torch.randn(comm.size * 2 + (r == 0), 2))),
+        "reject": _catch(lambda: comm.reject(KeyError("layer config")) if r == 1 else comm.all_gather(x)),
     }
     results["rank"] = r
     # the communicator stays usable after every one of these
@@ -64,6 +65,10 @@ def test_mismatched_arguments_raise_on_every_rank(transport):
             assert results["local_dtype"][0] == "TypeError" and "complex64" in results["local_dtype"][1]
         else:
             assert results["local_dtype"][0] == "ValueError" and "rank(s) [1] rejected" in results["local_dtype"][1]
+        if r == 1:
+            assert results["reject"][0] == "KeyError"
+        else:
+            assert results["reject"][0] == "ValueError" and "rank(s) [1] rejected" in results["reject"][1]
         assert results["bad_counts"] is not None and results["bad_counts"][0] == "ValueError"
         assert results["bad_rs_rows"] is not None and results["bad_rs_rows"][0] == "ValueError"
 
@@ -252,3 +257,15 @@ def test_forced_transport_unavailable_says_what_to_do(monkeypatch):
     monkeypatch.setenv("MOECOMM_TRANSPORT", "shm")
     with collectives.init() as comm:
         assert comm.plan("all_reduce", torch.ones(3)).reason.startswith("forced")
+
+
+def test_signature_digest_is_the_same_in_every_process():
+    """The fast agreement check compares digests across processes, so they must not be salted."""
+    import subprocess
+    import sys
+
+    code = ("from transports.base import Signature, OpCode; import torch; "
+            "print(Signature.of(OpCode.ALL_REDUCE, dtype=torch.float32, shape=(3, 5)).value)")
+    values = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
+    assert len(values) == 1

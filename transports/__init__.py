@@ -2,8 +2,7 @@
 
 - ``shm``  (:mod:`transports.shm`): POSIX shared memory between the processes of one node (CPU tensors).
 - ``mpi``  (:mod:`transports.mpi`): mpi4py, zero-copy through the buffer protocol; spans nodes.
-
-The GPU transports (NCCL, CUDA IPC) implement the same interface.
+- ``nccl`` (:mod:`transports.nccl`): CUDA tensors through libnccl via cupy.cuda.nccl.
 """
 
 from .base import (
@@ -22,7 +21,7 @@ __all__ = [
     "ReduceOp", "Rendezvous", "Transport", "transport_class", "TRANSPORT_NAMES",
 ]
 
-TRANSPORT_NAMES = ("shm", "mpi")
+TRANSPORT_NAMES = ("shm", "mpi", "nccl")
 
 
 def transport_class(name: str) -> type[Transport]:
@@ -35,4 +34,8 @@ def transport_class(name: str) -> type[Transport]:
         from .mpi import MPITransport
 
         return MPITransport
+    if name == "nccl":
+        from .nccl import NCCLTransport
+
+        return NCCLTransport
     raise ValueError(f"unknown transport {name!r}; available: {', '.join(TRANSPORT_NAMES)}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Sequence
 
@@ -136,7 +137,9 @@ class Signature:
 
     def __init__(self, meta: np.ndarray):
         self.meta = np.ascontiguousarray(meta, dtype=np.int64)
-        self.value = hash(self.meta[:F_ROWS].tobytes()) & 0x7FFF_FFFF_FFFF_FFFF
+        # a digest that is the same in every process (str/bytes hash() is salted per process)
+        digest = hashlib.blake2b(self.meta[:F_ROWS].tobytes(), digest_size=8).digest()
+        self.value = int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
         self.words = memoryview(self.meta).cast("B").cast("q")
 
     @classmethod

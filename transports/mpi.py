@@ -10,6 +10,7 @@ group's communicator, so a rank that never arrives is named in the timeout error
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -64,6 +65,10 @@ class MPITransport(Transport):
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PROD: MPI.PROD,
                      ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN}
         self._meta_recv = np.zeros((self.size, META_LEN), dtype=np.int64)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        local = sum(1 for h in group.hosts if h == group.hosts[group.rank]) if group.hosts else 1
+        # poll flat out for 5 ms when every local rank has a core, 50 us when oversubscribed
+        self._spin_seconds = 5e-3 if local <= cpus else 5e-5
 
     def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
         names = {OpCode.ALL_REDUCE: "Iallreduce", OpCode.ALL_GATHER: "Iallgather",
@@ -73,24 +78,40 @@ class MPITransport(Transport):
 
     # ---- waiting --------------------------------------------------------------------------
     def _wait(self, reqs, what: str, pending_ranks=None) -> None:
+        """Drive MPI progress (it advances only inside Test) until done or the timeout.
+
+        Polls flat out for a short window, as a blocking MPI call would, then yields the core
+        between polls, then sleeps with backoff, so a slow or absent peer does not burn a core.
+        """
         MPI = self.MPI
         reqs = list(reqs)
-        deadline = time.monotonic() + self.timeout
-        i = 0
+        if MPI.Request.Testall(reqs):
+            return
+        start = time.monotonic()
+        deadline = start + self.timeout
+        spin_until = start + self._spin_seconds
+        yield_until = spin_until + 0.01
         sleep = 20e-6
+        i = 0
         while not MPI.Request.Testall(reqs):
             i += 1
-            if i < 2000:
+            if i & 63:
                 continue
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now < spin_until:
+                continue
+            if now >= deadline:
                 missing = pending_ranks(reqs) if pending_ranks else []
                 self._broken = f"{what} timed out"
                 who = f"rank(s) {missing} never arrived" if missing else \
                     "some rank never arrived (MPI cannot say which once the signatures matched)"
                 raise CollectiveTimeoutError(
                     f"mpi {what} timed out after {self.timeout:.1f}s on rank {self._ranks[self.rank]}: {who}", missing)
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 1e-3)
+            if now < yield_until:
+                os.sched_yield()
+            else:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 1e-3)
 
     def _check_usable(self) -> None:
         if self._broken:

@@ -24,7 +24,6 @@ cleaned up by the next start (segments of dead creators are removed).
 from __future__ import annotations
 
 import logging
-import math
 import mmap
 import os
 import platform
@@ -36,7 +35,8 @@ import time
 import numpy as np
 import torch
 
-from ._host import as_numpy, np_storage_dtype, reduce_into
+from ._host import as_numpy, reduce_into
+from ._schedule import all_to_all_pulls, part_bounds, windows
 from .base import (
     META_LEN,
     Allocator,
@@ -67,11 +67,13 @@ _STATE_OK, _STATE_ABORTED, _STATE_CLOSED = 0, 1, 2
 # CI machine, small enough that 2 ranks x 2 slots stay within L3-sized working sets per round.
 DEFAULT_SLOT_BYTES = 4 << 20
 
-# all_reduce: one-shot (every rank reduces the whole message from all slots) up to this many
-# bytes, two-shot (reduce-scatter + all-gather through the slots) above. Keyed by group size;
-# measured with `moecomm bench --ops all_reduce --transport shm` (see benchmarks/results/).
-ONE_SHOT_MAX_BYTES = {2: 256 << 10, 3: 128 << 10, 4: 64 << 10}
-ONE_SHOT_MAX_BYTES_DEFAULT = 32 << 10
+# all_reduce: one-shot (every rank reduces each window from all slots: 1 sync a round) up to this
+# many bytes, two-shot (reduce-scatter + all-gather through the slots: 2 syncs a round, 1/n of the
+# additions) above. On CPUs the additions are cheap next to the copies, so one-shot moves fewer bytes
+# per rank until n grows: (n + 3) vs 5.5 window-sizes of memory traffic. Keyed by group size; from
+# benchmarks/tune_shm.py runs recorded in benchmarks/results/shm-allreduce-tuning.txt.
+ONE_SHOT_MAX_BYTES = {1: 1 << 62, 2: 1 << 62, 3: 1 << 20, 4: 256 << 10}
+ONE_SHOT_MAX_BYTES_DEFAULT = 64 << 10
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 _fence_lock = threading.Lock()
@@ -178,7 +180,9 @@ class SharedMemoryTransport(Transport):
         # with more ranks than cores the spinning would steal its core. Then yield, then sleep.
         self._spin_iters = 16 if oversubscribed else 400
         self._yield_iters = 2000
-        self._one_shot_limit = min(ONE_SHOT_MAX_BYTES.get(n, ONE_SHOT_MAX_BYTES_DEFAULT), self.slot_bytes)
+        env_one_shot = os.environ.get("MOECOMM_SHM_ONE_SHOT_MAX")
+        self._one_shot_limit = int(env_one_shot) if env_one_shot else ONE_SHOT_MAX_BYTES.get(
+            n, ONE_SHOT_MAX_BYTES_DEFAULT)
         log.debug("shm transport up: segment %s, %d ranks, slot %d B, oversubscribed=%s",
                   self.segment_name, n, self.slot_bytes, oversubscribed)
 
@@ -363,26 +367,33 @@ class SharedMemoryTransport(Transport):
         dtype = send.dtype
         x, y = as_numpy(send), as_numpy(out)
         nbytes = x.nbytes
-        if nbytes <= self._one_shot_limit:
+        if nbytes <= self.slot_bytes and nbytes <= self._one_shot_limit:  # the latency path: one round
             views = self._views(self._begin_round(), nbytes, x.dtype)
             np.copyto(views[self.rank], x)
             self._sync(sig)
             reduce_into(y, views, op, dtype, self.size)
             return
-        # two-shot: per round, reduce-scatter of the window through the slots, then all-gather.
         n, me = self.size, self.rank
         item = x.itemsize
         window = self.slot_bytes // item // (n * 16) * (n * 16)  # elements; parts stay 64B-aligned
-        total = x.size
         first = sig
-        for lo in range(0, total, window):
-            hi = min(lo + window, total)
+        if nbytes <= self._one_shot_limit:
+            # one-shot in rounds: every rank reduces each whole window from all slots
+            for lo, hi in windows(x.size, window):
+                views = self._views(self._begin_round(), (hi - lo) * item, x.dtype)
+                np.copyto(views[me], x[lo:hi])
+                self._sync(first)
+                first = None
+                reduce_into(y[lo:hi], views, op, dtype, n)
+            return
+        # two-shot: per round, reduce-scatter of the window through the slots, then all-gather.
+        for lo, hi in windows(x.size, window):
             cnt = hi - lo
             slots = self._views(self._begin_round(), cnt * item, x.dtype)
             np.copyto(slots[me], x[lo:hi])
             self._sync(first)
             first = None
-            bounds = self._parts(cnt)
+            bounds = part_bounds(cnt, n)
             p0, p1 = bounds[me], bounds[me + 1]
             mine = y[lo + p0 : lo + p1]
             reduce_into(mine, [s[p0:p1] for s in slots], op, dtype, n)
@@ -392,18 +403,12 @@ class SharedMemoryTransport(Transport):
                 if r != me:
                     np.copyto(y[lo + bounds[r] : lo + bounds[r + 1]], slots[r][bounds[r] : bounds[r + 1]])
 
-    def _parts(self, cnt: int) -> list[int]:
-        n = self.size
-        per = _align(math.ceil(cnt / n), 16) if cnt else 0
-        return [min(cnt, i * per) for i in range(n)] + [cnt]
-
     def all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature) -> None:
         x = as_numpy(send).view(np.uint8)
         y = as_numpy(out).view(np.uint8)
         nbytes, S, me = x.nbytes, self.slot_bytes, self.rank
         first = sig
-        for lo in range(0, max(nbytes, 1), S):
-            hi = min(lo + S, nbytes)
+        for lo, hi in windows(nbytes, S):
             slots = self._views(self._begin_round(), hi - lo, np.dtype(np.uint8))
             np.copyto(slots[me], x[lo:hi])
             self._sync(first)
@@ -417,8 +422,7 @@ class SharedMemoryTransport(Transport):
         m = y.size
         window = max(1, self.slot_bytes // x.itemsize // n)
         first = sig
-        for lo in range(0, max(m, 1), window):
-            hi = min(lo + window, m)
+        for lo, hi in windows(m, window):
             w = hi - lo
             slots = self._views(self._begin_round(), n * w * x.itemsize, x.dtype)
             if w:
@@ -433,8 +437,7 @@ class SharedMemoryTransport(Transport):
         nbytes, S = x.nbytes, self.slot_bytes
         root = self.rank == src
         first = sig
-        for lo in range(0, max(nbytes, 1), S):
-            hi = min(lo + S, nbytes)
+        for lo, hi in windows(nbytes, S):
             slots = self._views(self._begin_round(), hi - lo, np.dtype(np.uint8))
             if root:
                 np.copyto(slots[src], x[lo:hi])
@@ -459,27 +462,16 @@ class SharedMemoryTransport(Transport):
         recv_counts = counts[:, me].copy()
         out = alloc(recv_counts)
         y = as_numpy(out).view(np.uint8)
-        send_bytes = counts.sum(axis=1) * row_bytes
-        # byte offset of the block for `me` inside each source's send buffer, and in our output
-        src_off = (counts[:, :me].sum(axis=1) * row_bytes).tolist()
-        blk_len = (recv_counts * row_bytes).tolist()
-        dst_off = np.concatenate([[0], np.cumsum(blk_len)[:-1]]).astype(np.int64).tolist()
-        rounds = max(1, math.ceil(int(send_bytes.max()) / S))
-        for j in range(rounds):
+        for j, copies in enumerate(all_to_all_pulls(counts, me, row_bytes, S)):
             w_lo = j * S
             if j > 0:
                 b = self._begin_round()
                 chunk = x[w_lo : w_lo + S]
                 np.copyto(self._slots[b][me][: chunk.nbytes], chunk)
                 self._sync()
-            for r in range(n):
-                lo = max(src_off[r], w_lo)
-                hi = min(src_off[r] + blk_len[r], w_lo + S)
-                if hi <= lo:
-                    continue
-                d = dst_off[r] + lo - src_off[r]
-                src = x[lo:hi] if r == me else self._slots[b][r][lo - w_lo : hi - w_lo]
-                np.copyto(y[d : d + hi - lo], src)
+            for src, off, dst, nb in copies:
+                source = x[w_lo + off : w_lo + off + nb] if src == me else self._slots[b][src][off : off + nb]
+                np.copyto(y[dst : dst + nb], source)
         return out
 
     # ---- teardown -------------------------------------------------------------------------

@@ -1,0 +1,492 @@
+"""Expert-parallel token dispatch and combine over a Communicator's uneven all-to-all.
+
+Rank ``i`` of ``P`` owns global experts ``[i*E/P, (i+1)*E/P)``. ``dispatch`` sends each token
+once to every rank that holds at least one of its experts (DeepEP-style de-duplication: a token
+that picks three experts on one rank crosses the wire once) together with the local expert
+slots it picked there, and the receiver expands the rows into one row per (token, expert) pair,
+grouped by local expert. ``combine`` reduces the weighted expert outputs of each received token
+on the expert rank, sends one row per (token, rank) back, and sums them on the token's rank.
+
+Wire format of a dispatched row (``uint8``, every part starting at a multiple of 8 bytes):
+``[k x int32 local expert id or -1 | k x weight (when dispatch got weights) | H x x.dtype]``.
+Packing the slot ids (and weights) into the row keeps dispatch to one count exchange plus one
+all-to-all, and lets ``combine`` run as a single all-to-all when dispatch was given the weights.
+
+Collective calls per step: dispatch = 1 all_gather (counts; + 1 when capacity dropping has to
+rank an over-full expert) + 1 all_to_all; combine = 1 all_to_all (+1 small one for the weights
+when dispatch did not get them); backward: dispatch 1, combine 2 (rows out, weight grads back).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._collective import agree, dtype_code, dtype_name
+
+log = logging.getLogger("moe")
+
+_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate 16-bit sums in float32 (and float64 in float64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+@dataclass
+class DispatchLayout:
+    """Who sends which token where: the result of the one count exchange (:meth:`ExpertDispatcher.get_dispatch_layout`).
+
+    Send side (this rank's tokens): ``send_token_idx`` [S] int64, the token of each sent row,
+    rows ordered by destination rank then token; ``send_slot_ids`` [S, k] int32, for each sent
+    row the destination-local expert of each of the token's k slots or -1; ``send_counts`` [P]
+    rows per destination. ``send_weights`` [S, k]: the weights travelling with the rows (0 for
+    other ranks' slots), or None when dispatch got no weights; ``weights`` a copy of those [T, k].
+    ``dropped`` [T, k] bool: pairs removed by the capacity limit.
+    Global view (identical on every rank): ``counts`` [P, E] int64, kept pairs per (source rank,
+    expert); ``global_tokens_per_expert`` [E] int64 pairs per expert before capacity dropping;
+    ``num_global_tokens`` T summed over ranks; ``capacity`` the per-expert limit or None.
+    ``tokens_per_expert`` [E/P] int64 (CPU): pairs this rank will receive per local expert.
+    """
+
+    num_tokens: int
+    top_k: int
+    hidden: int
+    dtype: torch.dtype
+    requires_grad: bool
+    send_token_idx: torch.Tensor
+    send_slot_ids: torch.Tensor
+    send_counts: list[int]
+    send_weights: torch.Tensor | None
+    weights: torch.Tensor | None
+    weights_id: tuple | None
+    dropped: torch.Tensor
+    counts: torch.Tensor
+    global_tokens_per_expert: torch.Tensor
+    num_global_tokens: int
+    capacity: int | None
+    tokens_per_expert: torch.Tensor
+
+
+@dataclass
+class DispatchHandle:
+    """Everything ``combine`` and the backward passes need, cached by ``dispatch``.
+
+    ``layout``: the :class:`DispatchLayout`. Receive side: ``recv_counts`` [P] rows received from
+    each rank; ``pair_row`` [N] int64 and ``pair_slot`` [N] int64, for each row of ``recv_x``
+    (grouped by local expert, then source rank, then token, then slot) the received row it
+    copies and the source token's top-k slot; ``pair_weight`` [N] the router weight of each pair
+    (when dispatch got weights). ``dropped`` is ``layout.dropped`` ([T, k] bool).
+    """
+
+    layout: DispatchLayout
+    recv_counts: list[int] = field(default_factory=list)
+    pair_row: torch.Tensor | None = None
+    pair_slot: torch.Tensor | None = None
+    pair_weight: torch.Tensor | None = None
+
+    @property
+    def dropped(self) -> torch.Tensor:
+        return self.layout.dropped
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        return self.layout.tokens_per_expert
+
+    @property
+    def num_recv_rows(self) -> int:
+        return int(sum(self.recv_counts))
+
+    @property
+    def num_recv_pairs(self) -> int:
+        return 0 if self.pair_row is None else int(self.pair_row.numel())
+
+
+def _all_to_all(comm: Any, x: torch.Tensor, send_counts: list[int], *, return_counts: bool = False):
+    if comm.size == 1:  # nothing crosses a process boundary; skip the copy
+        return (x, [x.shape[0]]) if return_counts else x
+    if return_counts:
+        out, rc = comm.all_to_all(x, send_counts, return_counts=True)
+        return out, [int(c) for c in rc.tolist()]
+    return comm.all_to_all(x, send_counts)
+
+
+def _sum_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int, *,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out[i] = sum of src rows j with index[j] == i: [num_rows, H] in out_dtype (default src.dtype).
+
+    Accumulates in float32 for 16-bit inputs (float64 for float64).
+    """
+    acc = _acc_dtype(src.dtype)
+    out = torch.zeros((num_rows, src.shape[1]), dtype=acc, device=src.device)
+    out.index_add_(0, index, src if src.dtype == acc else src.to(acc))
+    want = src.dtype if out_dtype is None else out_dtype
+    return out if want == acc else out.to(want)
+
+
+def _tensor_id(t: torch.Tensor) -> tuple:
+    """Same storage, view and version => same values (detach() and views of one tensor share the version)."""
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t._version)
+
+
+class _DispatchAllToAll(torch.autograd.Function):
+    """Forward: send token rows to their experts' ranks and expand them into (token, expert) pairs.
+    Backward: sum each received row's pair gradients, send them back (reverse all-to-all), sum per token."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, handle: DispatchHandle, comm: Any) -> torch.Tensor:
+        lay = handle.layout
+        k, hidden = lay.top_k, lay.hidden
+        ids_b = 4 * k
+        w_off = _round8(ids_b)
+        w_b = 0 if lay.send_weights is None else k * lay.send_weights.element_size()
+        meta_b = _round8(w_off + w_b)
+        row_b = hidden * x.element_size()
+        width = _round8(meta_b + row_b)
+        s = lay.send_token_idx.numel()
+        buf = torch.empty((s, width), dtype=torch.uint8, device=x.device)
+        buf[:, :ids_b] = lay.send_slot_ids.view(torch.uint8)
+        if w_b:
+            buf[:, w_off: w_off + w_b] = lay.send_weights.view(torch.uint8)
+        for a, b in ((ids_b, w_off), (w_off + w_b, meta_b), (meta_b + row_b, width)):
+            if b > a:
+                buf[:, a:b] = 0  # padding: keep the wire deterministic
+        # Gather the token rows straight into the wire buffer (no temporary).
+        torch.index_select(x.detach().contiguous().view(torch.uint8), 0, lay.send_token_idx,
+                           out=buf[:, meta_b: meta_b + row_b])
+        recv, recv_counts = _all_to_all(comm, buf, lay.send_counts, return_counts=True)
+        ids = recv[:, :ids_b].view(torch.int32)
+        rows = recv[:, meta_b: meta_b + row_b].view(x.dtype)
+        row, slot = (ids >= 0).nonzero(as_tuple=True)            # pairs in (source, token, slot) order
+        order = torch.argsort(ids[row, slot], stable=True)       # group by local expert, keep that order
+        handle.pair_row, handle.pair_slot = row[order], slot[order]
+        if w_b:
+            w_recv = recv[:, w_off: w_off + w_b].view(lay.send_weights.dtype)
+            handle.pair_weight = w_recv[handle.pair_row, handle.pair_slot]
+        handle.recv_counts = recv_counts
+        ctx.handle, ctx.comm, ctx.num_tokens, ctx.dtype = handle, comm, x.shape[0], x.dtype
+        return rows.index_select(0, handle.pair_row)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, comm = ctx.handle, ctx.comm
+        g_rows = _sum_rows(grad, h.pair_row, h.num_recv_rows)          # pairs -> received rows
+        back = _all_to_all(comm, g_rows, h.recv_counts)
+        return _sum_rows(back, h.layout.send_token_idx, ctx.num_tokens), None, None
+
+
+class _CombineAllToAll(torch.autograd.Function):
+    """Forward: weight and sum each received token's expert outputs on the expert rank, send one row
+    per (token, rank) back, sum per token. Backward: send the output gradient to the expert ranks,
+    form the expert-output and weight gradients there, send the weight gradients back."""
+
+    @staticmethod
+    def forward(ctx, expert_out: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle, comm: Any):
+        lay = handle.layout
+        w_dtype = weights.dtype
+        if handle.pair_weight is not None:
+            w_pair = handle.pair_weight          # travelled with the tokens (combine checked they match)
+        else:
+            # The expert rank needs the weights of the pairs it holds: one small exchange, same layout.
+            ok = lay.send_slot_ids >= 0
+            w_rows = torch.where(ok, weights.detach().index_select(0, lay.send_token_idx),
+                                 torch.zeros((), dtype=w_dtype, device=weights.device))
+            w_recv = _all_to_all(comm, w_rows, lay.send_counts)
+            w_pair = w_recv[handle.pair_row, handle.pair_slot]
+        eo = expert_out.detach()
+        acc = _acc_dtype(eo.dtype)
+        weighted = eo.to(acc, copy=True).mul_(w_pair.to(acc).unsqueeze(1))
+        partial = _sum_rows(weighted, handle.pair_row, handle.num_recv_rows, out_dtype=eo.dtype)
+        del weighted
+        back = _all_to_all(comm, partial, handle.recv_counts)
+        ctx.save_for_backward(eo, w_pair)
+        ctx.handle, ctx.comm, ctx.w_dtype = handle, comm, w_dtype
+        return _sum_rows(back, lay.send_token_idx, lay.num_tokens)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        eo, w_pair = ctx.saved_tensors
+        h, comm = ctx.handle, ctx.comm
+        lay = h.layout
+        acc = _acc_dtype(eo.dtype)
+        g_send = grad_y.to(eo.dtype).index_select(0, lay.send_token_idx)
+        g_recv = _all_to_all(comm, g_send, lay.send_counts)
+        g_pair = g_recv.index_select(0, h.pair_row).to(acc)
+        # Weight gradients are born on the expert rank; the k-wide grid mirrors the dispatched rows.
+        gw_grid = torch.zeros((h.num_recv_rows, lay.top_k), dtype=ctx.w_dtype, device=eo.device)
+        gw_grid[h.pair_row, h.pair_slot] = torch.linalg.vecdot(g_pair, eo.to(acc)).to(ctx.w_dtype)
+        grad_eo = g_pair.mul_(w_pair.to(acc).unsqueeze(1)).to(eo.dtype)
+        gw_back = _all_to_all(comm, gw_grid, h.recv_counts)
+        grad_w = torch.zeros((lay.num_tokens, lay.top_k), dtype=ctx.w_dtype, device=eo.device)
+        grad_w.index_add_(0, lay.send_token_idx, gw_back)
+        return grad_eo, grad_w, None, None
+
+
+class ExpertDispatcher:
+    """Moves tokens to the ranks that hold their experts and the expert outputs back.
+
+    Rank ``i`` of ``P = comm.size`` owns experts ``[i*E/P, (i+1)*E/P)``. Construction is collective:
+    ``num_experts`` and ``capacity_factor`` are compared across ranks (``ValueError`` on every rank
+    if they differ, or if ``E`` is not divisible by ``P``).
+
+    capacity_factor: None for dropless; otherwise each expert keeps at most
+    ``C = ceil(capacity_factor * T_global * k / E)`` (token, expert) pairs over all ranks, where
+    ``T_global`` is the sum of every rank's token count, dropping the pairs with the lowest router
+    weight (ties: the later of (rank, token, slot) is dropped, so the result does not depend on how
+    tokens are split over ranks, as long as the split is contiguous in rank order).
+
+    All calls are collective and must be made in the same order on every rank; so must the
+    backward passes, which run the reverse all-to-alls (call ``backward`` on a loss that depends
+    on the combined output on every rank, even one with zero tokens).
+    """
+
+    def __init__(self, comm: Any, num_experts: int, *, capacity_factor: float | None = None):
+        err = None
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+            err = f"ExpertDispatcher: num_experts must be a positive int, got {num_experts!r}"
+        elif capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
+                                                  and math.isfinite(capacity_factor) and capacity_factor > 0):
+            err = f"ExpertDispatcher: capacity_factor must be None or a positive number, got {capacity_factor!r}"
+        me = comm.global_ranks[comm.rank]
+        agree(comm, "ExpertDispatcher", {"num_experts": num_experts, "capacity_factor": capacity_factor},
+              error=err and f"{err} (rank {me})",
+              hint="Construct the dispatcher with the same num_experts and capacity_factor on every rank.")
+        if num_experts % comm.size:
+            raise ValueError(f"ExpertDispatcher: num_experts={num_experts} is not divisible by the number of "
+                             f"ranks {comm.size}; each rank must own E/P experts")
+        self.comm = comm
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // comm.size
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.first_local_expert = comm.rank * self.num_local_experts
+
+    def __repr__(self) -> str:
+        return (f"ExpertDispatcher(rank={self.comm.rank}, size={self.comm.size}, num_experts={self.num_experts}, "
+                f"capacity_factor={self.capacity_factor})")
+
+    # ---- layout ---------------------------------------------------------------------------------
+    def _check_inputs(self, x: Any, experts: Any, weights: Any, *, need_weights: bool) -> str | None:
+        me = self.comm.global_ranks[self.comm.rank]
+        where = f"dispatch (rank {me})"
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            return f"{where}: x must be a 2-D tensor [num_tokens, hidden], got " + (
+                f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
+        if x.dtype not in _FLOATS:
+            return f"{where}: x must be float64/32/16 or bfloat16, got {x.dtype}"
+        if not isinstance(experts, torch.Tensor) or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
+            return (f"{where}: experts must be an int tensor [num_tokens={x.shape[0]}, top_k], got "
+                    + (f"shape {tuple(experts.shape)}" if isinstance(experts, torch.Tensor) else type(experts).__name__))
+        if experts.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            return f"{where}: experts must be an integer tensor, got {experts.dtype}"
+        if experts.device != x.device:
+            return f"{where}: experts is on {experts.device} but x is on {x.device}"
+        if experts.numel():
+            lo, hi = int(experts.min()), int(experts.max())
+            if lo < -1 or hi >= self.num_experts:
+                return (f"{where}: expert indices must lie in [0, {self.num_experts}) (or -1 for an unused slot), "
+                        f"got values in [{lo}, {hi}]")
+        if weights is not None:
+            if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != tuple(experts.shape) \
+                    or weights.dtype not in _FLOATS or weights.device != x.device:
+                return (f"{where}: weights must be a float tensor of the experts' shape {tuple(experts.shape)} on "
+                        f"{x.device}, got " + (f"{tuple(weights.shape)} {weights.dtype} on {weights.device}"
+                                               if isinstance(weights, torch.Tensor) else type(weights).__name__))
+        elif need_weights:
+            return (f"{where}: capacity_factor is set, so dispatch needs weights=... (the router weights, [T, k]) "
+                    "to decide which pairs to drop")
+        return None
+
+    def get_dispatch_layout(self, x: torch.Tensor, experts: torch.Tensor, *,
+                            weights: torch.Tensor | None = None) -> DispatchLayout:
+        """The one count exchange of a dispatch (collective): who sends what where, after capacity dropping.
+
+        x: [T, H] float (only its shape, dtype and requires_grad are used; they are checked across
+        ranks: H and dtype must agree, and so must whether x requires grad, because the backward
+        all-to-all must run on every rank). experts: [T, k] int, global expert index per slot, -1
+        for an unused slot. weights: [T, k] float router weights or None (on every rank alike);
+        required with a capacity factor (to drop the lowest-weight pairs). Given weights travel
+        with the tokens, and ``combine`` must then get the same values. Returns a
+        :class:`DispatchLayout`, reusable with ``dispatch(..., layout=)`` for any x of the same
+        shape and dtype.
+        """
+        comm, E, L, P = self.comm, self.num_experts, self.num_local_experts, self.comm.size
+        err = self._check_inputs(x, experts, weights, need_weights=self.capacity_factor is not None)
+        ok_shapes = err is None
+        T = x.shape[0] if ok_shapes else 0
+        k = experts.shape[1] if ok_shapes else 0
+        hidden = x.shape[1] if ok_shapes else 0
+        requires_grad = bool(ok_shapes and torch.is_grad_enabled() and x.requires_grad)
+        if ok_shapes:
+            e = experts.to(torch.int64)
+            valid = e >= 0
+            counts_local = torch.bincount(e[valid], minlength=E).cpu()
+        else:
+            counts_local = torch.zeros(E, dtype=torch.int64)
+        header = torch.cat([torch.tensor([T], dtype=torch.int64), counts_local])
+        gathered = agree(comm, "dispatch", {"hidden size (x.shape[1])": hidden, "top_k (experts.shape[1])": k,
+                                            "x.dtype": dtype_code(x.dtype) if ok_shapes else 0,
+                                            "x.requires_grad": int(requires_grad),
+                                            "weights.dtype (0: no weights passed)":
+                                                dtype_code(weights.dtype) if ok_shapes and weights is not None else 0},
+                         error=err, extra=header,
+                         formats={"x.dtype": dtype_name, "weights.dtype (0: no weights passed)": dtype_name},
+                         hint="Every rank must pass x [T, H] with the same H and dtype, experts [T, k] with the "
+                              "same k, and x.requires_grad set alike, and pass weights= on all ranks or on "
+                              "none (T may differ).")
+        num_global_tokens = int(gathered[:, 0].sum())
+        counts = gathered[:, 1:].clone()                       # [P, E] pairs per (source rank, expert)
+        global_tpe = counts.sum(0)
+        dropped = torch.zeros((T, k), dtype=torch.bool, device=x.device)
+        capacity = None
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * num_global_tokens * k / E)
+            over = global_tpe > capacity
+            if bool(over.any()):
+                keep_local, counts = self._capacity_keep(e, valid, weights, counts, over, capacity)
+                dropped = valid & ~keep_local
+                valid = valid & keep_local
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("rank %d: capacity %d per expert, %d experts over it, %d of this rank's pairs dropped",
+                              comm.global_ranks[comm.rank], capacity, int(over.sum()), int(dropped.sum()))
+        # One row per (token, destination rank); the token's slots for that rank ride in the row.
+        dest = torch.where(valid, torch.div(e, L, rounding_mode="floor"), torch.full_like(e, P))
+        to_rank = torch.zeros((T, P + 1), dtype=torch.bool, device=x.device)
+        to_rank.scatter_(1, dest, True)
+        rank_of_row, send_tok = to_rank[:, :P].t().nonzero(as_tuple=True)
+        send_counts = torch.bincount(rank_of_row, minlength=P).cpu().tolist()
+        slot_here = valid.index_select(0, send_tok) & (dest.index_select(0, send_tok) == rank_of_row.unsqueeze(1))
+        # Fresh row-major storage: the rows are later viewed as bytes (an empty result may have 0 strides).
+        slot_ids = torch.empty((send_tok.numel(), k), dtype=torch.int32, device=x.device)
+        slot_ids.copy_(torch.where(slot_here, e.index_select(0, send_tok) - (rank_of_row * L).unsqueeze(1),
+                                   torch.full((), -1, dtype=torch.int64, device=x.device)))
+        send_w = w_copy = w_id = None
+        if weights is not None:
+            w = weights.detach()
+            send_w = torch.empty((send_tok.numel(), k), dtype=w.dtype, device=x.device)
+            send_w.copy_(torch.where(slot_here, w.index_select(0, send_tok), torch.zeros((), dtype=w.dtype,
+                                                                                         device=x.device)))
+            w_copy, w_id = w.clone(), _tensor_id(weights)
+        r = comm.rank
+        return DispatchLayout(num_tokens=T, top_k=k, hidden=hidden, dtype=x.dtype, requires_grad=requires_grad,
+                              send_token_idx=send_tok, send_slot_ids=slot_ids, send_counts=send_counts,
+                              send_weights=send_w, weights=w_copy, weights_id=w_id,
+                              dropped=dropped, counts=counts, global_tokens_per_expert=global_tpe,
+                              num_global_tokens=num_global_tokens, capacity=capacity,
+                              tokens_per_expert=counts[:, r * L:(r + 1) * L].sum(0))
+
+    def _capacity_keep(self, e: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
+                       over: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global lowest-weight dropping for the over-capacity experts.
+
+        Every rank all-gathers the weights of its pairs routed to over-capacity experts (ordered by
+        expert, then token, then slot; padded to the longest), then ranks all of them identically:
+        by expert, weight descending, then (rank, token, slot). Returns this rank's keep mask
+        [T, k] bool and the kept counts [P, E] (identical on every rank).
+        """
+        comm, P, E = self.comm, self.comm.size, self.num_experts
+        dev = e.device
+        flat_e = e.reshape(-1)
+        over_dev = over.to(dev)
+        mine = valid.reshape(-1) & over_dev[flat_e.clamp(min=0)]
+        idx = mine.nonzero(as_tuple=True)[0]                          # (token, slot) order
+        idx = idx[torch.argsort(flat_e[idx], stable=True)]            # -> (expert, token, slot)
+        w_mine = weights.detach().reshape(-1)[idx].to(torch.float64)
+        over_e = over.nonzero(as_tuple=True)[0]                       # CPU, ascending
+        per_rank = counts[:, over_e]                                  # [P, n_over]
+        n = per_rank.sum(1)                                           # pairs each rank contributes
+        width = int(n.max())
+        padded = torch.zeros(width, dtype=torch.float64)
+        padded[: w_mine.numel()] = w_mine.cpu()
+        all_w = comm.all_gather(padded.reshape(1, -1)) if P > 1 else padded.reshape(1, -1)
+        valid_e = torch.arange(width).unsqueeze(0) < n.unsqueeze(1)   # [P, width]
+        w_flat = all_w[valid_e]                                       # (rank, expert, token, slot) order
+        exp_flat = torch.repeat_interleave(over_e.repeat(P), per_rank.reshape(-1))
+        rank_flat = torch.repeat_interleave(torch.arange(P), n)
+        # Stable sorts, last key first: weight descending, then expert ascending.
+        o = torch.argsort(-w_flat, stable=True)
+        o = o[torch.argsort(exp_flat[o], stable=True)]
+        e_sorted = exp_flat[o]
+        seg_start = torch.searchsorted(e_sorted, e_sorted, side="left")
+        keep_sorted = (torch.arange(o.numel()) - seg_start) < capacity
+        keep_flat = torch.empty_like(keep_sorted)
+        keep_flat[o] = keep_sorted
+        kept = counts.clone()
+        kept[:, over_e] = 0
+        kept.view(-1).index_add_(0, rank_flat * E + exp_flat, keep_flat.to(torch.int64))
+        start = int(n[: comm.rank].sum())
+        keep_mine = keep_flat[start: start + int(n[comm.rank])].to(dev)
+        keep = torch.ones(flat_e.numel(), dtype=torch.bool, device=dev)
+        keep[idx] = keep_mine
+        return keep.view_as(e), kept
+
+    # ---- dispatch / combine ---------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, *, weights: torch.Tensor | None = None,
+                 layout: DispatchLayout | None = None) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """Send every (token, expert) pair to the expert's rank (collective, differentiable in x).
+
+        x: [T, H] float64/32/16 or bf16 (T may differ between ranks, and be 0). experts: [T, k]
+        int, global expert index per slot (-1: unused slot). weights: [T, k] router weights, only
+        used (and then required) with a capacity factor. layout: a precomputed
+        :meth:`get_dispatch_layout` result for these experts (it carries the weights, so
+        ``weights`` is then ignored); None computes it here (the one count exchange). Returns ``(recv_x [N, H] x.dtype, tokens_per_expert [E/P] int64 on CPU, handle)``:
+        recv_x holds one row per pair routed to this rank, grouped by local expert in expert order,
+        then by source rank, token and slot; ``handle`` is for :meth:`combine`.
+        """
+        if layout is None:
+            layout = self.get_dispatch_layout(x, experts, weights=weights)
+        else:
+            err = self._check_inputs(x, experts, weights, need_weights=False)
+            if err is None and (x.shape[0] != layout.num_tokens or x.shape[1] != layout.hidden
+                                or x.dtype != layout.dtype or tuple(experts.shape) != (layout.num_tokens, layout.top_k)
+                                or (torch.is_grad_enabled() and x.requires_grad) != layout.requires_grad):
+                err = (f"dispatch (rank {self.comm.global_ranks[self.comm.rank]}): x {tuple(x.shape)} "
+                       f"{x.dtype} requires_grad={x.requires_grad} / experts {tuple(experts.shape)} do not match the "
+                       f"layout ([{layout.num_tokens}, {layout.hidden}] {layout.dtype} "
+                       f"requires_grad={layout.requires_grad}, k={layout.top_k}); recompute the layout")
+            if err is not None:
+                self.comm.reject(ValueError(err))
+        handle = DispatchHandle(layout)
+        recv_x = _DispatchAllToAll.apply(x, handle, self.comm)
+        return recv_x, layout.tokens_per_expert, handle
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor) -> torch.Tensor:
+        """Bring expert outputs back and sum them per token (collective, differentiable in expert_out and weights).
+
+        expert_out: [N, H'] float, row i the expert output for row i of ``recv_x`` (same order).
+        handle: from :meth:`dispatch`. weights: [T, k] float, the router weights (the same
+        values as given to dispatch, if any: those already sit on the expert ranks, so combine is
+        then a single all-to-all).
+        Returns y: [T, H'] expert_out.dtype with ``y[t] = sum_j weights[t, j] * out(t, j)``, where
+        dropped pairs and -1 slots contribute 0. Sums are accumulated in float32 (float64 for float64).
+        """
+        lay = handle.layout
+        me = self.comm.global_ranks[self.comm.rank]
+        err = None
+        if not isinstance(expert_out, torch.Tensor) or expert_out.dim() != 2 or \
+                expert_out.shape[0] != handle.num_recv_pairs:
+            err = (f"combine (rank {me}): expert_out must be [{handle.num_recv_pairs}, hidden] (one row per row of "
+                   f"recv_x), got " + (f"shape {tuple(expert_out.shape)}" if isinstance(expert_out, torch.Tensor)
+                                       else type(expert_out).__name__))
+        elif expert_out.dtype not in _FLOATS:
+            err = f"combine (rank {me}): expert_out must be a float tensor, got {expert_out.dtype}"
+        elif not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (lay.num_tokens, lay.top_k) \
+                or weights.dtype not in _FLOATS:
+            err = (f"combine (rank {me}): weights must be a float tensor [{lay.num_tokens}, {lay.top_k}], got "
+                   + (f"{tuple(weights.shape)} {weights.dtype}" if isinstance(weights, torch.Tensor)
+                      else type(weights).__name__))
+        elif lay.weights is not None and _tensor_id(weights) != lay.weights_id and not (
+                weights.dtype == lay.weights.dtype and torch.equal(weights.detach(), lay.weights)):
+            err = (f"combine (rank {me}): weights differ from the weights given to dispatch, which travelled with "
+                   "the tokens; pass the same weights (or none to dispatch without a capacity factor)")
+        if err is not None:
+            self.comm.reject(ValueError(err))
+        return _CombineAllToAll.apply(expert_out, weights, handle, self.comm)

@@ -1,0 +1,199 @@
+"""The expert-parallel MoE layer and its state-dict helpers."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._collective import agree
+from .dispatcher import ExpertDispatcher
+from .router import EXPERT_STREAM, SHARED_STREAM, TopKRouter, seeded_generator
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "swiglu": lambda h: F.silu(h[..., : h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:],
+    "geglu": lambda h: F.gelu(h[..., : h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:],
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+}
+_GATED = ("swiglu", "geglu")
+
+
+def _ffn_weights(hidden: int, ffn: int, activation: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """fc1 [H, F or 2F] ~ N(0, 1/H), fc2 [F, H] ~ N(0, 1/F), drawn in that order from ``gen``."""
+    width = 2 * ffn if activation in _GATED else ffn
+    fc1 = torch.randn(hidden, width, generator=gen) / math.sqrt(hidden)
+    fc2 = torch.randn(ffn, hidden, generator=gen) / math.sqrt(ffn)
+    return fc1, fc2
+
+
+class GroupedExperts(nn.Module):
+    """This rank's experts, stacked: ``fc1`` [L, H, F or 2F], ``fc2`` [L, F, H] (no biases).
+
+    Expert ``i`` here is global expert ``first_expert + i``; its weights come from
+    ``seeded_generator(seed, EXPERT_STREAM, first_expert + i)`` alone, so they do not depend on
+    how experts are spread over ranks.
+    """
+
+    def __init__(self, num_local_experts: int, first_expert: int, hidden_size: int, ffn_hidden_size: int,
+                 activation: str, seed: int):
+        super().__init__()
+        self.activation = activation
+        w1, w2 = zip(*(_ffn_weights(hidden_size, ffn_hidden_size, activation,
+                                    seeded_generator(seed, EXPERT_STREAM, first_expert + i))
+                       for i in range(num_local_experts)))
+        self.fc1 = nn.Parameter(torch.stack(w1))
+        self.fc2 = nn.Parameter(torch.stack(w2))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x: [N, H] rows grouped by local expert; tokens_per_expert: [L] int64 (CPU) -> [N, H] fc1.dtype."""
+        act = _ACTIVATIONS[self.activation]
+        x = x.to(self.fc1.dtype)
+        # One GEMM pair per local expert (like Megatron's SequentialMLP); empty experts still run
+        # so that every parameter gets a (zero) gradient on every rank.
+        chunks = torch.split(x, tokens_per_expert.tolist())
+        outs = [act(c @ self.fc1[i]) @ self.fc2[i] for i, c in enumerate(chunks)]
+        return torch.cat(outs) if outs else x.new_zeros((0, self.fc2.shape[-1]))
+
+
+class SharedExpert(nn.Module):
+    """A dense FFN every token passes through (DeepSeek-style shared expert), replicated on all ranks."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str, seed: int):
+        super().__init__()
+        self.activation = activation
+        w1, w2 = _ffn_weights(hidden_size, ffn_hidden_size, activation, seeded_generator(seed, SHARED_STREAM))
+        self.fc1, self.fc2 = nn.Parameter(w1), nn.Parameter(w2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, H] fc1.dtype."""
+        return _ACTIVATIONS[self.activation](x.to(self.fc1.dtype) @ self.fc1) @ self.fc2
+
+
+class MoELayer(nn.Module):
+    """Router -> dispatch -> local experts -> combine (+ shared expert), expert-parallel over ``comm``.
+
+    Rank ``i`` holds experts ``[i*E/P, (i+1)*E/P)``; the router and the shared expert are
+    replicated. All weights are drawn from ``seed`` and each expert's global index, so layers with
+    the same arguments over 1 or N ranks compute the same function. Construction is collective and
+    checks that every rank passed the same arguments (``ValueError`` otherwise).
+
+    Gradients: expert parameters get their full gradient on their rank. The router and shared
+    expert are replicated, so each rank's gradient is its tokens' share: sum them over ranks (a
+    data-parallel all-reduce with op="sum") to get the gradient of the whole batch.
+
+    ``router_kwargs``: ``score``, ``normalize``, ``aux_loss_coef``, ``z_loss_coef`` of :class:`TopKRouter`.
+    """
+
+    expert_keys = ("experts.fc1", "experts.fc2")
+
+    def __init__(self, comm: Any, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
+                 activation: str = "swiglu", capacity_factor: float | None = None, shared_ffn_hidden_size: int = 0,
+                 seed: int = 0, **router_kwargs: Any):
+        super().__init__()
+        me = comm.global_ranks[comm.rank]
+        err = None
+        try:
+            if activation not in _ACTIVATIONS:
+                raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+            if not isinstance(ffn_hidden_size, int) or isinstance(ffn_hidden_size, bool) or ffn_hidden_size <= 0:
+                raise ValueError(f"ffn_hidden_size must be a positive int, got {ffn_hidden_size!r}")
+            if not isinstance(shared_ffn_hidden_size, int) or shared_ffn_hidden_size < 0:
+                raise ValueError(f"shared_ffn_hidden_size must be an int >= 0, got {shared_ffn_hidden_size!r}")
+            bad = set(router_kwargs) - {"score", "normalize", "aux_loss_coef", "z_loss_coef"}
+            if bad:
+                raise ValueError(f"unknown keyword argument(s) {sorted(bad)}")
+            router = TopKRouter(hidden_size, num_experts, top_k, seed=seed, **router_kwargs)
+        except (TypeError, ValueError) as e:
+            err, router = f"MoELayer (rank {me}): {e}", None
+        values = {"hidden_size": hidden_size, "ffn_hidden_size": ffn_hidden_size, "top_k": top_k,
+                  "shared_ffn_hidden_size": shared_ffn_hidden_size, "seed": seed,
+                  "activation": sorted(_ACTIVATIONS).index(activation) if activation in _ACTIVATIONS else -2}
+        if router is not None:
+            values.update(score=int(router.score == "sigmoid"), normalize=int(router.normalize),
+                          aux_loss_coef=router.aux_loss_coef, z_loss_coef=router.z_loss_coef)
+        agree(comm, "MoELayer", values, error=err,
+              hint="Construct the layer with the same arguments on every rank.")
+        self.comm = comm
+        self.dispatcher = ExpertDispatcher(comm, num_experts, capacity_factor=capacity_factor)
+        self.router = router
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
+        self.num_local_experts = self.dispatcher.num_local_experts
+        self.experts = GroupedExperts(self.num_local_experts, self.dispatcher.first_local_expert, hidden_size,
+                                      ffn_hidden_size, activation, seed)
+        self.shared = (SharedExpert(hidden_size, shared_ffn_hidden_size, activation, seed)
+                       if shared_ffn_hidden_size else None)
+        self.last_handle = None
+
+    def extra_repr(self) -> str:
+        return (f"rank={self.comm.rank}/{self.comm.size}, experts {self.dispatcher.first_local_expert}.."
+                f"{self.dispatcher.first_local_expert + self.num_local_experts - 1} of {self.num_experts}, "
+                f"top_k={self.top_k}, capacity_factor={self.dispatcher.capacity_factor}")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] or [B, S, H] float (T may differ between ranks, and be 0).
+
+        Returns ``(y, aux_loss)``: y of x's shape and dtype; aux_loss a 0-d float32 tensor, this
+        rank's share of the router losses of the whole batch over all ranks (see
+        :class:`TopKRouter`): the shares of all ranks sum to the loss the same layer computes on
+        one rank over all tokens. Collective; its backward is collective too.
+        The dispatch handle of the last call is kept as ``last_handle`` (e.g. ``.dropped``).
+        """
+        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != self.hidden_size:
+            # the peers are in dispatch's count exchange: make it raise there too
+            self.comm.reject(ValueError(
+                f"MoELayer (rank {self.comm.global_ranks[self.comm.rank]}): x must be "
+                f"[T, {self.hidden_size}] or [B, S, {self.hidden_size}], got "
+                + (f"{tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)))
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden_size)
+        weights, experts, scores = self.router.route(x2)
+        recv_x, tokens_per_expert, handle = self.dispatcher.dispatch(x2, experts, weights=weights.detach())
+        expert_out = self.experts(recv_x, tokens_per_expert)
+        y = self.dispatcher.combine(expert_out, handle, weights).to(x.dtype)
+        if self.shared is not None:
+            y = y + self.shared(x2).to(x.dtype)
+        lay = handle.layout
+        aux = self.router.aux_loss(scores, lay.global_tokens_per_expert, lay.num_global_tokens)
+        self.last_handle = handle
+        return y.reshape(shape), aux
+
+
+def gather_state_dict(layer: MoELayer) -> dict[str, torch.Tensor]:
+    """The full (single-rank) state dict of an expert-parallel layer, on every rank (collective).
+
+    Expert tensors (``MoELayer.expert_keys``, [E/P, ...] per rank) are all-gathered into [E, ...]
+    in global expert order; replicated tensors are taken from this rank. The result loads into a
+    ``MoELayer`` over one rank with the same arguments.
+    """
+    full = {}
+    for name, t in layer.state_dict().items():
+        if name in layer.expert_keys:
+            full[name] = layer.comm.all_gather(t.detach().contiguous()) if layer.comm.size > 1 else t.detach().clone()
+        else:
+            full[name] = t.detach().clone()
+    return full
+
+
+def shard_state_dict(layer: MoELayer, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's part of a full state dict: expert tensors sliced to its experts [E/P, ...].
+
+    full: e.g. from :func:`gather_state_dict` or a single-rank layer's ``state_dict()``.
+    Returns a dict for ``layer.load_state_dict``. Local; raises ``ValueError`` on a wrong shape.
+    """
+    L, first = layer.num_local_experts, layer.dispatcher.first_local_expert
+    out = {}
+    for name, t in full.items():
+        if name in layer.expert_keys:
+            if t.dim() == 0 or t.shape[0] != layer.num_experts:
+                raise ValueError(f"shard_state_dict: {name} has shape {tuple(t.shape)}; a full state dict holds "
+                                 f"all {layer.num_experts} experts along dim 0")
+            out[name] = t[first: first + L].clone()
+        else:
+            out[name] = t
+    return out

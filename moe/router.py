@@ -1,0 +1,128 @@
+"""Top-k router with Switch/GShard load balancing and ST-MoE z-loss."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+# Tags that keep the router, expert and shared-expert random streams apart for one seed.
+ROUTER_STREAM, EXPERT_STREAM, SHARED_STREAM = 0, 1, 2
+
+
+def seeded_generator(seed: int, *stream: int) -> torch.Generator:
+    """A CPU generator determined by ``seed`` and the stream tags only (e.g. a global expert index)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    state = np.random.SeedSequence([seed, *stream]).generate_state(2, np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
+
+
+class RouterOutput(NamedTuple):
+    """weights: [T, k] float32; experts: [T, k] int64 global expert ids; aux_loss: scalar float32."""
+
+    weights: torch.Tensor
+    experts: torch.Tensor
+    aux_loss: torch.Tensor
+
+
+class RouterScores(NamedTuple):
+    """What the auxiliary losses need besides the routing: ``probs`` [T, E] float32 (rows sum to 1)
+    and ``logits`` [T, E] float32."""
+
+    probs: torch.Tensor
+    logits: torch.Tensor
+
+
+class TopKRouter(nn.Module):
+    """Picks ``top_k`` experts per token from a linear gate.
+
+    logits = x @ W^T (in float32, W: [E, H] drawn from ``seed`` alone, N(0, 1/H)).
+    score="softmax": s = softmax(logits); score="sigmoid": s = sigmoid(logits). The k largest
+    scores give ``experts``; their scores are the ``weights``, divided by their sum when
+    ``normalize`` (a no-op for softmax with k = E).
+
+    Losses (T tokens, k slots, E experts; over the whole batch of every rank in :class:`MoELayer`):
+      load balancing (Switch Transformer eq. 4, GShard; k-normalised so perfect balance gives the coef):
+        aux = aux_loss_coef * E * sum_e f_e * P_e,
+        f_e = (number of (token, slot) pairs routed to e) / (T * k)   (before capacity dropping),
+        P_e = (1 / T) * sum_t p_{t,e},   p = softmax(logits) for softmax, s / sum_e s for sigmoid;
+      router z-loss (ST-MoE eq. 5):
+        z = z_loss_coef * (1 / T) * sum_t (logsumexp_e logits_{t,e})^2.
+    ``aux_loss`` = aux + z (a 0-d float32 tensor; zeros with no graph when both coefs are 0).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score: str = "softmax",
+                 normalize: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, seed: int = 0):
+        super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("num_experts", num_experts), ("top_k", top_k)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"TopKRouter: {name} must be a positive int, got {v!r}")
+        if top_k > num_experts:
+            raise ValueError(f"TopKRouter: top_k={top_k} exceeds num_experts={num_experts}")
+        if score not in ("softmax", "sigmoid"):
+            raise ValueError(f"TopKRouter: score must be 'softmax' or 'sigmoid', got {score!r}")
+        for name, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"TopKRouter: {name} must be a finite number >= 0, got {v!r}")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.score, self.normalize = score, bool(normalize)
+        self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
+        self.seed = seed
+        w = torch.randn(num_experts, hidden_size, generator=seeded_generator(seed, ROUTER_STREAM))
+        self.weight = nn.Parameter(w / math.sqrt(hidden_size))
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"score={self.score!r}, normalize={self.normalize}, aux_loss_coef={self.aux_loss_coef}, "
+                f"z_loss_coef={self.z_loss_coef}, seed={self.seed}")
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterScores]:
+        """Routing without the losses. x: [T, H] -> (weights [T, k] float32, experts [T, k] int64, scores)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"TopKRouter: x must be [num_tokens, {self.hidden_size}], got "
+                             + (f"{tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
+        logits = x.float() @ self.weight.float().t()
+        if self.score == "softmax":
+            s = torch.softmax(logits, dim=-1)
+            probs = s
+        else:
+            s = torch.sigmoid(logits)
+            probs = s / s.sum(-1, keepdim=True)
+        weights, experts = torch.topk(s, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, experts, RouterScores(probs, logits)
+
+    def aux_loss(self, scores: RouterScores, tokens_per_expert: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """This batch's share of the load-balancing + z-loss (formulas in the class docstring).
+
+        scores: from :meth:`route` for this rank's tokens. tokens_per_expert: [E] int, pairs routed to
+        each expert over the whole batch (all ranks). num_tokens: T of the whole batch. The shares of
+        all ranks sum to the loss of the whole batch, and so do their gradients.
+        """
+        dev = scores.logits.device
+        if self.aux_loss_coef == 0 and self.z_loss_coef == 0:
+            return torch.zeros((), dtype=torch.float32, device=dev)
+        T = max(int(num_tokens), 1)  # an empty batch has loss 0, not NaN
+        loss = torch.zeros((), dtype=torch.float32, device=dev)
+        if self.aux_loss_coef:
+            f = tokens_per_expert.to(device=dev, dtype=torch.float32) / (T * self.top_k)
+            p_sum = scores.probs.sum(0)
+            loss = loss + self.aux_loss_coef * self.num_experts * (f * p_sum).sum() / T
+        if self.z_loss_coef:
+            z = torch.logsumexp(scores.logits, dim=-1)
+            loss = loss + self.z_loss_coef * z.square().sum() / T
+        return loss
+
+    def forward(self, x: torch.Tensor) -> RouterOutput:
+        """x: [T, H] -> RouterOutput(weights [T, k] float32, experts [T, k] int64, aux_loss 0-d float32).
+
+        The losses here use this call's tokens only; :class:`MoELayer` uses the whole batch.
+        """
+        weights, experts, scores = self.route(x)
+        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+        return RouterOutput(weights, experts, self.aux_loss(scores, counts, x.shape[0]))

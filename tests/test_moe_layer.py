@@ -1,0 +1,102 @@
+"""MoELayer over 2 and 4 ranks equals the same-seed layer over 1 rank, forward and backward.
+
+Inside each launched rank the 1-rank reference runs on a size-1 sub-communicator over the whole
+batch; the expert-parallel layer runs on the rank's contiguous slice of tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import collectives
+from moe import MoELayer, gather_state_dict, shard_state_dict
+
+H = 16
+
+CONFIGS = [
+    # dropless, softmax, both losses, 2-D input, one rank without tokens
+    dict(E=8, k=2, ffn=24, kw=dict(activation="swiglu", aux_loss_coef=0.01, z_loss_coef=1e-3), shape="2d"),
+    # sigmoid scores, capacity dropping, a shared expert, 3-D input
+    dict(E=8, k=1, ffn=12, kw=dict(activation="gelu", score="sigmoid", capacity_factor=1.0,
+                                   shared_ffn_hidden_size=10, aux_loss_coef=0.02), shape="3d"),
+    # k = 4 of 4 experts, tight capacity, no renormalisation, weights loaded from a perturbed full state dict
+    dict(E=4, k=4, ffn=8, kw=dict(activation="relu", normalize=False, capacity_factor=0.5, z_loss_coef=0.01),
+         shape="2d", reload=True),
+]
+
+
+def _close(a, b, what, tol=2e-5):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def _layer_body(comm) -> list[float]:
+    P, r = comm.size, comm.rank
+    single = comm.split(r)                    # a 1-rank communicator for the reference layer
+    auxes = []
+    for i, cfg in enumerate(CONFIGS):
+        g = torch.Generator().manual_seed(100 + i)
+        kw = dict(cfg["kw"], seed=11 + i)
+        ref = MoELayer(single, H, cfg["ffn"], cfg["E"], cfg["k"], **kw)
+        layer = MoELayer(comm, H, cfg["ffn"], cfg["E"], cfg["k"], **kw)
+        # identical initialisation, whatever the number of ranks
+        full = gather_state_dict(layer)
+        assert full.keys() == ref.state_dict().keys()
+        for name, t in ref.state_dict().items():
+            assert torch.equal(full[name], t), name
+        if cfg.get("reload"):
+            perturbed = {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in ref.state_dict().items()}
+            ref.load_state_dict(perturbed)
+            layer.load_state_dict(shard_state_dict(layer, perturbed))
+        rows = [3 + 2 * q + i for q in range(P)]
+        if P > 1 and i == 0:
+            rows[1] = 0
+        n = sum(rows)
+        X = torch.randn((n, 3, H) if cfg["shape"] == "3d" else (n, H), generator=g)
+        G = torch.randn(X.shape, generator=g)
+        Xr = X.clone().requires_grad_()
+        y_ref, aux_ref = ref(Xr)
+        ((y_ref * G).sum() + aux_ref).backward()
+
+        sl = slice(sum(rows[:r]), sum(rows[:r + 1]))
+        x = X[sl].clone().requires_grad_()
+        y, aux = layer(x)
+        ((y * G[sl]).sum() + aux).backward()
+        assert y.shape == x.shape
+        _close(y, y_ref[sl].detach(), "forward")
+        aux_sum = comm.all_reduce(aux.detach().reshape(1))[0]
+        _close(aux_sum, aux_ref.detach(), "aux loss summed over ranks")
+        assert torch.equal(layer.last_handle.dropped, ref.last_handle.dropped[sl.start * X[0].numel() // H:
+                                                                              sl.stop * X[0].numel() // H])
+        _close(x.grad, Xr.grad[sl], "grad x")
+        first, L = layer.dispatcher.first_local_expert, layer.num_local_experts
+        ref_grads = dict(ref.named_parameters())
+        for name, p in layer.named_parameters():
+            want = ref_grads[name].grad
+            if name in ("experts.fc1", "experts.fc2"):
+                _close(p.grad, want[first:first + L], f"grad {name}")
+            else:                                   # replicated: the ranks' shares sum to the whole
+                _close(comm.all_reduce(p.grad), want, f"grad {name} summed over ranks")
+        auxes.append(float(aux_ref))
+        if cfg["kw"].get("capacity_factor"):
+            assert int(ref.last_handle.dropped.sum()) > 0, "capacity case should drop something"
+    return auxes
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_layer_matches_single_rank(nprocs):
+    auxes = collectives.launch(_layer_body, nprocs, timeout=120)
+    assert all(a > 0 for a in auxes[0])
+
+
+def _mismatch_body(comm) -> str:
+    try:
+        MoELayer(comm, H, 8 + comm.rank, 4, 2)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_layer_arguments_must_agree():
+    msgs = collectives.launch(_mismatch_body, 2, timeout=60)
+    assert all("ffn_hidden_size" in m and "rank 0: 8, rank 1: 9" in m for m in msgs), msgs

@@ -1,0 +1,189 @@
+"""``nccl``: CUDA tensors through the real NCCL library, via ``cupy.cuda.nccl``.
+
+cupy's binding loads the libnccl of ``nvidia-nccl-cu12`` (or the host's). Every call is
+enqueued on the caller's current torch CUDA stream with no device-wide synchronisation and
+no host round trip, so it can be captured in a CUDA graph; the one exception is uneven
+all-to-all, whose receive counts must reach the host to size the output (one count exchange,
+then grouped send/recv).
+
+Agreement of call signatures across ranks is checked over the host rendezvous the first
+time each signature is used (``MOECOMM_NCCL_CHECK=always``: every call, which costs a host
+round trip and cannot be graph-captured). NCCL itself never validates arguments.
+
+STATUS: written against cupy's documented NcclCommunicator API but NOT yet run on a GPU
+(the development machine has none); the GPU tests in tests/test_nccl.py skip without one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from .base import (
+    Allocator,
+    CollectiveTimeoutError,
+    GroupInfo,
+    OpCode,
+    ReduceOp,
+    Signature,
+    Transport,
+    check_agreement,
+)
+
+log = logging.getLogger(__name__)
+
+# ncclDataType_t / ncclRedOp_t values (nccl.h); bool travels as uint8 (max/min = or/and on 0/1).
+NCCL_DTYPES = {torch.uint8: 1, torch.bool: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
+               torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
+NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.AVG: 4}
+
+
+def nccl_module():
+    """cupy.cuda.nccl, or None with the reason logged (no GPU, no cupy, no libnccl)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from cupy.cuda import nccl
+
+        nccl.get_version()
+        return nccl
+    except Exception as e:  # noqa: BLE001 - ImportError, missing libnccl, driver errors
+        log.info("NCCL unavailable: %s (pip install 'moecomm[cuda12]')", e)
+        return None
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    nccl = nccl_module()
+    if nccl is None:
+        return None
+    v = nccl.get_version()
+    return (v // 10000, (v // 100) % 100, v % 100) if v >= 10000 else (v // 1000, (v // 100) % 10, v % 100)
+
+
+class NCCLTransport(Transport):
+    name = "nccl"
+    devices = ("cuda",)
+
+    def __init__(self, group: GroupInfo):
+        super().__init__(group)
+        nccl = nccl_module()
+        if nccl is None:
+            raise RuntimeError("NCCL is not available (needs a GPU, cupy and libnccl)")
+        self.nccl = nccl
+        self.device = torch.cuda.current_device()
+        uid = nccl.get_unique_id() if self.rank == 0 else ()
+        ids = group.rendezvous.allgather_bytes(np.asarray(uid, dtype=np.int64).tobytes() if self.rank == 0 else b"")
+        unique_id = tuple(int(v) for v in np.frombuffer(ids[0], dtype=np.int64))
+        with torch.cuda.device(self.device):
+            self.comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
+        self._checked: set[int] = set()
+        self._check_always = os.environ.get("MOECOMM_NCCL_CHECK") == "always"
+        self._ranks = list(group.global_ranks)
+        log.debug("nccl transport up on cuda:%d, rank %d/%d", self.device, self.rank, self.size)
+
+    def supports(self, opcode, dtype, op):
+        if dtype not in NCCL_DTYPES:
+            return f"NCCL has no {dtype}"
+        return None
+
+    def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
+        return {OpCode.ALL_TO_ALL: "grouped_send_recv"}.get(opcode, "nccl")
+
+    # ---- agreement over the host rendezvous -----------------------------------------------
+    def exchange_meta(self, sig: Signature) -> np.ndarray:
+        raw = self.group.rendezvous.allgather_bytes(sig.meta.tobytes())
+        return np.stack([np.frombuffer(b, dtype=np.int64) for b in raw])
+
+    def _agree(self, sig: Signature) -> None:
+        if sig.value in self._checked and not self._check_always:
+            return
+        check_agreement(self.exchange_meta(sig), self._ranks)
+        self._checked.add(sig.value)
+
+    def barrier(self, sig: Signature) -> None:
+        # A device barrier: a 1-element all-reduce, waited for on the host with the timeout.
+        check_agreement(self.exchange_meta(sig), self._ranks)
+        x = torch.zeros(1, device=self.device)
+        self.comm.allReduce(x.data_ptr(), x.data_ptr(), 1, NCCL_DTYPES[torch.float32], 0, self._stream())
+        self._host_wait("barrier")
+
+    @staticmethod
+    def _stream() -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    def _host_wait(self, what: str) -> None:
+        """Wait on the host for the work queued so far, bounded by the timeout; abort NCCL on expiry."""
+        ev = torch.cuda.Event()
+        ev.record()
+        deadline = time.monotonic() + self.group.timeout
+        sleep = 1e-5
+        while not ev.query():
+            if time.monotonic() >= deadline:
+                self.comm.abort()
+                raise CollectiveTimeoutError(
+                    f"nccl {what} did not complete within {self.group.timeout:.1f}s on rank "
+                    f"{self._ranks[self.rank]}; the NCCL communicator was aborted")
+            time.sleep(sleep)
+            sleep = min(2 * sleep, 1e-3)
+
+    # ---- collectives ----------------------------------------------------------------------
+    def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
+        self._agree(sig)
+        self.comm.allReduce(send.data_ptr(), out.data_ptr(), send.numel(), NCCL_DTYPES[send.dtype], NCCL_OPS[op],
+                            self._stream())
+
+    def all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature) -> None:
+        self._agree(sig)
+        self.comm.allGather(send.data_ptr(), out.data_ptr(), send.numel(), NCCL_DTYPES[send.dtype], self._stream())
+
+    def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
+        self._agree(sig)
+        self.comm.reduceScatter(send.data_ptr(), out.data_ptr(), out.numel(), NCCL_DTYPES[send.dtype],
+                                NCCL_OPS[op], self._stream())
+
+    def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, sig: Signature) -> None:
+        self._agree(sig)
+        self.comm.broadcast(send.data_ptr(), out.data_ptr(), send.numel(), NCCL_DTYPES[send.dtype], src,
+                            self._stream())
+
+    def all_to_all(self, send: torch.Tensor, send_counts: np.ndarray, row_numel: int, alloc: Allocator,
+                   sig: Signature) -> torch.Tensor:
+        self._agree(sig)
+        n = self.size
+        stream = self._stream()
+        sc = torch.from_numpy(np.ascontiguousarray(send_counts, dtype=np.int64)).to(self.device, non_blocking=True)
+        rc = torch.empty(n, dtype=torch.int64, device=self.device)
+        self._send_recv(sc, [1] * n, rc, [1] * n, torch.int64, 1, stream)
+        recv_counts = rc.cpu().numpy()  # the one host synchronisation: it sizes the output
+        out = alloc(recv_counts)
+        self._send_recv(send, send_counts.tolist(), out, recv_counts.tolist(), send.dtype, row_numel, stream)
+        return out
+
+    def _send_recv(self, send, send_counts, recv, recv_counts, dtype, row_numel, stream) -> None:
+        nccl, dt = self.nccl, NCCL_DTYPES[dtype]
+        item = send.element_size()
+        s_off = r_off = 0
+        nccl.groupStart()
+        try:
+            for peer in range(self.size):
+                sc, rcnt = send_counts[peer] * row_numel, recv_counts[peer] * row_numel
+                if sc:
+                    self.comm.send(send.data_ptr() + s_off * item, sc, dt, peer, stream)
+                if rcnt:
+                    self.comm.recv(recv.data_ptr() + r_off * item, rcnt, dt, peer, stream)
+                s_off += sc
+                r_off += rcnt
+        finally:
+            nccl.groupEnd()
+
+    def close(self) -> None:
+        if getattr(self, "comm", None) is not None:
+            try:
+                self.comm.destroy()
+            except Exception:  # noqa: BLE001
+                pass
+            self.comm = None
