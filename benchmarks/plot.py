@@ -46,7 +46,6 @@ def plot_runs(runs: Sequence[tuple[str, Sequence[dict]]], path: str | os.PathLik
     if not ops:
         raise ValueError("nothing to plot: no rows with a positive size and a checked result")
     peers = list(dict.fromkeys(k[1] for _, s in per_run for k in s))  # one colour per peer
-    variants = list(dict.fromkeys(k[2:] for _, s in per_run for k in s))  # one marker per (dtype, redop)
     cmap = plt.get_cmap("tab10")
     fig, axes = plt.subplots(len(ops), 2, figsize=(14, 3.4 * len(ops) + 0.9), squeeze=False, layout="constrained")
     all_sizes = sorted({p[0] for _, s in per_run for v in s.values() for p in v})
@@ -54,6 +53,7 @@ def plot_runs(runs: Sequence[tuple[str, Sequence[dict]]], path: str | os.PathLik
     drawn: dict[str, list[str]] = {}
     for row, op in enumerate(ops):
         multi = {i: len({k[i] for _, s in per_run for k in s if k[0] == op}) > 1 for i in (2, 3)}
+        variants = list(dict.fromkeys(k[2:] for _, s in per_run for k in s if k[0] == op))  # (dtype, redop)
         for col, (idx, what) in enumerate(((1, "algbw"), (2, "busbw"))):
             ax = axes[row][col]
             for ri, (label, s) in enumerate(per_run):
