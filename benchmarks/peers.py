@@ -1,0 +1,420 @@
+"""The libraries a sweep measures side by side: moecomm (per transport, and auto), mpi4py, torch.distributed.
+
+Each peer binds an op to preallocated buffers (out-of-place or in-place, nccl-tests' layouts) and
+returns a :class:`Bound` call; :func:`benchmarks.sweep.measure` times and checks it the same way
+for every peer. How each peer's variants map to its API:
+
+================  ===============================  ================================================
+peer              out-of-place                     in-place
+================  ===============================  ================================================
+moecomm           ``comm.<op>(x, out=out)``        ``out=`` aliasing the input per nccl-tests
+                                                   (all_gather/reduce_scatter alias one block;
+                                                   moecomm stages those through a temporary)
+mpi4py            Allreduce, Allgather,            ``MPI.IN_PLACE``; Reduce_scatter_block's
+                  Reduce_scatter_block, Alltoall,  result is the first block of the buffer (MPI's
+                  Bcast (root sends x, others      definition, not nccl-tests' rank block)
+                  receive into out)
+torch.distributed copy + ``all_reduce`` /          ``all_reduce(buf)``, ``all_gather_single(buf,
+(gloo, nccl)      ``broadcast`` (both in-place     block)``, ``reduce_scatter_single(block, buf)``,
+                  only in torch); all_gather_,     ``all_to_all_single(buf, buf)``,
+                  reduce_scatter_single,           ``broadcast(buf)``
+                  all_to_all_single
+================  ===============================  ================================================
+
+mpi4py reductions use NumPy's typed buffers (so no float16/bfloat16 reductions: MPI has no
+predefined type for them, and no average); data movement without reduction goes as bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from datetime import timedelta
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from .sweep import DTYPES, REDUCING, out_numel
+
+log = logging.getLogger("benchmarks")
+
+EXTERNAL = ("mpi4py", "gloo", "nccl")
+
+
+class Bound(NamedTuple):
+    """One variant of one op on fixed buffers: ``call()`` runs it, ``result()`` is this rank's output,
+    ``reset()`` restores the in-place buffer (None for out-of-place), ``sync()`` waits for the device."""
+
+    call: Callable[[], object]
+    result: Callable[[], torch.Tensor]
+    reset: Callable[[], object] | None
+    sync: Callable[[], None]
+
+
+def _no_sync() -> None:
+    return None
+
+
+class Peer:
+    """A library under measurement on this rank (subclasses implement ``_out_of_place``/``_in_place``)."""
+
+    name: str = "?"
+    library: str = "?"
+    device: str = "cpu"
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def supports(self, op: str, dtype: str, redop: str) -> str | None:
+        """None if the peer can run this op, else why not (same answer on every rank)."""
+        return None
+
+    def algorithm(self, op: str, x: torch.Tensor) -> str:
+        return op
+
+    def sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+
+    def bind(self, op: str, x: torch.Tensor, count: int, redop: str, root: int, *, in_place: bool) -> Bound:
+        """Buffers and call for ``op``; x: this rank's input [numel] (CPU; moved to the peer's device)."""
+        n, r = self.size, self.rank
+        sync = self.sync if self.device.startswith("cuda") else _no_sync
+        x = x.to(self.device)
+        if not in_place:
+            out = torch.empty(out_numel(op, count, n), dtype=x.dtype, device=x.device)
+            call, res = self._out_of_place(op, x, out, count, redop, root)
+            return Bound(call, lambda: res, None, sync)
+        if op == "all_gather":  # nccl-tests: the input is this rank's block of the output
+            init = torch.zeros(n * count, dtype=x.dtype, device=x.device)
+            init[r * count : (r + 1) * count] = x
+        else:
+            init = x
+        buf = init.clone()
+        call, res = self._in_place(op, buf, count, redop, root)
+        return Bound(call, lambda: res, lambda: buf.copy_(init), sync)
+
+    def _out_of_place(self, op, x, out, count, redop, root) -> tuple[Callable[[], object], torch.Tensor]:
+        raise NotImplementedError
+
+    def _in_place(self, op, buf, count, redop, root) -> tuple[Callable[[], object], torch.Tensor]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.library}, {self.device})"
+
+    def close(self) -> None:
+        pass
+
+
+class MoecommPeer(Peer):
+    """moecomm through one communicator (a ``comm.using(t)`` view, or the auto-selecting comm)."""
+
+    library = "moecomm"
+
+    def __init__(self, comm, name: str, *, show_transport: bool = False, device: str = "cpu"):
+        super().__init__(comm.rank, comm.size)
+        self.comm, self.name, self.device = comm, name, device
+        self._show_transport = show_transport
+
+    def algorithm(self, op: str, x: torch.Tensor) -> str:
+        plan = self.comm.plan(op, x.to(self.device))
+        return f"{plan.transport}:{plan.algorithm}" if self._show_transport else plan.algorithm
+
+    def _out_of_place(self, op, x, out, count, redop, root):
+        c = self.comm
+        if op == "all_reduce":
+            return (lambda: c.all_reduce(x, redop, out=out)), out
+        if op == "all_gather":
+            return (lambda: c.all_gather(x, out=out)), out
+        if op == "reduce_scatter":
+            return (lambda: c.reduce_scatter(x, redop, out=out)), out
+        if op == "all_to_all":
+            return (lambda: c.all_to_all(x, out=out)), out
+        if op == "broadcast":
+            return (lambda: c.broadcast(x, root, out=out)), out
+        raise ValueError(f"unknown op {op!r}")
+
+    def _in_place(self, op, buf, count, redop, root):
+        c, r = self.comm, self.rank
+        block = buf[r * count : (r + 1) * count]
+        if op == "all_reduce":
+            return (lambda: c.all_reduce(buf, redop, out=buf)), buf
+        if op == "all_gather":
+            return (lambda: c.all_gather(block, out=buf)), buf
+        if op == "reduce_scatter":
+            return (lambda: c.reduce_scatter(buf, redop, out=block)), block
+        if op == "all_to_all":
+            return (lambda: c.all_to_all(buf, out=buf)), buf
+        if op == "broadcast":
+            return (lambda: c.broadcast(buf, root, out=buf)), buf
+        raise ValueError(f"unknown op {op!r}")
+
+
+_MPI_REDUCE_DTYPES = ("float32", "float64", "int32", "int64", "uint8")
+
+
+class Mpi4pyPeer(Peer):
+    """mpi4py's blocking collectives on NumPy views of the tensors, on a duplicate of COMM_WORLD."""
+
+    name = library = "mpi4py"
+
+    def __init__(self, mpi_comm):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.c = mpi_comm.Dup()
+        super().__init__(self.c.Get_rank(), self.c.Get_size())
+        self._ops = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+
+    def supports(self, op, dtype, redop):
+        if op in REDUCING and dtype not in _MPI_REDUCE_DTYPES:
+            return "MPI has no predefined reduction type for it"
+        if op in REDUCING and redop not in self._ops:
+            return "MPI has no predefined reduction op for it"
+        return None
+
+    def algorithm(self, op, x):
+        return {"all_reduce": "Allreduce", "all_gather": "Allgather", "reduce_scatter": "Reduce_scatter_block",
+                "all_to_all": "Alltoall", "broadcast": "Bcast"}[op]
+
+    @staticmethod
+    def _typed(t: torch.Tensor):
+        return t.numpy()
+
+    @staticmethod
+    def _bytes(t: torch.Tensor):
+        return t.view(torch.uint8).numpy()
+
+    def _out_of_place(self, op, x, out, count, redop, root):
+        c = self.c
+        if op == "all_reduce":
+            xs, os_, mop = self._typed(x), self._typed(out), self._ops[redop]
+            return (lambda: c.Allreduce(xs, os_, mop)), out
+        if op == "reduce_scatter":
+            xs, os_, mop = self._typed(x), self._typed(out), self._ops[redop]
+            return (lambda: c.Reduce_scatter_block(xs, os_, mop)), out
+        xb, ob = self._bytes(x), self._bytes(out)
+        if op == "all_gather":
+            return (lambda: c.Allgather(xb, ob)), out
+        if op == "all_to_all":
+            return (lambda: c.Alltoall(xb, ob)), out
+        if op == "broadcast":  # one buffer per rank in MPI: the root's x, everyone else's out
+            if self.rank == root:
+                return (lambda: c.Bcast(xb, root)), x
+            return (lambda: c.Bcast(ob, root)), out
+        raise ValueError(f"unknown op {op!r}")
+
+    def _in_place(self, op, buf, count, redop, root):
+        c, IN_PLACE = self.c, self.MPI.IN_PLACE
+        if op == "all_reduce":
+            bs, mop = self._typed(buf), self._ops[redop]
+            return (lambda: c.Allreduce(IN_PLACE, bs, mop)), buf
+        if op == "reduce_scatter":  # MPI_IN_PLACE: the result is the buffer's first block
+            bs, mop = self._typed(buf), self._ops[redop]
+            return (lambda: c.Reduce_scatter_block(IN_PLACE, bs, mop)), buf[:count]
+        bb = self._bytes(buf)
+        if op == "all_gather":
+            return (lambda: c.Allgather(IN_PLACE, bb)), buf
+        if op == "all_to_all":
+            return (lambda: c.Alltoall(IN_PLACE, bb)), buf
+        if op == "broadcast":
+            return (lambda: c.Bcast(bb, root)), buf
+        raise ValueError(f"unknown op {op!r}")
+
+    def describe(self):
+        from mpi4py import __version__
+
+        lib = " ".join(self.MPI.Get_library_version().splitlines()[0].split())
+        return f"mpi4py {__version__} ({lib})"
+
+    def close(self):
+        try:
+            self.c.Free()
+        except Exception:  # noqa: BLE001 - MPI may already be finalizing
+            pass
+
+
+class TorchPeer(Peer):
+    """torch.distributed's collectives on the default process group (gloo for CPU, NCCL for CUDA)."""
+
+    library = "torch"
+
+    def __init__(self, rank: int, size: int, backend: str, device: str):
+        import torch.distributed as dist
+
+        super().__init__(rank, size)
+        self.dist, self.name, self.device = dist, backend, device
+        R = dist.ReduceOp
+        self._ops = {"sum": R.SUM, "prod": R.PRODUCT, "max": R.MAX, "min": R.MIN, "avg": R.AVG}
+        # all_gather_single / reduce_scatter_single are the names from torch 2.10 on
+        self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def supports(self, op, dtype, redop):
+        if op in REDUCING and redop == "avg" and self.name != "nccl" and not DTYPES[dtype].is_floating_point:
+            return "avg needs a floating dtype"
+        return None
+
+    def algorithm(self, op, x):
+        return {"all_reduce": "all_reduce", "all_gather": self._ag.__name__, "reduce_scatter": self._rs.__name__,
+                "all_to_all": "all_to_all_single", "broadcast": "broadcast"}[op]
+
+    def _out_of_place(self, op, x, out, count, redop, root):
+        d = self.dist
+        if op == "all_reduce":  # torch has no out-of-place all_reduce: a caller copies first
+            mop = self._ops[redop]
+            return (lambda: d.all_reduce(out.copy_(x), op=mop)), out
+        if op == "all_gather":
+            return (lambda: self._ag(out, x)), out
+        if op == "reduce_scatter":
+            mop = self._ops[redop]
+            return (lambda: self._rs(out, x, op=mop)), out
+        if op == "all_to_all":
+            return (lambda: d.all_to_all_single(out, x)), out
+        if op == "broadcast":
+            if self.rank == root:
+                return (lambda: d.broadcast(out.copy_(x), root)), out
+            return (lambda: d.broadcast(out, root)), out
+        raise ValueError(f"unknown op {op!r}")
+
+    def _in_place(self, op, buf, count, redop, root):
+        d, r = self.dist, self.rank
+        block = buf[r * count : (r + 1) * count]
+        if op == "all_reduce":
+            mop = self._ops[redop]
+            return (lambda: d.all_reduce(buf, op=mop)), buf
+        if op == "all_gather":
+            return (lambda: self._ag(buf, block)), buf
+        if op == "reduce_scatter":
+            mop = self._ops[redop]
+            return (lambda: self._rs(block, buf, op=mop)), block
+        if op == "all_to_all":
+            return (lambda: d.all_to_all_single(buf, buf)), buf
+        if op == "broadcast":
+            return (lambda: d.broadcast(buf, root)), buf
+        raise ValueError(f"unknown op {op!r}")
+
+    def describe(self):
+        extra = ""
+        if self.name == "nccl":
+            try:
+                extra = " NCCL " + ".".join(map(str, torch.cuda.nccl.version()))
+            except Exception:  # noqa: BLE001
+                pass
+        return f"{self.name} (torch {torch.__version__}{extra}, {self.device})"
+
+    def close(self):
+        try:
+            if self.dist.is_initialized():
+                self.dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - best effort at the end of a run
+            log.debug("destroy_process_group: %s", e)
+
+
+def _agree(comm, ok: bool) -> bool:
+    """True on every rank iff ``ok`` on every rank (peers must be chosen collectively)."""
+    return bool(int(comm.all_reduce(torch.tensor([1 if ok else 0], dtype=torch.int64), op="min")[0]))
+
+
+def gpus_per_rank_available(comm) -> bool:
+    """Every rank has a CUDA device of its own (local rank < device count), agreed across ranks."""
+    try:
+        ok = torch.cuda.is_available() and torch.cuda.device_count() >= comm.local_size
+    except Exception:  # noqa: BLE001 - a broken driver means no GPU here
+        ok = False
+    return _agree(comm, ok)
+
+
+def init_torch_distributed(comm, backend: str, timeout: float) -> None:
+    """torch.distributed's default group over ``comm``'s ranks, whatever launched them.
+
+    Rank 0 hosts a TCPStore on a free port (loopback on one node, its hostname across nodes)
+    and broadcasts the port over ``comm``; environment variables (env://, torchrun's agent
+    store) are not used, so this works the same self-launched, under torchrun and under mpiexec.
+    """
+    import torch.distributed as dist
+
+    host = "127.0.0.1" if comm.topology.single_node else comm.topology.hosts[0]
+    td = timedelta(seconds=timeout)
+    store = None
+    if comm.rank == 0:
+        store = dist.TCPStore(host if comm.topology.single_node else "0.0.0.0", 0, comm.size, True, timeout=td,
+                              wait_for_workers=False)
+        port = store.port
+    else:
+        port = 0
+    port = int(comm.broadcast(torch.tensor([port], dtype=torch.int64), 0)[0])
+    if store is None:
+        store = dist.TCPStore(host, port, comm.size, False, timeout=td)
+    kw = {}
+    if backend == "nccl":
+        torch.cuda.set_device(comm.local_rank)
+        kw["device_id"] = torch.device("cuda", comm.local_rank)
+    dist.init_process_group(backend, store=store, rank=comm.rank, world_size=comm.size, timeout=td, **kw)
+
+
+def build_peers(comm, *, transports: Sequence[str] | None, compare: bool, peers: Sequence[str] | None,
+                device: str, timeout: float) -> tuple[list[Peer], list[str]]:
+    """The peers of one sweep, chosen collectively, and notes on the ones left out.
+
+    transports: moecomm transports to measure (None: with ``compare`` every available one, else
+    auto alone). compare: also moecomm auto and the external peers (``peers``, default all of
+    mpi4py / gloo / nccl that can run here). device: "cpu" or "cuda" (tensors of every peer).
+    """
+    notes: list[str] = []
+    mdev = f"cuda:{comm.local_rank}" if device == "cuda" else "cpu"
+    # with --compare: every transport that moves this device's tensors itself (not staged through host)
+    native = [t for t in sorted(comm.transports) if device in getattr(comm.transports[t], "devices", ("cpu",))]
+    names = list(transports) if transports else (native if compare else ["auto"])
+    missing = [t for t in names if t != "auto" and t not in comm.transports]
+    if missing:
+        raise ValueError(f"transport(s) {missing} not available here (available: {sorted(comm.transports)}); "
+                         "the mpi transport needs `mpiexec -n N moecomm bench`")
+    if compare and "auto" not in names:
+        names.append("auto")
+    out: list[Peer] = []
+    for t in dict.fromkeys(names):
+        if t == "auto" and not compare:
+            # label a lone auto by what it picks (same pick at every size and op on CPU)
+            picked = comm.plan("all_reduce", torch.zeros(1, device=mdev)).transport
+            label = picked if picked not in names else "auto"
+            out.append(MoecommPeer(comm, label, device=mdev))
+        elif t == "auto":
+            out.append(MoecommPeer(comm, "auto", show_transport=True, device=mdev))
+        else:
+            out.append(MoecommPeer(comm.using(t), t, device=mdev))
+    if not compare:
+        return out, notes
+    wanted = list(peers) if peers else list(EXTERNAL)
+    unknown = [p for p in wanted if p not in EXTERNAL]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(EXTERNAL)}")
+    if "mpi4py" in wanted:
+        if device != "cpu":
+            notes.append("mpi4py left out: it is measured on host (NumPy) buffers, this sweep is on cuda")
+        elif comm.topology.launch != "mpi":
+            notes.append("mpi4py left out: it needs an MPI launch (mpiexec -n N moecomm bench --compare)")
+        else:
+            from mpi4py import MPI
+
+            out.append(Mpi4pyPeer(MPI.COMM_WORLD))
+    backend = "nccl" if device == "cuda" else "gloo"
+    other = "gloo" if backend == "nccl" else "nccl"
+    if other in wanted and peers:
+        notes.append(f"{other} left out: this sweep is on {device} tensors (--device "
+                     f"{'cpu' if other == 'gloo' else 'cuda'} measures it)")
+    if backend in wanted:
+        import torch.distributed as dist
+
+        ok = dist.is_available() and (dist.is_nccl_available() if backend == "nccl" else dist.is_gloo_available())
+        if not _agree(comm, ok):
+            notes.append(f"{backend} left out: this torch build has no {backend} backend on every rank")
+        elif dist.is_initialized():
+            notes.append(f"{backend} left out: torch.distributed is already initialized in this process")
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                init_torch_distributed(comm, backend, timeout)
+            out.append(TorchPeer(comm.rank, comm.size, backend, mdev))
+    return out, notes

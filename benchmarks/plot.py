@@ -1,0 +1,89 @@
+"""Bandwidth-vs-size figures of one or several runs (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+from .sweep import best_algbw, format_size
+
+_STYLES = ["-", "--", ":", "-."]
+_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+
+
+def series(rows: Sequence[dict]) -> dict[tuple, list[tuple[int, float, float]]]:
+    """(op, peer, dtype, redop) -> [(size, algbw, busbw)] sorted by size; bandwidths are each
+    peer's better checked variant (:func:`sweep.best_algbw`), sizes with none are left out."""
+    out: dict[tuple, list] = {}
+    for r in rows:
+        alg, bus = best_algbw(r), best_algbw(r, bus=True)
+        if alg is None or r["size"] <= 0:
+            continue
+        out.setdefault((r["op"], r["transport"], r["dtype"], r["redop"]), []).append((r["size"], alg, bus))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+class Figure(NamedTuple):
+    path: Path
+    lines: dict[str, list[str]]  # op -> legend labels of its lines
+
+
+def plot_runs(runs: Sequence[tuple[str, Sequence[dict]]], path: str | os.PathLike, *, title: str = "") -> Figure:
+    """Write a PNG: one row of panels per op (algbw left, busbw right), one line per run and peer.
+
+    runs: [(label, rows)]; label is "" for a single run (lines are then named by peer alone).
+    Returns the file and the lines drawn per op.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    per_run = [(label, series(rows)) for label, rows in runs]
+    ops = list(dict.fromkeys(k[0] for _, s in per_run for k in s))
+    if not ops:
+        raise ValueError("nothing to plot: no rows with a positive size and a checked result")
+    peers = list(dict.fromkeys(k[1] for _, s in per_run for k in s))  # one colour per peer
+    cmap = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(len(ops), 2, figsize=(14, 3.4 * len(ops) + 0.9), squeeze=False, layout="constrained")
+    all_sizes = sorted({p[0] for _, s in per_run for v in s.values() for p in v})
+    step = max(1, (len(all_sizes) + 7) // 8)
+    drawn: dict[str, list[str]] = {}
+    for row, op in enumerate(ops):
+        multi = {i: len({k[i] for _, s in per_run for k in s if k[0] == op}) > 1 for i in (2, 3)}
+        variants = list(dict.fromkeys(k[2:] for _, s in per_run for k in s if k[0] == op))  # (dtype, redop)
+        for col, (idx, what) in enumerate(((1, "algbw"), (2, "busbw"))):
+            ax = axes[row][col]
+            for ri, (label, s) in enumerate(per_run):
+                for key, pts in s.items():
+                    if key[0] != op:
+                        continue
+                    pi, vi = peers.index(key[1]), variants.index(key[2:])
+                    name = key[1] + "".join(f" {key[i]}" for i in (2, 3) if multi[i])
+                    ax.plot([p[0] for p in pts], [p[idx] for p in pts], _STYLES[ri % len(_STYLES)],
+                            marker=_MARKERS[(pi + vi) % len(_MARKERS)], markersize=4, color=cmap(pi % 10),
+                            label=f"{label}: {name}" if label else name)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.xaxis.set_major_locator(FixedLocator(all_sizes[::step]))
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_size(v)))
+            ax.set_xlabel("message size (bytes)")
+            ax.set_ylabel(f"{what} (GB/s)")
+            ax.set_title(f"{op}: {what}")
+            ax.grid(True, which="major", alpha=0.3)
+        # both panels of a row hold the same lines: one legend, right of the row
+        handles, names = axes[row][1].get_legend_handles_labels()
+        drawn[op] = list(names)
+        axes[row][1].legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                            ncol=1 + len(names) // 22, frameon=False)
+    head = title or "moecomm bench"
+    fig.suptitle(f"{head}\n(each peer's better of out-of-place and in-place, results checked; GB/s = 1e9 B/s)",
+                 fontsize=10)
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return Figure(p, drawn)

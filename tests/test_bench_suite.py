@@ -1,0 +1,280 @@
+"""The benchmark suite as a product: nccl-tests' bus factors, peers side by side under both launch
+modes, JSON/CSV round trip, plots and `moecomm report`, reduction ops and dtypes, the progress bar."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from benchmarks import sweep as sw
+from benchmarks.cli import main
+from benchmarks.output import load_run
+from benchmarks.plot import series
+from benchmarks.progress import Progress
+from benchmarks.report import compare_runs, ratio_table
+from spmd import UNDER_MPI
+from test_bench_cli import COLUMNS, header, parse_rows
+from test_launch_modes import _env, mpiexec
+
+pytestmark = pytest.mark.skipif(UNDER_MPI, reason="starts its own ranks")
+OPS4 = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+SWEEP = ["-b", "1K", "-e", "64K", "-f", "8", "-n", "2", "-w", "1", "--compare"]
+
+
+# ---- nccl-tests' definitions ------------------------------------------------------------------
+# busbw / algbw per op for n ranks, from nccl-tests src/*.cu (doc/PERFORMANCE.md), written out
+NCCL_TESTS_FACTORS = {
+    2: {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "all_to_all": 0.5, "broadcast": 1.0},
+    3: {"all_reduce": 4 / 3, "all_gather": 2 / 3, "reduce_scatter": 2 / 3, "all_to_all": 2 / 3, "broadcast": 1.0},
+    4: {"all_reduce": 1.5, "all_gather": 0.75, "reduce_scatter": 0.75, "all_to_all": 0.75, "broadcast": 1.0},
+    8: {"all_reduce": 1.75, "all_gather": 0.875, "reduce_scatter": 0.875, "all_to_all": 0.875, "broadcast": 1.0},
+}
+
+
+def test_bus_factors_match_nccl_tests():
+    for n, table in NCCL_TESTS_FACTORS.items():
+        for op, f in table.items():
+            assert sw.bus_factor(op, n) == pytest.approx(f), (op, n)
+    assert sw.bus_factor("reduce", 4) == 1.0
+    with pytest.raises(ValueError):
+        sw.bus_factor("gossip", 2)
+
+
+def test_sizes_counts_and_flags():
+    assert sw.parse_size("64K") == 65536 and sw.parse_size("1M") == 1 << 20 and sw.parse_size("8") == 8
+    assert sw.sizes(8, 1024, 4) == [8, 32, 128, 512]
+    assert sw.sizes(1000, 4000, 1, step=1000) == [1000, 2000, 3000, 4000]
+    # nccl-tests: count is per rank; all_gather/reduce_scatter/all_to_all blocks are size / n / itemsize
+    assert sw.counts_for("all_reduce", 4096, 4, 4) == 1024 and sw.counts_for("all_gather", 4096, 4, 4) == 256
+    assert sw.parse_dtypes("float,half,bfloat16,int") == ["float32", "float16", "bfloat16", "int32"]
+    assert sw.parse_dtypes("all") == list(sw.DTYPES) and sw.parse_redops("all") == list(sw.REDOPS)
+    with pytest.raises(ValueError):
+        sw.parse_dtypes("float8")
+
+
+def _numpy_reference(op, xs, rank, count, redop):
+    """An independent reference (NumPy, float64) for count_wrong's own."""
+    a = np.stack([x.double().numpy() for x in xs])
+    red = {"sum": a.sum(0), "prod": a.prod(0), "max": a.max(0), "min": a.min(0), "avg": a.mean(0)}.get(redop)
+    if op == "all_reduce":
+        return red
+    if op == "reduce_scatter":
+        return red[rank * count:(rank + 1) * count]
+    if op == "all_gather":
+        return a.reshape(-1)
+    if op == "all_to_all":
+        return a[:, rank * count:(rank + 1) * count].reshape(-1)
+    return a[1]  # broadcast from root 1
+
+
+def test_count_wrong_accepts_correct_and_counts_errors():
+    n, count, seed = 3, 37, 5
+    for dname in ("float32", "float16", "bfloat16", "int32"):
+        dt = sw.DTYPES[dname]
+        for op in sw.ALL_OPS:
+            for redop in (sw.REDOPS if op in sw.REDUCING else ["none"]):
+                if redop == "avg" and not dt.is_floating_point:
+                    continue
+                xs = [sw._inputs(op, count, n, r, dt, seed) for r in range(n)]
+                for rank in range(n):
+                    ref = _numpy_reference(op, xs, rank, count, redop)
+                    # what a correct library returns: the exact result rounded once to the dtype
+                    good = torch.from_numpy(ref).to(dt) if dt.is_floating_point else \
+                        torch.from_numpy(np.asarray(ref, dtype=np.int64)).to(dt)
+                    args = (count, n, rank, dt, seed, redop, 1)
+                    assert sw.count_wrong(op, good, *args) == 0, (dname, op, redop)
+                    bad = good.clone()
+                    bad[[0, -1]] = bad[[0, -1]] + (3 if not dt.is_floating_point else 0.5 + bad[[0, -1]].abs())
+                    assert sw.count_wrong(op, bad, *args) == 2, (dname, op, redop)
+                    assert sw.count_wrong(op, good[:-1], *args) == good.numel()  # wrong shape: all wrong
+                    if dt.is_floating_point:
+                        nan = good.clone()
+                        nan[3] = float("nan")
+                        assert sw.count_wrong(op, nan, *args) == 1
+
+
+def test_best_algbw_counts_only_checked_variants():
+    r = dict(algbw=1.0, busbw=0.5, wrong=0, ip_algbw=2.0, ip_busbw=1.0, ip_wrong=0)
+    assert sw.best_algbw(r) == 2.0 and sw.best_algbw(r, bus=True) == 1.0
+    assert sw.best_algbw({**r, "ip_wrong": -1}) == 1.0  # in-place all_to_all: not checked
+    assert sw.best_algbw({**r, "ip_wrong": 3}) == 1.0  # wrong results are not bandwidth
+    assert sw.best_algbw({**r, "wrong": 1, "ip_wrong": 1}) is None
+    assert sw.best_algbw({**r, "wrong": -1, "ip_wrong": -1}) == 1.0  # -c 0: out-of-place only
+
+
+def test_ratio_table_geomean_and_best_peer():
+    rows = []
+    for size, auto, gloo, mpi4py in ((1024, 1.0, 0.5, 2.0), (4096, 4.0, 1.0, 1.0), (1 << 20, 8.0, 2.0, 4.0)):
+        for peer, lib, bw in (("auto", "moecomm", auto), ("gloo", "torch", gloo), ("mpi4py", "mpi4py", mpi4py)):
+            rows.append(sw.Row("all_reduce", peer, size, size // 4, "float32", "sum", 1.0, bw, bw, 0,
+                               ip_wrong=-1, library=lib).as_dict())
+    lines = ratio_table(rows)
+    small = next(line for line in lines if "<=64KiB" in line).split()
+    # sizes 1K, 4K: best peer bw 2.0 (mpi4py) and 1.0 (tie: mpi4py/gloo): ratios 0.5 and 4 -> geomean 1.41
+    assert small[2] == "2" and small[6] == f"{math.sqrt(0.5 * 4):.2f}"
+    assert small[7] == f"{math.sqrt(2 * 4):.2f}" and small[8] == f"{math.sqrt(0.5 * 4):.2f}"  # vs gloo, vs mpi4py
+    mid = next(line for line in lines if "64KiB-4MiB" in line).split()
+    assert mid[4] == "mpi4py" and mid[6] == "2.00"
+    assert not ratio_table([r for r in rows if r["library"] == "moecomm"])  # no peer, no table
+    cross = compare_runs([("a", rows), ("b", [{**r, "algbw": r["algbw"] * 2} for r in rows])])
+    assert any(line.split()[-3:] == ["2.00", "2.00", "2.00"] for line in cross if "<=64KiB" in line)
+
+
+def test_progress_bar_only_on_a_terminal():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    bar = Progress(4, stream=tty)
+    bar.update(1, "all_reduce 1 KiB shm")
+    bar.print("a table line")
+    bar.update(3, "all_to_all 4 MiB gloo")
+    bar.finish()
+    out = tty.getvalue()
+    assert "\r[" in out and "1/4" in out and "3/4" in out and "all_to_all 4 MiB gloo" in out
+    assert "a table line\n" in out and out.endswith("\r")
+    for stream, enabled in ((io.StringIO(), True), (Tty(), False)):  # a pipe, or --quiet
+        bar = Progress(4, stream=stream, enabled=enabled)
+        bar.update(2, "x")
+        bar.print("line")
+        assert stream.getvalue() == "line\n"
+
+
+# ---- real runs: self-launched and under mpiexec, peers side by side --------------------------
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    import matplotlib.pyplot as plt
+
+    assert plt.imread(path).ndim == 3  # decodes
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    out = {}
+    p = subprocess.run([sys.executable, "-m", "benchmarks.cli", "bench", *SWEEP, "--json", "self.json",
+                        "--csv", "self.csv", "--plot", "self.png"],
+                       capture_output=True, text=True, timeout=300, env=_env(), cwd=d)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out["self"] = p.stdout
+    if mpiexec() is not None:
+        p = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "benchmarks.cli", "bench", *SWEEP,
+                            "--json", "mpi.json"], capture_output=True, text=True, timeout=300, env=_env(), cwd=d)
+        assert p.returncode == 0, p.stdout + p.stderr
+        out["mpi"] = p.stdout
+    return d, out
+
+
+def _check_compare(stdout: str, peers: set[str]) -> list[dict]:
+    assert header(stdout) == COLUMNS
+    rows = parse_rows(stdout)
+    assert {r["peer"] for r in rows} == peers
+    assert {(r["op"], r["peer"]) for r in rows} == {(op, p) for op in OPS4 for p in peers}
+    assert all(r["wrong"] == 0 and r["ip_wrong"] == (-1 if r["op"] == "all_to_all" else 0) for r in rows), \
+        [r for r in rows if r["wrong"] or r["ip_wrong"] > 0]
+    for p in peers:
+        assert f"# {p}: Avg bus bandwidth" in stdout
+    others = [p for p in sorted(peers) if p in ("gloo", "mpi4py")]
+    table = stdout[stdout.index("# moecomm auto vs the best peer"):]
+    assert table.splitlines()[1].split()[-len(others):] == others or \
+        sorted(table.splitlines()[1].split()[-2 * len(others)::2]) == ["vs"] * len(others)
+    for op in OPS4:
+        assert any(line.split()[0] == op for line in table.splitlines()[2:])
+    return rows
+
+
+def test_compare_self_launched_prints_shm_auto_gloo_with_ratios(runs):
+    _, out = runs
+    rows = _check_compare(out["self"], {"shm", "auto", "gloo"})
+    assert all(r["algorithm"].startswith("shm:") for r in rows if r["peer"] == "auto")
+
+
+@pytest.mark.skipif(mpiexec() is None, reason="no mpiexec (install the test extra)")
+def test_compare_under_mpiexec_adds_mpi_and_mpi4py_same_columns(runs):
+    d, out = runs
+    rows = _check_compare(out["mpi"], {"shm", "mpi", "auto", "mpi4py", "gloo"})
+    assert {r["algorithm"] for r in rows if r["peer"] == "mpi4py"} == {
+        "Allreduce", "Allgather", "Reduce_scatter_block", "Alltoall"}
+    # same columns and the same row fields and environment keys as the self-launched run
+    assert header(out["mpi"]) == header(out["self"])
+    a, b = load_run(d / "self.json"), load_run(d / "mpi.json")
+    assert [list(r) for r in a["rows"]][0] == [list(r) for r in b["rows"]][0]
+    assert set(a["env"]) == set(b["env"]) and (a["env"]["launch"], b["env"]["launch"]) == ("launch", "mpi")
+    assert set(b["env"]["peers"]) == {"shm", "mpi", "auto", "mpi4py", "gloo"}
+
+
+def test_json_and_csv_hold_rows_and_environment(runs):
+    d, out = runs
+    raw = json.loads((d / "self.json").read_text())
+    env = raw["env"]
+    for key in ("hostname", "cpu_model", "python", "torch", "numpy", "mpi4py", "mpi_library", "moecomm",
+                "launch", "nranks", "transports_available", "peers", "device"):
+        assert key in env, key
+    assert env["nranks"] == 2 and env["launch"] == "launch" and env["device"] == "cpu"
+    assert "MPICH" in (env["mpi_library"] or "") or "Open MPI" in (env["mpi_library"] or "")
+    assert raw["options"]["iters"] == 2 and raw["options"]["compare"] is True
+    rows = raw["rows"]
+    assert len(rows) == len(parse_rows(out["self"])) == 3 * 4 * 3  # sizes x ops x peers
+    for r in rows:  # what the table printed is what was saved; bus factors as nccl-tests'
+        n = r["nranks"]
+        assert r["busbw"] == pytest.approx(r["algbw"] * NCCL_TESTS_FACTORS[n][r["op"]])
+        assert r["size"] == r["count"] * 4 * (1 if r["op"] == "all_reduce" else n)
+        assert r["algbw"] == pytest.approx(r["size"] / r["time_us"] / 1e3)
+    # round trip: the CSV reads back to exactly the JSON
+    a, b = load_run(d / "self.json"), load_run(d / "self.csv")
+    assert a == b
+    assert [sw.Row.from_dict(r).as_dict() for r in rows] == a["rows"]
+
+
+def test_bench_plot_and_report_from_two_saved_runs(runs, tmp_path):
+    d, _ = runs
+    w, h = _png_size(d / "self.png")
+    assert w > 500 and h > 500
+    second = d / "mpi.json" if (d / "mpi.json").exists() else d / "self.csv"
+    # the saved runs hold the series the figure draws: every op for every peer
+    for f in (d / "self.json", second):
+        s = series(load_run(f)["rows"])
+        peers = {k[1] for k in s}
+        assert {(op, p) for op in OPS4 for p in peers} == {k[:2] for k in s}
+        assert all(len(v) == 3 for v in s.values())  # 1K, 8K, 64K
+    res = CliRunner().invoke(main, ["report", str(d / "self.json"), str(second), "--plot", str(tmp_path / "r.png"),
+                                    "--labels", "one,two"])
+    assert res.exit_code == 0, res.output
+    assert _png_size(tmp_path / "r.png")[0] > 500
+    assert "# moecomm auto vs the best peer" in res.output and "# two vs one: algbw ratio" in res.output
+    from benchmarks.plot import plot_runs
+
+    fig = plot_runs([("one", load_run(d / "self.json")["rows"]), ("two", load_run(second)["rows"])],
+                    tmp_path / "again.png")
+    assert set(fig.lines) == set(OPS4)
+    assert {"one: shm", "one: auto", "one: gloo", "two: shm", "two: auto", "two: gloo"} <= set(fig.lines["all_reduce"])
+    bad = CliRunner().invoke(main, ["report", str(d / "self.png")])
+    assert bad.exit_code != 0 and "not a moecomm bench" in bad.output
+
+
+def test_default_outputs_of_the_readme_command(tmp_path):
+    """`moecomm bench` with no output flags writes ./moecomm-bench.json and .png and says where."""
+    p = subprocess.run([sys.executable, "-m", "benchmarks.cli", "bench", "-b", "4K", "-e", "16K", "-f", "4",
+                        "-n", "2", "-w", "1", "--ops", "all_reduce,broadcast", "-r", "1", "-o", "sum,max",
+                        "-d", "float,bfloat16,int32"], capture_output=True, text=True, timeout=300, env=_env(),
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"# wrote {tmp_path / 'moecomm-bench.json'}" in p.stdout
+    assert f"# wrote {tmp_path / 'moecomm-bench.png'}" in p.stdout
+    _png_size(tmp_path / "moecomm-bench.png")
+    rows = load_run(tmp_path / "moecomm-bench.json")["rows"]
+    # sizes x (all_reduce: dtypes x redops + broadcast: dtypes), all checked correct
+    assert len(rows) == 2 * (3 * 2 + 3)
+    assert all(r["wrong"] == 0 and r["ip_wrong"] == 0 for r in rows)
+    assert {r["root"] for r in rows if r["op"] == "broadcast"} == {1}
