@@ -346,33 +346,22 @@ class Communicator:
         opcode = OpCode.ALL_TO_ALL
         t, was_numpy, orig = self._input(opcode, x)
         ent = self._entry(opcode, t, None, 0)
-        me = self.global_ranks[self.rank]
-        try:
-            if send_counts is None:
-                if t.shape[0] % self.size:
-                    raise ValueError(f"all_to_all: rank {me} has {t.shape[0]} rows, not divisible by the group "
-                                     f"size {self.size}; pass send_counts for an uneven split")
-                counts = np.full(self.size, t.shape[0] // self.size, dtype=np.int64)
-            else:
-                if isinstance(send_counts, torch.Tensor):
-                    send_counts = send_counts.cpu().numpy()
-                counts = np.asarray(send_counts, dtype=np.int64).reshape(-1)
-                if counts.shape != (self.size,):
-                    raise ValueError(f"all_to_all: rank {me} passed {counts.size} send_counts; "
-                                     f"need one per rank ({self.size})")
-                if (counts < 0).any() or int(counts.sum()) != t.shape[0]:
-                    raise ValueError(f"all_to_all: rank {me} send_counts {counts.tolist()} must be >= 0 and sum to "
-                                     f"x.shape[0] = {t.shape[0]}")
-        except ValueError as e:
-            self._fail_locally(opcode, t.device.type, e)
+        n, rows_in = self.size, (t.shape[0] if t.dim() else 0)
+        if send_counts is None and rows_in % n == 0:
+            counts = [rows_in // n] * n
+        elif type(send_counts) in (list, tuple) and len(send_counts) == n and \
+                all(type(c) is int and c >= 0 for c in send_counts) and sum(send_counts) == rows_in:
+            counts = list(send_counts)
+        else:
+            counts = self._checked_counts(t, send_counts)
         rest = tuple(t.shape[1:])
         row_numel = math.prod(rest)
         s = t.cpu() if ent.staged else t
-        holder: list[np.ndarray] = []
+        holder: list[list[int]] = []
 
-        def alloc(recv_counts: np.ndarray) -> torch.Tensor:
+        def alloc(recv_counts: list[int]) -> torch.Tensor:
             holder.append(recv_counts)
-            rows = int(recv_counts.sum())
+            rows = sum(recv_counts)
             if out is not None and type(out) is torch.Tensor and out.shape == (rows, *rest) and \
                     out.dtype == t.dtype and out.is_contiguous() and out.device == s.device and not _overlaps(out, orig):
                 return out.view(-1)
@@ -380,7 +369,7 @@ class Communicator:
 
         flat = ent.transport.all_to_all(s.view(-1), counts, row_numel, alloc, ent.sig)
         recv_counts = holder[0]
-        rows = int(recv_counts.sum())
+        rows = sum(recv_counts)
         res = flat.view(rows, *rest)
         if res.device != t.device:
             res = res.to(t.device)
@@ -388,15 +377,40 @@ class Communicator:
             out_t = out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out))
             if tuple(out_t.shape) != (rows, *rest) or out_t.dtype != t.dtype:
                 raise ValueError(f"all_to_all: out has shape {tuple(out_t.shape)} and dtype {out_t.dtype} but rank "
-                                 f"{me} received {rows} rows of {rest} {t.dtype}")
+                                 f"{self.global_ranks[self.rank]} received {rows} rows of {rest} {t.dtype}")
             if out_t.data_ptr() != res.data_ptr():
                 out_t.copy_(res)
             result = out
         else:
             result = res.numpy() if was_numpy else res
         if return_counts:
-            return result, (recv_counts if was_numpy else torch.from_numpy(recv_counts))
+            rc = np.array(recv_counts, dtype=np.int64)
+            return result, (rc if was_numpy else torch.from_numpy(rc))
         return result
+
+    def _checked_counts(self, t: torch.Tensor, send_counts) -> list[int]:
+        """send_counts of any accepted kind as a list of ints, or a collective ValueError."""
+        me = self.global_ranks[self.rank]
+        try:
+            if t.dim() == 0:
+                raise ValueError("all_to_all: x needs at least 1 dim (rows)")
+            if send_counts is None:
+                raise ValueError(f"all_to_all: rank {me} has {t.shape[0]} rows, not divisible by the group "
+                                 f"size {self.size}; pass send_counts for an uneven split")
+            if isinstance(send_counts, torch.Tensor):
+                send_counts = send_counts.cpu().numpy()
+            arr = np.asarray(send_counts).reshape(-1)
+            if arr.shape != (self.size,) or not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"all_to_all: rank {me} passed send_counts {arr.tolist()}; need {self.size} "
+                                 "integers, one per rank")
+            counts = [int(c) for c in arr]
+            if min(counts) < 0 or sum(counts) != t.shape[0]:
+                raise ValueError(f"all_to_all: rank {me} send_counts {counts} must be >= 0 and sum to "
+                                 f"x.shape[0] = {t.shape[0]}")
+        except ValueError as e:
+            self._fail_locally(OpCode.ALL_TO_ALL, t.device.type, e)
+        return counts
+
 
     def barrier(self) -> None:
         """Return once every rank of the group has called barrier (bounded by the timeout)."""

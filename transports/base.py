@@ -241,7 +241,7 @@ class GroupInfo:
 
 
 # The signature of all_to_all's output allocator: recv_counts (rows from each rank) -> output tensor.
-Allocator = Callable[[np.ndarray], torch.Tensor]
+Allocator = Callable[[list], torch.Tensor]
 
 
 class Transport(abc.ABC):
@@ -288,12 +288,12 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def all_to_all(
-        self, send: torch.Tensor, send_counts: np.ndarray, row_numel: int, alloc: Allocator, sig: Signature
+        self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator, sig: Signature
     ) -> torch.Tensor:
         """Uneven all-to-all of rows.
 
         send: [sum(send_counts) * row_numel] flat, rows ordered by destination rank;
-        send_counts: [size] int64. The transport exchanges the counts, calls
+        send_counts: [size] ints. The transport exchanges the counts, calls
         ``alloc(recv_counts)`` for the output ([sum(recv_counts) * row_numel] flat) and
         fills it with the received rows in source-rank order.
         """

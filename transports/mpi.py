@@ -199,15 +199,15 @@ class MPITransport(Transport):
             out.copy_(send)
         self._wait([self.comm.Ibcast([as_numpy(out).view(np.uint8), self.MPI.BYTE], root=src)], "broadcast")
 
-    def all_to_all(self, send: torch.Tensor, send_counts: np.ndarray, row_numel: int, alloc: Allocator,
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator,
                    sig: Signature) -> torch.Tensor:
         self._agree(sig)
         recv_counts = np.zeros(self.size, dtype=np.int64)
         self._wait([self.comm.Ialltoall(np.ascontiguousarray(send_counts, dtype=np.int64), recv_counts)],
                    "all_to_all count exchange")
-        out = alloc(recv_counts)
+        out = alloc(recv_counts.tolist())
         row_bytes = row_numel * send.element_size()
-        sc = send_counts.astype(np.int64) * row_bytes
+        sc = np.asarray(send_counts, dtype=np.int64) * row_bytes
         rc = recv_counts * row_bytes
         sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
         rd = np.concatenate([[0], np.cumsum(rc)[:-1]])

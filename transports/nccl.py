@@ -150,7 +150,7 @@ class NCCLTransport(Transport):
         self.comm.broadcast(send.data_ptr(), out.data_ptr(), send.numel(), NCCL_DTYPES[send.dtype], src,
                             self._stream())
 
-    def all_to_all(self, send: torch.Tensor, send_counts: np.ndarray, row_numel: int, alloc: Allocator,
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator,
                    sig: Signature) -> torch.Tensor:
         self._agree(sig)
         n = self.size
@@ -159,8 +159,8 @@ class NCCLTransport(Transport):
         rc = torch.empty(n, dtype=torch.int64, device=self.device)
         self._send_recv(sc, [1] * n, rc, [1] * n, torch.int64, 1, stream)
         recv_counts = rc.cpu().numpy()  # the one host synchronisation: it sizes the output
-        out = alloc(recv_counts)
-        self._send_recv(send, send_counts.tolist(), out, recv_counts.tolist(), send.dtype, row_numel, stream)
+        out = alloc(recv_counts.tolist())
+        self._send_recv(send, list(send_counts), out, recv_counts.tolist(), send.dtype, row_numel, stream)
         return out
 
     def _send_recv(self, send, send_counts, recv, recv_counts, dtype, row_numel, stream) -> None:

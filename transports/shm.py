@@ -23,6 +23,7 @@ cleaned up by the next start (segments of dead creators are removed).
 
 from __future__ import annotations
 
+import array
 import logging
 import mmap
 import os
@@ -258,7 +259,7 @@ class SharedMemoryTransport(Transport):
         raise CommunicatorBrokenError(
             f"shm communicator is unusable after an earlier failure ({self._broken}); create a new one")
 
-    def _sync(self, sig: Signature | None = None, counts: np.ndarray | None = None, check: bool = True) -> None:
+    def _sync(self, sig: Signature | None = None, counts: list[int] | None = None, check: bool = True) -> None:
         """Publish our arrival (with the call signature on a call's first sync) and wait for every peer.
 
         With ``sig``, afterwards compares the peers' signature digests with ours (one word each) and
@@ -275,7 +276,7 @@ class SharedMemoryTransport(Transport):
             q[mine + _SIG0 + par] = sig.value
         if counts is not None:
             c0 = mine + self._counts0 + par * self.size
-            self._ctrl.reshape(-1)[c0 : c0 + self.size] = counts
+            q[c0 : c0 + self.size] = array.array("q", counts)
         _fence()
         q[mine] = e
         for base in self._peer_bases:
@@ -460,7 +461,7 @@ class SharedMemoryTransport(Transport):
             else:
                 np.copyto(y[lo:hi], slots[src])
 
-    def all_to_all(self, send: torch.Tensor, send_counts: np.ndarray, row_numel: int, alloc: Allocator,
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator,
                    sig: Signature) -> torch.Tensor:
         n, me, S = self.size, self.rank, self.slot_bytes
         x = as_numpy(send).view(np.uint8)
@@ -469,9 +470,8 @@ class SharedMemoryTransport(Transport):
         np.copyto(self._slots[b][me][: min(S, x.nbytes)], x[:S])
         self._sync(sig, send_counts)
         c0 = self._counts0 + (self._epoch & 1) * n
-        counts = self._ctrl[:, c0 : c0 + n].copy()  # counts[src, dst] rows
-        recv_counts = counts[:, me].copy()
-        out = alloc(recv_counts)
+        counts = self._ctrl[:, c0 : c0 + n].tolist()  # counts[src][dst] rows
+        out = alloc([row[me] for row in counts])
         y = as_numpy(out).view(np.uint8)
         for j, copies in enumerate(all_to_all_pulls(counts, me, row_bytes, S)):
             w_lo = j * S
