@@ -63,17 +63,19 @@ _SIG0 = 2  # two parities of the signature digest
 _META0 = 4  # two parities of META_LEN words, then two parities of `size` all-to-all counts
 _STATE_OK, _STATE_ABORTED, _STATE_CLOSED = 0, 1, 2
 
-# Default per-slot size; each rank has two slots. Messages larger than a slot go in rounds.
-# 4 MiB: large enough that a round's two synchronisations cost < 1% of its copy time on the
-# CI machine, small enough that 2 ranks x 2 slots stay within L3-sized working sets per round.
-DEFAULT_SLOT_BYTES = 4 << 20
+# Per-slot size; each rank has two slots and messages larger than a slot go in rounds.
+# 1 MiB: in benchmarks/results/shm-allreduce-tuning.txt (2 vCPUs with 1 MiB of L2 each) it beat
+# 4 and 16 MiB slots by 1.0-1.5x at 4-64 MiB, ties them below: a round's data stays in cache between
+# the writer's copy and the readers' reduction. A round's two synchronisations cost ~2 us against
+# ~100 us of copying, so more rounds cost nothing measurable.
+DEFAULT_SLOT_BYTES = 1 << 20
 
 # all_reduce: one-shot (every rank reduces each window from all slots: 1 sync a round) up to this
 # many bytes, two-shot (reduce-scatter + all-gather through the slots: 2 syncs a round, 1/n of the
-# additions) above. On CPUs the additions are cheap next to the copies, so one-shot moves fewer bytes
-# per rank until n grows: (n + 3) vs 5.5 window-sizes of memory traffic. Keyed by group size; from
-# benchmarks/tune_shm.py runs recorded in benchmarks/results/shm-allreduce-tuning.txt.
-ONE_SHOT_MAX_BYTES = {1: 1 << 62, 2: 1 << 62, 3: 1 << 20, 4: 256 << 10}
+# additions per rank) above. Keyed by group size; from benchmarks/results/shm-allreduce-tuning.txt
+# (`python -m benchmarks.tune_shm`): one-shot won at <= 64 KiB and two-shot at >= 256 KiB for 2, 3
+# and 4 ranks, so the switch sits between them.
+ONE_SHOT_MAX_BYTES = {1: 1 << 62, 2: 128 << 10, 3: 128 << 10, 4: 128 << 10}
 ONE_SHOT_MAX_BYTES_DEFAULT = 64 << 10
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
@@ -190,7 +192,7 @@ class SharedMemoryTransport(Transport):
         # Spin (~100 ns a turn) only briefly: a peer that is not running now will not arrive soon, and
         # with more ranks than cores the spinning would steal its core. Then yield, then sleep.
         self._spin_iters = int(os.environ.get("MOECOMM_SHM_SPIN", 16 if oversubscribed else 400))
-        self._yield_iters = int(os.environ.get("MOECOMM_SHM_YIELD", 2000))
+        self._yield_iters = int(os.environ.get("MOECOMM_SHM_YIELD", 50))
         _tight_timer_slack()
         env_one_shot = os.environ.get("MOECOMM_SHM_ONE_SHOT_MAX")
         self._one_shot_limit = int(env_one_shot) if env_one_shot else ONE_SHOT_MAX_BYTES.get(
