@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transports._schedule import all_to_all_pulls, part_bounds, windows
+from transports._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
 
 
 @pytest.mark.parametrize("total,window", [(0, 4), (1, 4), (4, 4), (5, 4), (1001, 64)])
@@ -25,19 +25,29 @@ def test_part_bounds_are_aligned_and_cover(count, parts):
 
 
 def _simulate(counts: np.ndarray, row_bytes: int, window: int) -> list[np.ndarray]:
-    """Run every rank's plan over random send buffers; return what each rank received."""
+    """Run every rank's staging and pull plan over random send buffers; return what each rank received."""
     n = counts.shape[0]
     rng = np.random.default_rng(0)
     sends = [rng.integers(0, 256, size=int(counts[s].sum()) * row_bytes, dtype=np.uint8) for s in range(n)]
+    own = [(int(counts[s, :s].sum()) * row_bytes, int(counts[s, s]) * row_bytes) for s in range(n)]
     received = []
     for me in range(n):
         out = np.full(int(counts[:, me].sum()) * row_bytes, -1, dtype=np.int16)
+        at = int(counts[:me, me].sum()) * row_bytes
+        start, length = own[me]
+        out[at : at + length] = sends[me][start : start + length]  # own block, straight from the input
         for j, copies in enumerate(all_to_all_pulls(counts, me, row_bytes, window)):
+            staged = {}
+            for src in range(n):  # what every source staged in round j
+                buf = np.zeros(window, dtype=np.int16) - 2
+                for off, pos, nb in staged_segments(*own[src], sends[src].size, j * window, (j + 1) * window):
+                    buf[off : off + nb] = sends[src][pos : pos + nb]
+                staged[src] = buf
             for src, off, dst, nb in copies:
-                assert 0 <= off and off + nb <= window
-                staged = sends[src][j * window : (j + 1) * window]
+                assert src != me and 0 <= off and off + nb <= window
                 assert (out[dst : dst + nb] == -1).all(), "a byte was written twice"
-                out[dst : dst + nb] = staged[off : off + nb]
+                assert (staged[src][off : off + nb] >= 0).all(), "read a byte that was not staged"
+                out[dst : dst + nb] = staged[src][off : off + nb]
         received.append(out)
     return sends, received
 

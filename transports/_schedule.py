@@ -33,35 +33,51 @@ def part_bounds(count: int, parts: int, align: int = 16) -> list[int]:
 
 
 def all_to_all_pulls(counts, me: int, row_bytes: int, window: int) -> list[list[tuple[int, int, int, int]]]:
-    """What rank ``me`` copies in each round of a windowed, pull-based uneven all-to-all.
+    """What rank ``me`` copies from its peers in each round of a windowed, pull-based uneven all-to-all.
 
-    counts: [n][n] rows (nested lists or an array), counts[src][dst] = rows src sends to dst; each
-    source's send buffer is its rows in destination order, staged ``window`` bytes a round.
-    Returns, per round, tuples (src, offset in src's staged window, offset in me's output,
-    nbytes). Every round all sources stage their next window, so the number of rounds is set by
-    the largest sender. Plain Python arithmetic: for the handful of ranks of a node it is several
-    times faster than NumPy on tiny arrays, and this is on every call's path.
+    counts: [n][n] rows (nested lists or an array), counts[src][dst] = rows src sends to dst.
+    Each source stages its send buffer (rows in destination order) *without its block to itself*
+    -- see :func:`staged_segments` -- ``window`` bytes a round; a rank takes its own block
+    straight from its input. Returns, per round, tuples (src, offset in src's staged window,
+    offset in me's output, nbytes) for src != me. All sources stage every round, so the number of
+    rounds is set by the largest sender. Plain Python arithmetic: for the handful of ranks of a
+    node it is several times faster than NumPy on tiny arrays, and it is on every call's path.
     """
     rows = counts.tolist() if hasattr(counts, "tolist") else counts
     n = len(rows)
-    spans = []  # (src, start of me's block in src's buffer, its length, where it lands in me's output)
-    dst = 0
+    spans = []  # (src, start of me's block in src's staged stream, its length, where it lands in me's output)
+    at = 0
     largest = 0
     for src in range(n):
         row = rows[src]
-        start = sum(row[:me]) * row_bytes
         length = row[me] * row_bytes
-        spans.append((src, start, length, dst))
-        dst += length
-        largest = max(largest, sum(row) * row_bytes)
+        if src != me:
+            start = (sum(row[:me]) - (row[src] if src < me else 0)) * row_bytes
+            spans.append((src, start, length, at))
+        at += length
+        largest = max(largest, (sum(row) - row[src]) * row_bytes)
     plan: list[list[tuple[int, int, int, int]]] = []
     for j in range(max(1, -(-largest // window))):
         w_lo, w_hi = j * window, (j + 1) * window
         copies = []
-        for src, start, length, at in spans:
+        for src, start, length, dst in spans:
             lo = start if start > w_lo else w_lo
             hi = start + length if start + length < w_hi else w_hi
             if hi > lo:
-                copies.append((src, lo - w_lo, at + lo - start, hi - lo))
+                copies.append((src, lo - w_lo, dst + lo - start, hi - lo))
         plan.append(copies)
     return plan
+
+
+def staged_segments(own_start: int, own_len: int, total: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """Where window [lo, hi) of a rank's staged stream (its send buffer minus its own block
+    [own_start, own_start + own_len)) comes from: (offset in the window, offset in the send
+    buffer, nbytes) pieces."""
+    pieces = []
+    a, b = lo, min(hi, own_start)  # before the own block: same offsets
+    if b > a:
+        pieces.append((a - lo, a, b - a))
+    a, b = max(lo, own_start), min(hi, total - own_len)  # after it: shifted by its length
+    if b > a:
+        pieces.append((a - lo, a + own_len, b - a))
+    return pieces

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ._host import as_numpy, reduce_into
-from ._schedule import all_to_all_pulls, part_bounds, windows
+from ._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
 from .base import (
     META_LEN,
     Allocator,
@@ -401,16 +401,25 @@ class SharedMemoryTransport(Transport):
                 reduce_into(y[lo:hi], views, op, dtype, n)
             return
         # two-shot: per round, reduce-scatter of the window through the slots, then all-gather.
+        # Our own part is reduced straight from x, so it is not staged (unless out is x).
+        in_place = np.may_share_memory(x, y)
         for lo, hi in windows(x.size, window):
             cnt = hi - lo
             slots = self._views(self._begin_round(), cnt * item, x.dtype)
-            np.copyto(slots[me], x[lo:hi])
-            self._sync(first)
-            first = None
             bounds = part_bounds(cnt, n)
             p0, p1 = bounds[me], bounds[me + 1]
+            if in_place:
+                np.copyto(slots[me], x[lo:hi])
+            else:
+                np.copyto(slots[me][:p0], x[lo : lo + p0])
+                np.copyto(slots[me][p1:], x[lo + p1 : hi])
+            self._sync(first)
+            first = None
             mine = y[lo + p0 : lo + p1]
-            reduce_into(mine, [s[p0:p1] for s in slots], op, dtype, n)
+            srcs = [s[p0:p1] for s in slots]
+            if not in_place:
+                srcs[me] = x[lo + p0 : lo + p1]
+            reduce_into(mine, srcs, op, dtype, n)
             np.copyto(slots[me][p0:p1], mine)
             self._sync()
             for r in range(n):
@@ -439,11 +448,14 @@ class SharedMemoryTransport(Transport):
         for lo, hi in windows(m, window):
             w = hi - lo
             slots = self._views(self._begin_round(), n * w * x.itemsize, x.dtype)
-            if w:
-                np.copyto(slots[me].reshape(n, w), x.reshape(n, m)[:, lo:hi])
+            for d in range(n):  # stage the peers' blocks; our own is reduced straight from x
+                if d != me:
+                    np.copyto(slots[me][d * w : (d + 1) * w], x[d * m + lo : d * m + hi])
             self._sync(first)
             first = None
-            reduce_into(y[lo:hi], [s[me * w : (me + 1) * w] for s in slots], op, dtype, n)
+            srcs = [s[me * w : (me + 1) * w] for s in slots]
+            srcs[me] = x[me * m + lo : me * m + hi]
+            reduce_into(y[lo:hi], srcs, op, dtype, n)
 
     def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, sig: Signature) -> None:
         x = as_numpy(send).view(np.uint8)
@@ -468,23 +480,26 @@ class SharedMemoryTransport(Transport):
         n, me, S = self.size, self.rank, self.slot_bytes
         x = as_numpy(send).view(np.uint8)
         row_bytes = row_numel * send.element_size()
+        own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
         b = self._begin_round()
-        np.copyto(self._slots[b][me][: min(S, x.nbytes)], x[:S])
+        for off, src, nb in staged_segments(own_start, own_len, x.nbytes, 0, S):
+            np.copyto(self._slots[b][me][off : off + nb], x[src : src + nb])
         self._sync(sig, send_counts)
         c0 = self._counts0 + (self._epoch & 1) * n
         counts = self._ctrl[:, c0 : c0 + n].tolist()  # counts[src][dst] rows
-        out = alloc([row[me] for row in counts])
+        recv = [row[me] for row in counts]
+        out = alloc(recv)
         y = as_numpy(out).view(np.uint8)
+        at = sum(recv[:me]) * row_bytes
+        np.copyto(y[at : at + own_len], x[own_start : own_start + own_len])  # our block to ourselves
         for j, copies in enumerate(all_to_all_pulls(counts, me, row_bytes, S)):
-            w_lo = j * S
             if j > 0:
                 b = self._begin_round()
-                chunk = x[w_lo : w_lo + S]
-                np.copyto(self._slots[b][me][: chunk.nbytes], chunk)
+                for off, src, nb in staged_segments(own_start, own_len, x.nbytes, j * S, (j + 1) * S):
+                    np.copyto(self._slots[b][me][off : off + nb], x[src : src + nb])
                 self._sync()
             for src, off, dst, nb in copies:
-                source = x[w_lo + off : w_lo + off + nb] if src == me else self._slots[b][src][off : off + nb]
-                np.copyto(y[dst : dst + nb], source)
+                np.copyto(y[dst : dst + nb], self._slots[b][src][off : off + nb])
         return out
 
     # ---- teardown -------------------------------------------------------------------------
