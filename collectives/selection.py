@@ -6,8 +6,13 @@ transport and get a clear ``ValueError`` there instead of waiting in different o
 reason all_to_all, whose sizes differ by design, is never routed by size.
 
 Host (CPU tensor) chains, first available wins. Where the numbers come from:
-``benchmarks/results/cpu-shm-vs-mpi.txt`` (``moecomm bench --compare``, 2 ranks, CI machine):
-shm beat the mpi transport at every size of every op on one node, so shm serves all sizes there.
+``benchmarks/results/cpu-shm-vs-mpi.txt`` (2 ranks on the 2-vCPU CI machine, one run interleaved
+per size): shm was 1.3-3x faster than the mpi transport at every size up to 256 KiB for every
+op and for all_reduce up to 2 MiB; MPICH's large-message path (one copy where shm makes two)
+was faster for reduce_scatter and all_to_all from 2 MiB and all_gather at 16 MiB. shm still
+serves those sizes: routing by size there would let ranks whose sizes wrongly differ wait in
+different transports (a timeout instead of the ValueError that names the difference), and
+all_to_all sizes differ by design. A single-copy shm path is the fix (see the issue notes).
 """
 
 from __future__ import annotations
