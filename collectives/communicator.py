@@ -233,6 +233,23 @@ class Communicator:
                 f"{name}: out is on {out_t.device} but the input is on {t.device}; put both on one device"))
         return out_t
 
+    def _hot(self, opcode: OpCode, x, op, out, *, in_place_ok: bool) -> tuple[_Entry, torch.Tensor] | None:
+        """(entry, tensor to write) for a repeated call on a plain contiguous tensor, else None.
+
+        The latency path: a cache hit skips validation (done when the entry was made) and every
+        conversion; anything unusual (NumPy, strides, grads, odd ``out``) takes :meth:`_run`.
+        """
+        if type(x) is not torch.Tensor or x.requires_grad or not x.is_contiguous():
+            return None
+        ent = self._cache.get((opcode, x.shape, x.dtype, x.device, op, 0))
+        if ent is None or ent.staged:
+            return None
+        if out is None:
+            return ent, torch.empty(ent.out_shape, dtype=x.dtype, device=x.device)
+        if _direct_out(out, x, ent.out_shape, in_place_ok=in_place_ok):
+            return ent, out
+        return None
+
     def _run(self, opcode: OpCode, x: Array, out: Array | None, op=None, src: int = 0) -> Array:
         """General path: any input kind, out= of any layout, host staging. Same semantics as the fast paths."""
         t, was_numpy, orig = self._input(opcode, x)
@@ -273,17 +290,10 @@ class Communicator:
         bool only with max/min). Returns a new tensor of x's shape and dtype (or ``out``, which may
         be x itself). 16-bit floats accumulate in float32; all ranks get bitwise-identical results.
         """
-        if type(x) is torch.Tensor and not x.requires_grad and x.is_contiguous():  # hot path: cached call
-            ent = self._cache.get((OpCode.ALL_REDUCE, x.shape, x.dtype, x.device, op, 0))
-            if ent is not None and not ent.staged:
-                if out is None:
-                    res = torch.empty_like(x)
-                elif _direct_out(out, x, ent.out_shape, in_place_ok=True):
-                    res = out
-                else:
-                    return self._run(OpCode.ALL_REDUCE, x, out, op)
-                ent.transport.all_reduce(x, res, ent.rop, ent.sig)
-                return res
+        hot = self._hot(OpCode.ALL_REDUCE, x, op, out, in_place_ok=True)
+        if hot is not None:
+            hot[0].transport.all_reduce(x, hot[1], hot[0].rop, hot[0].sig)
+            return hot[1]
         return self._run(OpCode.ALL_REDUCE, x, out, op)
 
     def all_gather(self, x: Array, *, out: Array | None = None) -> Array:
@@ -292,17 +302,10 @@ class Communicator:
         x: [n, *rest] (a 0-d x counts as [1]), same shape and dtype on every rank.
         Returns [size * n, *rest].
         """
-        if type(x) is torch.Tensor and not x.requires_grad and x.is_contiguous() and x.dim():
-            ent = self._cache.get((OpCode.ALL_GATHER, x.shape, x.dtype, x.device, None, 0))
-            if ent is not None and not ent.staged:
-                if out is None:
-                    res = torch.empty(ent.out_shape, dtype=x.dtype, device=x.device)
-                elif _direct_out(out, x, ent.out_shape, in_place_ok=False):
-                    res = out
-                else:
-                    return self._run(OpCode.ALL_GATHER, x, out)
-                ent.transport.all_gather(x, res, ent.sig)
-                return res
+        hot = self._hot(OpCode.ALL_GATHER, x, None, out, in_place_ok=False)
+        if hot is not None:
+            hot[0].transport.all_gather(x, hot[1], hot[0].sig)
+            return hot[1]
         return self._run(OpCode.ALL_GATHER, x, out)
 
     def reduce_scatter(self, x: Array, op: str = "sum", *, out: Array | None = None) -> Array:
@@ -311,17 +314,10 @@ class Communicator:
         x: [size * n, *rest], same on every rank. Returns [n, *rest]: rows
         [rank * n, (rank + 1) * n) of the reduction.
         """
-        if type(x) is torch.Tensor and not x.requires_grad and x.is_contiguous():
-            ent = self._cache.get((OpCode.REDUCE_SCATTER, x.shape, x.dtype, x.device, op, 0))
-            if ent is not None and not ent.staged:
-                if out is None:
-                    res = torch.empty(ent.out_shape, dtype=x.dtype, device=x.device)
-                elif _direct_out(out, x, ent.out_shape, in_place_ok=False):
-                    res = out
-                else:
-                    return self._run(OpCode.REDUCE_SCATTER, x, out, op)
-                ent.transport.reduce_scatter(x, res, ent.rop, ent.sig)
-                return res
+        hot = self._hot(OpCode.REDUCE_SCATTER, x, op, out, in_place_ok=False)
+        if hot is not None:
+            hot[0].transport.reduce_scatter(x, hot[1], hot[0].rop, hot[0].sig)
+            return hot[1]
         return self._run(OpCode.REDUCE_SCATTER, x, out, op)
 
     def broadcast(self, x: Array, src: int = 0, *, out: Array | None = None) -> Array:

@@ -15,7 +15,6 @@ import multiprocessing.connection as mpc
 import os
 import pickle
 import signal
-import time
 import traceback
 from typing import Any, Callable
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 
 
 def windows(total: int, window: int) -> list[tuple[int, int]]:
