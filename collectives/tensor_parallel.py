@@ -394,6 +394,25 @@ def _meta_module(factory, device, dtype):
 
 
 # ---- layers ---------------------------------------------------------------------------------------
+def _linear_from_dense(cls, linear: nn.Linear, comm: Comm, kw: dict, options: dict) -> nn.Module:
+    """Shared body of the linear layers' ``from_dense``: check, build without init, load this rank's shard."""
+    name = cls.__name__
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"{name}.from_dense needs a torch.nn.Linear, got {type(linear).__name__}")
+    bad = set(kw) - set(options)
+    if bad:
+        raise TypeError(f"{name}.from_dense: unexpected options {sorted(bad)}")
+    self = cls.__new__(cls)
+    nn.Module.__init__(self)
+    self._setup(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
+                **{k: kw.get(k, default) for k, default in options.items()},
+                dtype=linear.weight.dtype, device=linear.weight.device)
+    _check_replicated(comm, f"{name}.from_dense", [linear.weight, linear.bias])
+    with torch.no_grad():
+        self._load_dense(linear)
+    return self
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with W [out, in] split along the output dim (rows) across the TP group.
 
@@ -476,22 +495,12 @@ class ColumnParallelLinear(nn.Module):
 
         kw: gather_output, sequence_parallel. The layer takes linear's dtype and device.
         """
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"ColumnParallelLinear.from_dense needs a torch.nn.Linear, got {type(linear).__name__}")
-        bad = set(kw) - {"gather_output", "sequence_parallel"}
-        if bad:
-            raise TypeError(f"ColumnParallelLinear.from_dense: unexpected options {sorted(bad)}")
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
-                    gather_output=kw.get("gather_output", False), sequence_parallel=kw.get("sequence_parallel", False),
-                    dtype=linear.weight.dtype, device=linear.weight.device)
-        _check_replicated(comm, "ColumnParallelLinear.from_dense", [linear.weight, linear.bias])
-        with torch.no_grad():
-            self.weight.copy_(linear.weight[self._rows()])
-            if linear.bias is not None:
-                self.bias.copy_(linear.bias[self._rows()])
-        return self
+        return _linear_from_dense(cls, linear, comm, kw, {"gather_output": False, "sequence_parallel": False})
+
+    def _load_dense(self, linear: nn.Linear) -> None:
+        self.weight.copy_(linear.weight[self._rows()])
+        if linear.bias is not None:
+            self.bias.copy_(linear.bias[self._rows()])
 
     def to_dense(self) -> nn.Linear:
         """The full layer as a ``torch.nn.Linear`` on every rank (collective: all ranks call it)."""
@@ -601,23 +610,12 @@ class RowParallelLinear(nn.Module):
 
         kw: input_is_parallel, sequence_parallel. The layer takes linear's dtype and device.
         """
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"RowParallelLinear.from_dense needs a torch.nn.Linear, got {type(linear).__name__}")
-        bad = set(kw) - {"input_is_parallel", "sequence_parallel"}
-        if bad:
-            raise TypeError(f"RowParallelLinear.from_dense: unexpected options {sorted(bad)}")
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
-                    input_is_parallel=kw.get("input_is_parallel", True),
-                    sequence_parallel=kw.get("sequence_parallel", False),
-                    dtype=linear.weight.dtype, device=linear.weight.device)
-        _check_replicated(comm, "RowParallelLinear.from_dense", [linear.weight, linear.bias])
-        with torch.no_grad():
-            self.weight.copy_(linear.weight[:, self._cols()])
-            if linear.bias is not None:
-                self.bias.copy_(linear.bias)
-        return self
+        return _linear_from_dense(cls, linear, comm, kw, {"input_is_parallel": True, "sequence_parallel": False})
+
+    def _load_dense(self, linear: nn.Linear) -> None:
+        self.weight.copy_(linear.weight[:, self._cols()])
+        if linear.bias is not None:
+            self.bias.copy_(linear.bias)
 
     def to_dense(self) -> nn.Linear:
         """The full layer as a ``torch.nn.Linear`` on every rank (collective: all ranks call it)."""
