@@ -224,10 +224,6 @@ def _reduce(xs: Sequence[torch.Tensor], dtype: torch.dtype, redop: str) -> torch
     return acc / len(xs) if redop == "avg" else acc
 
 
-def _sum(xs, dtype):
-    return _reduce(xs, dtype, "sum")
-
-
 def _reference(op: str, count: int, n: int, rank: int, dtype: torch.dtype, seed: int, redop: str = "sum",
                root: int = 0) -> torch.Tensor:
     xs = [_inputs(op, count, n, r, dtype, seed) for r in range(n)]
@@ -265,38 +261,6 @@ def count_wrong(op: str, result: torch.Tensor, count: int, n: int, rank: int, dt
 
 
 # ---- timing ---------------------------------------------------------------------------------
-def make_call(comm, op: str, x: torch.Tensor, count: int) -> Callable[[], torch.Tensor]:
-    """Out-of-place moecomm call with preallocated output (kept for other benchmarks)."""
-    n = comm.size
-    if op == "all_reduce":
-        out = torch.empty_like(x)
-        return lambda: comm.all_reduce(x, out=out)
-    if op == "all_gather":
-        out = torch.empty(n * x.numel(), dtype=x.dtype)
-        return lambda: comm.all_gather(x, out=out)
-    if op == "reduce_scatter":
-        out = torch.empty(count, dtype=x.dtype)
-        return lambda: comm.reduce_scatter(x, out=out)
-    if op == "all_to_all":
-        out = torch.empty_like(x)
-        return lambda: comm.all_to_all(x, out=out)
-    if op == "broadcast":
-        out = torch.empty_like(x)
-        return lambda: comm.broadcast(x, 0, out=out)
-    raise ValueError(f"unknown op {op!r}; one of {ALL_OPS}")
-
-
-def time_calls(comm, call: Callable[[], object], iters: int, warmup: int) -> float:
-    """Mean seconds per call on this rank, starting together after a barrier."""
-    for _ in range(warmup):
-        call()
-    comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    return (time.perf_counter() - t0) / max(iters, 1)
-
-
 def time_each(bound, iters: int, warmup: int, barrier: Callable[[], None]) -> list[float]:
     """Seconds of each timed call on this rank (``bound``: a peers.Bound); ranks start together."""
     reset, sync, call = bound.reset, bound.sync, bound.call

@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import struct
 import time
 from typing import Sequence
 
@@ -144,14 +143,6 @@ class MPIRendezvous(Rendezvous):
                 self.comm.Free()
             except Exception:  # noqa: BLE001
                 pass
-
-
-def pack_ints(*values: int) -> bytes:
-    return struct.pack(f"<{len(values)}q", *values)
-
-
-def unpack_ints(data: bytes) -> tuple[int, ...]:
-    return struct.unpack(f"<{len(data) // 8}q", data)
 
 
 def loopback_store_server(timeout: float):

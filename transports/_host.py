@@ -32,10 +32,6 @@ _TORCH_BINARY = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PROD
                  ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}
 
 
-def np_storage_dtype(dtype: torch.dtype) -> np.dtype:
-    return np.dtype(_NP_STORAGE[dtype])
-
-
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """Zero-copy flat NumPy view of a contiguous CPU tensor (bfloat16 as uint16 bits)."""
     if t.dtype is torch.bfloat16:

@@ -260,11 +260,6 @@ class Transport(abc.ABC):
         self.rank = group.rank
         self.size = group.size
 
-    # ---- capabilities -------------------------------------------------------------------
-    def supports(self, opcode: OpCode, dtype: torch.dtype, op: ReduceOp | None) -> str | None:
-        """None if this transport can run the call, else the reason it cannot."""
-        return None
-
     @abc.abstractmethod
     def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
         """Name of the algorithm this transport would use for the call (for plans and logs)."""

@@ -85,11 +85,6 @@ class NCCLTransport(Transport):
         self._ranks = list(group.global_ranks)
         log.debug("nccl transport up on cuda:%d, rank %d/%d", self.device, self.rank, self.size)
 
-    def supports(self, opcode, dtype, op):
-        if dtype not in NCCL_DTYPES:
-            return f"NCCL has no {dtype}"
-        return None
-
     def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
         return {OpCode.ALL_TO_ALL: "grouped_send_recv"}.get(opcode, "nccl")
 

@@ -61,7 +61,7 @@ SEGMENT_PREFIX = "moecomm"
 _EPOCH, _STATE = 0, 1
 _SIG0 = 2  # two parities of the signature digest
 _META0 = 4  # two parities of META_LEN words, then two parities of `size` all-to-all counts
-_STATE_OK, _STATE_ABORTED, _STATE_CLOSED = 0, 1, 2
+_STATE_ABORTED, _STATE_CLOSED = 1, 2  # 0: running
 
 # Per-slot size; each rank has two slots and messages larger than a slot go in rounds.
 # 1 MiB: in benchmarks/results/shm-allreduce-tuning.txt (2 vCPUs with 1 MiB of L2 each) it beat
