@@ -6,16 +6,17 @@ import atexit
 import json
 import logging
 import math
-import os
 import weakref
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from transports import transport_class
+from transports.settings import SETTINGS, agreed_items
+from transports.settings import resolve as resolve_settings
 from transports.base import (
-    DTYPE_CODES,
+    SUPPORTED_DTYPES,
     CommunicatorBrokenError,
     GroupInfo,
     OpCode,
@@ -33,7 +34,7 @@ log = logging.getLogger("collectives")
 
 Array = Any  # torch.Tensor | numpy.ndarray
 
-_SUPPORTED = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
+_SUPPORTED = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
@@ -67,7 +68,8 @@ class Communicator:
     """
 
     def __init__(self, rendezvous: Rendezvous, topology: Topology, *, timeout: float, transport: str = "auto",
-                 global_ranks: Sequence[int] | None = None, mpi_comm=None):
+                 global_ranks: Sequence[int] | None = None, mpi_comm=None,
+                 settings: Mapping[str, Any] | None = None):
         self._rdv = rendezvous
         self.topology = topology
         self.timeout = float(timeout)
@@ -75,7 +77,11 @@ class Communicator:
         self.size = topology.size
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(self.size))
         self._mpi_comm = mpi_comm
-        forced = transport if transport not in (None, "auto") else os.environ.get("MOECOMM_TRANSPORT") or None
+        # resolved transports.settings values; transport= overrides MOECOMM_TRANSPORT
+        self.settings: dict[str, Any] = dict(settings) if settings is not None else resolve_settings()
+        if transport not in (None, "auto"):
+            self.settings["transport"] = SETTINGS["transport"].parse(transport, source="transport=")
+        forced = self.settings["transport"]
         self._forced = None if forced == "auto" else forced
         self._closed = False
         self._warned_staging = False
@@ -93,7 +99,8 @@ class Communicator:
     def _make_transports(self) -> None:
         group = GroupInfo(rank=self.rank, size=self.size, timeout=self.timeout, rendezvous=self._rdv,
                           global_ranks=self.global_ranks, pids=list(self.topology.pids),
-                          hosts=list(self.topology.node_ids), mpi_comm=self._mpi_comm)
+                          hosts=list(self.topology.node_ids), mpi_comm=self._mpi_comm,
+                          oversubscribed=self.topology.oversubscribed, settings=dict(self.settings))
         wanted = []
         if self.topology.single_node:
             wanted.append("shm")
@@ -101,15 +108,26 @@ class Communicator:
             wanted.append("mpi")
         from transports.nccl import nccl_module
 
-        # NCCL only if every rank has it: creation is collective.
-        has_nccl = self._rdv.allgather_bytes(b"1" if nccl_module() is not None else b"0")
-        if all(f == b"1" for f in has_nccl):
+        # One exchange: the settings every rank must share, and whether NCCL is there (its creation
+        # is collective, so only if every rank has it).
+        mine = {"settings": agreed_items(self.settings), "nccl": nccl_module() is not None}
+        facts = [json.loads(b) for b in self._rdv.allgather_bytes(json.dumps(mine, sort_keys=True).encode())]
+        _check_settings_agree([f["settings"] for f in facts], self.global_ranks)
+        if all(f["nccl"] for f in facts):
             wanted.append("nccl")
         for name in wanted:
             try:
                 self.transports[name] = transport_class(name)(group)
-            except Exception as e:  # noqa: BLE001 - creation is collective; every rank sees the same failure
+            except Exception as e:  # noqa: BLE001 - reported below; peers drop it too
                 log.warning("transport %s unavailable on rank %d: %s", name, self.global_ranks[self.rank], e)
+        # A transport that failed on some rank (out of memory, a bad setting) must not be used by the
+        # others: they would pick different transports for one call and wait for each other forever.
+        up = [set(json.loads(b)) for b in self._rdv.allgather_bytes(json.dumps(sorted(self.transports)).encode())]
+        for name in sorted(self.transports):
+            missing = [self.global_ranks[r] for r, names in enumerate(up) if name not in names]
+            if missing:
+                log.warning("transport %s is not used: it did not come up on rank(s) %s", name, missing)
+                self.transports.pop(name).close()
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -181,7 +199,7 @@ class Communicator:
         me = self.global_ranks[self.rank]
         rop = None
         try:
-            if t.dtype not in DTYPE_CODES:
+            if t.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"{name}: dtype {t.dtype} is not supported; use one of {_SUPPORTED}")
             if opcode in (OpCode.ALL_REDUCE, OpCode.REDUCE_SCATTER):
                 rop = ReduceOp.parse(op)
@@ -453,7 +471,8 @@ class Communicator:
             return None
         topo = self.topology.subset(members, new_rank)
         return Communicator(rdv, topo, timeout=self.timeout, transport=self._forced or "auto",
-                            global_ranks=[self.global_ranks[m] for m in members], mpi_comm=mpi_sub)
+                            global_ranks=[self.global_ranks[m] for m in members], mpi_comm=mpi_sub,
+                            settings=self.settings)
 
     def close(self) -> None:
         """Release transports and shared memory; peers still waiting on this rank raise at once."""
@@ -474,6 +493,19 @@ class Communicator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_settings_agree(per_rank: list[dict], global_ranks: Sequence[int]) -> None:
+    """ValueError naming each rank's value of every agreed setting that differs across ranks."""
+    diffs = []
+    for name in sorted(set().union(*per_rank)):
+        vals = [d.get(name) for d in per_rank]
+        if any(v != vals[0] for v in vals):
+            shown = ", ".join(f"rank {global_ranks[r]}: {v!r}" for r, v in enumerate(vals))
+            diffs.append(f"{SETTINGS[name].env} ({shown})")
+    if diffs:
+        raise ValueError("ranks disagree on settings that must be equal on every rank: " + "; ".join(diffs)
+                         + ". Set them the same way on every rank (environment or init(options=...)).")
 
 
 _OPCODE_BY_NAME = {"all_reduce": OpCode.ALL_REDUCE, "all_gather": OpCode.ALL_GATHER,

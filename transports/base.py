@@ -68,7 +68,9 @@ class OpCode(enum.IntEnum):
     LOCAL_ERROR = 99  # this rank rejected its own input; peers raise instead of waiting
 
 
-# dtype codes that travel in the call signature (stable numbers, never reorder).
+# dtype codes that travel in call signatures and argument agreements (stable numbers, never
+# reorder; the one code table of the library). Collectives move SUPPORTED_DTYPES; the others have
+# codes so that libraries (moe, tensor_parallel) can compare any dtype across ranks.
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float64: 1,
     torch.float32: 2,
@@ -78,8 +80,28 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.int32: 6,
     torch.uint8: 7,
     torch.bool: 8,
+    torch.int8: 9,
+    torch.int16: 10,
+    torch.complex64: 11,
+    torch.complex128: 12,
+    **{d: c for c, d in ((13, getattr(torch, "float8_e4m3fn", None)), (14, getattr(torch, "float8_e5m2", None)))
+       if d is not None},
 }
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.float16, torch.bfloat16,
+                                             torch.int64, torch.int32, torch.uint8, torch.bool)
+UNKNOWN_DTYPE_CODE = 1000
 DTYPE_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The stable code of ``dtype`` (UNKNOWN_DTYPE_CODE for a dtype outside the table)."""
+    return DTYPE_CODES.get(dtype, UNKNOWN_DTYPE_CODE)
+
+
+def dtype_name(code: int) -> str:
+    """``'bfloat16'`` for the code of torch.bfloat16; ``'<dtype N>'`` for an unknown code."""
+    d = DTYPE_BY_CODE.get(int(code))
+    return str(d).replace("torch.", "") if d is not None else f"<dtype {code}>"
 
 # Layout of the int64 call signature.
 META_LEN = 16
@@ -234,6 +256,8 @@ class GroupInfo:
     pids: list[int] = field(default_factory=list)
     hosts: list[str] = field(default_factory=list)  # node identity of each rank
     mpi_comm: object | None = None  # mpi4py communicator of this group when launched by MPI
+    oversubscribed: bool = False  # more ranks on this node than CPUs (Topology.oversubscribed)
+    settings: dict = field(default_factory=dict)  # resolved transports.settings values (option name -> value)
 
     @property
     def single_node(self) -> bool:

@@ -1,0 +1,130 @@
+"""Every ``MOECOMM_*`` setting in one table: name, type, default, meaning, and who reads it.
+
+Nothing else in the library reads ``os.environ`` for our settings: components call
+:func:`resolve` (environment, overridden by explicit ``options=`` of ``init``/``launch``) and
+receive plain values. ``moecomm doctor`` and the README's settings table are generated from
+:data:`SETTINGS`.
+
+Settings marked ``agree`` change what the ranks do together (a transport choice, a slot size,
+an algorithm switch point): the communicator compares them across ranks when it is created and
+raises ``ValueError`` naming each rank's value if they differ, instead of computing wrong
+results or waiting in different transports.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+# Transport names a user may force (kept here, the bottom layer, so nothing imports upwards).
+TRANSPORT_CHOICES = ("auto", "shm", "mpi", "nccl")
+LAUNCH_CHOICES = ("mpi", "torchrun", "single")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``MOECOMM_*`` variable. ``option`` is its name as a keyword in ``options=``."""
+
+    env: str
+    option: str
+    type: type
+    default: Any
+    meaning: str
+    component: str
+    agree: bool = False
+    choices: tuple[str, ...] | None = None
+    minimum: int | None = None
+
+    def parse(self, raw: Any, *, source: str) -> Any:
+        """``raw`` (a string from the environment or a value from ``options=``) as a checked value.
+
+        Raises ValueError naming the variable and what is accepted.
+        """
+        if raw is None:
+            return self.default
+        if self.type is int:
+            if isinstance(raw, bool) or (not isinstance(raw, (int, str))):
+                raise ValueError(f"{source}: {self.env} must be an integer, got {raw!r}")
+            try:
+                value = int(str(raw).strip(), 0) if isinstance(raw, str) else int(raw)
+            except ValueError:
+                raise ValueError(f"{source}: {self.env}={raw!r} is not an integer") from None
+            if self.minimum is not None and value < self.minimum:
+                raise ValueError(f"{source}: {self.env}={value} is below its minimum {self.minimum}")
+            return value
+        value = str(raw).strip()
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{source}: {self.env}={raw!r} is not one of {', '.join(self.choices)}")
+        return value
+
+
+def _s(env: str, type_: type, default: Any, meaning: str, component: str, **kw: Any) -> Setting:
+    return Setting(env, env.removeprefix("MOECOMM_").lower(), type_, default, meaning, component, **kw)
+
+
+SETTINGS: dict[str, Setting] = {s.option: s for s in (
+    _s("MOECOMM_TRANSPORT", str, "auto",
+       "force one transport for every call of a communicator (same as transport=)",
+       "collectives.Communicator", agree=True, choices=TRANSPORT_CHOICES),
+    _s("MOECOMM_LAUNCH", str, None,
+       "override launch detection (mpi: rendezvous over MPI; torchrun: RANK/WORLD_SIZE/MASTER_ADDR; single)",
+       "collectives.rendezvous", choices=LAUNCH_CHOICES),
+    _s("MOECOMM_SHM_SLOT_BYTES", int, 1 << 20,
+       "per-rank staging slot of the shm transport in bytes (rounded up to 4 KiB); larger messages go in rounds",
+       "transports.shm", agree=True, minimum=4096),
+    _s("MOECOMM_SHM_ONE_SHOT_MAX", int, None,
+       "largest all_reduce in bytes that shm runs one-shot (default: the per-size table in transports/shm.py)",
+       "transports.shm", agree=True, minimum=0),
+    _s("MOECOMM_SHM_SPIN", int, None,
+       "busy-poll turns of an shm wait before it yields (default 400, 16 when ranks outnumber cores)",
+       "transports.shm", minimum=0),
+    _s("MOECOMM_SHM_YIELD", int, 50,
+       "sched_yield turns of an shm wait before it sleeps with backoff",
+       "transports.shm", minimum=0),
+    _s("MOECOMM_NCCL_CHECK", str, "first",
+       "when the nccl transport compares call signatures across ranks: the first call of each signature, "
+       "or always (an extra host exchange per call)",
+       "transports.nccl", agree=True, choices=("first", "always")),
+)}
+
+SETTINGS_BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS.values()}
+
+
+def resolve(options: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+            *, source: str = "moecomm") -> dict[str, Any]:
+    """Every setting's value: ``options[name]`` if given, else ``MOECOMM_<NAME>`` from the environment,
+    else the default.
+
+    options: keyword names of :data:`SETTINGS` (``{"shm_slot_bytes": 1 << 16}``); an unknown name
+    raises ValueError listing the known ones. environ: defaults to ``os.environ``.
+    Returns option name -> checked value.
+    """
+    env = os.environ if environ is None else environ
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"{source}: unknown option(s) {unknown}; known: {sorted(SETTINGS)}")
+    values = {}
+    for name, s in SETTINGS.items():
+        if name in options and options[name] is not None:
+            values[name] = s.parse(options[name], source=f"{source} option {name}")
+        else:
+            raw = env.get(s.env)
+            values[name] = s.parse(raw if raw not in (None, "") else None, source=source)
+    return values
+
+
+def agreed_items(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of resolved ``values`` that every rank must share (see :attr:`Setting.agree`)."""
+    return {k: v for k, v in values.items() if SETTINGS[k].agree}
+
+
+def markdown_table(fmt: Callable[[Any], str] = repr) -> str:
+    """The settings as a Markdown table (variable, default, meaning, read by)."""
+    rows = ["| variable | default | meaning | read by |", "|---|---|---|---|"]
+    for s in SETTINGS.values():
+        default = "(detected)" if s.default is None and s.env == "MOECOMM_LAUNCH" else (
+            "(see meaning)" if s.default is None else fmt(s.default))
+        rows.append(f"| `{s.env}` | {default} | {s.meaning} | `{s.component}` |")
+    return "\n".join(rows)
