@@ -128,3 +128,17 @@ def markdown_table(fmt: Callable[[Any], str] = repr) -> str:
             "(see meaning)" if s.default is None else fmt(s.default))
         rows.append(f"| `{s.env}` | {default} | {s.meaning} | `{s.component}` |")
     return "\n".join(rows)
+
+
+def check_timeout(timeout: Any, *, source: str = "timeout") -> float:
+    """``timeout`` as a float of seconds, or ValueError/TypeError if it is not positive and finite.
+
+    Every wait of a communicator is bounded by it: 0, a negative number, inf or nan would make a
+    wait end at once or never, so they are refused up front.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{source} must be a number of seconds, got {timeout!r}")
+    t = float(timeout)
+    if not (t > 0 and t < float("inf")):  # also false for nan
+        raise ValueError(f"{source} must be a positive, finite number of seconds, got {timeout!r}")
+    return t
