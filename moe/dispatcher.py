@@ -26,7 +26,11 @@ from typing import Any
 
 import torch
 
-from ._collective import agree, dtype_code, dtype_name
+from collectives.agreement import agree, rank_label, reject
+from collectives.protocols import CommunicatorLike, check_communicator
+from transports.base import dtype_code, dtype_name
+
+from .router import is_positive_int
 
 log = logging.getLogger("moe")
 
@@ -111,7 +115,7 @@ class DispatchHandle:
         return 0 if self.pair_row is None else int(self.pair_row.numel())
 
 
-def _all_to_all(comm: Any, x: torch.Tensor, send_counts: list[int], *, return_counts: bool = False):
+def _all_to_all(comm: CommunicatorLike, x: torch.Tensor, send_counts: list[int], *, return_counts: bool = False):
     if comm.size == 1:  # nothing crosses a process boundary; skip the copy
         return (x, [x.shape[0]]) if return_counts else x
     if return_counts:
@@ -143,7 +147,7 @@ class _DispatchAllToAll(torch.autograd.Function):
     Backward: sum each received row's pair gradients, send them back (reverse all-to-all), sum per token."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, handle: DispatchHandle, comm: Any) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, handle: DispatchHandle, comm: CommunicatorLike) -> torch.Tensor:
         lay = handle.layout
         k, hidden = lay.top_k, lay.hidden
         ids_b = 4 * k
@@ -190,7 +194,7 @@ class _CombineAllToAll(torch.autograd.Function):
     form the expert-output and weight gradients there, send the weight gradients back."""
 
     @staticmethod
-    def forward(ctx, expert_out: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle, comm: Any):
+    def forward(ctx, expert_out: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle, comm: CommunicatorLike):
         lay = handle.layout
         w_dtype = weights.dtype
         if handle.pair_weight is not None:
@@ -249,18 +253,17 @@ class ExpertDispatcher:
     on the combined output on every rank, even one with zero tokens).
     """
 
-    def __init__(self, comm: Any, num_experts: int, *, capacity_factor: float | None = None):
+    def __init__(self, comm: CommunicatorLike, num_experts: int, *, capacity_factor: float | None = None):
+        check_communicator(comm, "ExpertDispatcher")
         err = None
-        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
-            err = f"ExpertDispatcher: num_experts must be a positive int, got {num_experts!r}"
-        elif capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
-                                                  and math.isfinite(capacity_factor) and capacity_factor > 0):
-            err = f"ExpertDispatcher: capacity_factor must be None or a positive number, got {capacity_factor!r}"
-        me = comm.global_ranks[comm.rank]
-        agree(comm, "ExpertDispatcher", {"num_experts": num_experts, "capacity_factor": capacity_factor},
-              error=err and f"{err} (rank {me})",
+        if not is_positive_int(num_experts):
+            err = ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        elif capacity_factor is not None and (isinstance(capacity_factor, bool) or not (
+                isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor) and capacity_factor > 0)):
+            err = ValueError(f"capacity_factor must be None or a positive number, got {capacity_factor!r}")
+        agree(comm, "ExpertDispatcher", {"num_experts": num_experts, "capacity_factor": capacity_factor}, error=err,
               hint="Construct the dispatcher with the same num_experts and capacity_factor on every rank.")
-        if num_experts % comm.size:
+        if num_experts % comm.size:  # agreed values: every rank raises
             raise ValueError(f"ExpertDispatcher: num_experts={num_experts} is not divisible by the number of "
                              f"ranks {comm.size}; each rank must own E/P experts")
         self.comm = comm
@@ -275,33 +278,32 @@ class ExpertDispatcher:
 
     # ---- layout ---------------------------------------------------------------------------------
     def _check_inputs(self, x: Any, experts: Any, weights: Any, *, need_weights: bool) -> str | None:
-        me = self.comm.global_ranks[self.comm.rank]
-        where = f"dispatch (rank {me})"
+        """The first problem with dispatch's arguments on this rank (a message without the rank), or None."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            return f"{where}: x must be a 2-D tensor [num_tokens, hidden], got " + (
+            return "x must be a 2-D tensor [num_tokens, hidden], got " + (
                 f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
         if x.dtype not in _FLOATS:
-            return f"{where}: x must be float64/32/16 or bfloat16, got {x.dtype}"
+            return f"x must be float64/32/16 or bfloat16, got {x.dtype}"
         if not isinstance(experts, torch.Tensor) or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
-            return (f"{where}: experts must be an int tensor [num_tokens={x.shape[0]}, top_k], got "
+            return (f"experts must be an int tensor [num_tokens={x.shape[0]}, top_k], got "
                     + (f"shape {tuple(experts.shape)}" if isinstance(experts, torch.Tensor) else type(experts).__name__))
         if experts.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            return f"{where}: experts must be an integer tensor, got {experts.dtype}"
+            return f"experts must be an integer tensor, got {experts.dtype}"
         if experts.device != x.device:
-            return f"{where}: experts is on {experts.device} but x is on {x.device}"
+            return f"experts is on {experts.device} but x is on {x.device}"
         if experts.numel():
             lo, hi = int(experts.min()), int(experts.max())
             if lo < -1 or hi >= self.num_experts:
-                return (f"{where}: expert indices must lie in [0, {self.num_experts}) (or -1 for an unused slot), "
+                return (f"expert indices must lie in [0, {self.num_experts}) (or -1 for an unused slot), "
                         f"got values in [{lo}, {hi}]")
         if weights is not None:
             if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != tuple(experts.shape) \
                     or weights.dtype not in _FLOATS or weights.device != x.device:
-                return (f"{where}: weights must be a float tensor of the experts' shape {tuple(experts.shape)} on "
+                return (f"weights must be a float tensor of the experts' shape {tuple(experts.shape)} on "
                         f"{x.device}, got " + (f"{tuple(weights.shape)} {weights.dtype} on {weights.device}"
                                                if isinstance(weights, torch.Tensor) else type(weights).__name__))
         elif need_weights:
-            return (f"{where}: capacity_factor is set, so dispatch needs weights=... (the router weights, [T, k]) "
+            return ("capacity_factor is set, so dispatch needs weights=... (the router weights, [T, k]) "
                     "to decide which pairs to drop")
         return None
 
@@ -337,7 +339,7 @@ class ExpertDispatcher:
                                             "x.requires_grad": int(requires_grad),
                                             "weights.dtype (0: no weights passed)":
                                                 dtype_code(weights.dtype) if ok_shapes and weights is not None else 0},
-                         error=err, extra=header,
+                         error=err and ValueError(err), extra=header,
                          formats={"x.dtype": dtype_name, "weights.dtype (0: no weights passed)": dtype_name},
                          hint="Every rank must pass x [T, H] with the same H and dtype, experts [T, k] with the "
                               "same k, and x.requires_grad set alike, and pass weights= on all ranks or on "
@@ -448,12 +450,12 @@ class ExpertDispatcher:
             if err is None and (x.shape[0] != layout.num_tokens or x.shape[1] != layout.hidden
                                 or x.dtype != layout.dtype or tuple(experts.shape) != (layout.num_tokens, layout.top_k)
                                 or (torch.is_grad_enabled() and x.requires_grad) != layout.requires_grad):
-                err = (f"dispatch (rank {self.comm.global_ranks[self.comm.rank]}): x {tuple(x.shape)} "
+                err = (f"x {tuple(x.shape)} "
                        f"{x.dtype} requires_grad={x.requires_grad} / experts {tuple(experts.shape)} do not match the "
                        f"layout ([{layout.num_tokens}, {layout.hidden}] {layout.dtype} "
                        f"requires_grad={layout.requires_grad}, k={layout.top_k}); recompute the layout")
-            if err is not None:
-                self.comm.reject(ValueError(err))
+            if err is not None:  # the peers are already in dispatch's all-to-all
+                reject(self.comm, ValueError(f"dispatch on {rank_label(self.comm)}: {err}"), on=x)
         handle = DispatchHandle(layout)
         recv_x = _DispatchAllToAll.apply(x, handle, self.comm)
         return recv_x, layout.tokens_per_expert, handle
@@ -469,24 +471,23 @@ class ExpertDispatcher:
         dropped pairs and -1 slots contribute 0. Sums are accumulated in float32 (float64 for float64).
         """
         lay = handle.layout
-        me = self.comm.global_ranks[self.comm.rank]
         err = None
         if not isinstance(expert_out, torch.Tensor) or expert_out.dim() != 2 or \
                 expert_out.shape[0] != handle.num_recv_pairs:
-            err = (f"combine (rank {me}): expert_out must be [{handle.num_recv_pairs}, hidden] (one row per row of "
+            err = (f"expert_out must be [{handle.num_recv_pairs}, hidden] (one row per row of "
                    f"recv_x), got " + (f"shape {tuple(expert_out.shape)}" if isinstance(expert_out, torch.Tensor)
                                        else type(expert_out).__name__))
         elif expert_out.dtype not in _FLOATS:
-            err = f"combine (rank {me}): expert_out must be a float tensor, got {expert_out.dtype}"
+            err = f"expert_out must be a float tensor, got {expert_out.dtype}"
         elif not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (lay.num_tokens, lay.top_k) \
                 or weights.dtype not in _FLOATS:
-            err = (f"combine (rank {me}): weights must be a float tensor [{lay.num_tokens}, {lay.top_k}], got "
+            err = (f"weights must be a float tensor [{lay.num_tokens}, {lay.top_k}], got "
                    + (f"{tuple(weights.shape)} {weights.dtype}" if isinstance(weights, torch.Tensor)
                       else type(weights).__name__))
         elif lay.weights is not None and _tensor_id(weights) != lay.weights_id and not (
                 weights.dtype == lay.weights.dtype and torch.equal(weights.detach(), lay.weights)):
-            err = (f"combine (rank {me}): weights differ from the weights given to dispatch, which travelled with "
+            err = ("weights differ from the weights given to dispatch, which travelled with "
                    "the tokens; pass the same weights (or none to dispatch without a capacity factor)")
-        if err is not None:
-            self.comm.reject(ValueError(err))
+        if err is not None:  # the peers are already in combine's all-to-all
+            reject(self.comm, ValueError(f"combine on {rank_label(self.comm)}: {err}"), on=expert_out)
         return _CombineAllToAll.apply(expert_out, weights, handle, self.comm)

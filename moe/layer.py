@@ -9,9 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._collective import agree
+from collectives.agreement import agree, rank_label, reject
+from collectives.protocols import CommunicatorLike, check_communicator
+
 from .dispatcher import ExpertDispatcher
-from .router import EXPERT_STREAM, SHARED_STREAM, TopKRouter, seeded_generator
+from .router import (EXPERT_STREAM, SCORES, SHARED_STREAM, TopKRouter, check_router_arguments, is_positive_int,
+                     seeded_generator)
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "swiglu": lambda h: F.silu(h[..., : h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:],
@@ -91,32 +94,39 @@ class MoELayer(nn.Module):
 
     expert_keys = ("experts.fc1", "experts.fc2")
 
-    def __init__(self, comm: Any, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
-                 activation: str = "swiglu", capacity_factor: float | None = None, shared_ffn_hidden_size: int = 0,
-                 seed: int = 0, **router_kwargs: Any):
+    def __init__(self, comm: CommunicatorLike, hidden_size: int, ffn_hidden_size: int, num_experts: int,
+                 top_k: int, *, activation: str = "swiglu", capacity_factor: float | None = None,
+                 shared_ffn_hidden_size: int = 0, seed: int = 0, **router_kwargs: Any):
         super().__init__()
-        me = comm.global_ranks[comm.rank]
+        check_communicator(comm, "MoELayer")
+        options = {"score": "softmax", "normalize": True, "aux_loss_coef": 0.0, "z_loss_coef": 0.0}
         err = None
         try:
+            unknown = set(router_kwargs) - set(options)
+            if unknown:
+                raise TypeError(f"unknown keyword argument(s) {sorted(unknown)}")
+            options.update(router_kwargs)
+            check_router_arguments(hidden_size, num_experts, top_k, score=options["score"],
+                                   aux_loss_coef=options["aux_loss_coef"], z_loss_coef=options["z_loss_coef"])
             if activation not in _ACTIVATIONS:
                 raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
-            if not isinstance(ffn_hidden_size, int) or isinstance(ffn_hidden_size, bool) or ffn_hidden_size <= 0:
+            if not is_positive_int(ffn_hidden_size):
                 raise ValueError(f"ffn_hidden_size must be a positive int, got {ffn_hidden_size!r}")
-            if not isinstance(shared_ffn_hidden_size, int) or shared_ffn_hidden_size < 0:
+            if not (is_positive_int(shared_ffn_hidden_size) or shared_ffn_hidden_size == 0):
                 raise ValueError(f"shared_ffn_hidden_size must be an int >= 0, got {shared_ffn_hidden_size!r}")
-            bad = set(router_kwargs) - {"score", "normalize", "aux_loss_coef", "z_loss_coef"}
-            if bad:
-                raise ValueError(f"unknown keyword argument(s) {sorted(bad)}")
-            router = TopKRouter(hidden_size, num_experts, top_k, seed=seed, **router_kwargs)
+            router = TopKRouter(hidden_size, num_experts, top_k, seed=seed, **options)
         except (TypeError, ValueError) as e:
-            err, router = f"MoELayer (rank {me}): {e}", None
-        values = {"hidden_size": hidden_size, "ffn_hidden_size": ffn_hidden_size, "top_k": top_k,
-                  "shared_ffn_hidden_size": shared_ffn_hidden_size, "seed": seed,
-                  "activation": sorted(_ACTIVATIONS).index(activation) if activation in _ACTIVATIONS else -2}
-        if router is not None:
-            values.update(score=int(router.score == "sigmoid"), normalize=int(router.normalize),
-                          aux_loss_coef=router.aux_loss_coef, z_loss_coef=router.z_loss_coef)
+            err, router = e, None
+        names = sorted(_ACTIVATIONS)
+        # The same keys on every rank, whatever failed locally: the all-gather needs equal lengths.
+        values = {"hidden_size": hidden_size, "ffn_hidden_size": ffn_hidden_size, "num_experts": num_experts,
+                  "top_k": top_k, "shared_ffn_hidden_size": shared_ffn_hidden_size, "seed": seed,
+                  "activation": names.index(activation) if activation in names else None,
+                  "score": SCORES.index(options["score"]) if options["score"] in SCORES else None,
+                  "normalize": bool(options["normalize"]), "aux_loss_coef": options["aux_loss_coef"],
+                  "z_loss_coef": options["z_loss_coef"]}
         agree(comm, "MoELayer", values, error=err,
+              formats={"activation": lambda i: repr(names[i]), "score": lambda i: repr(SCORES[i])},
               hint="Construct the layer with the same arguments on every rank.")
         self.comm = comm
         self.dispatcher = ExpertDispatcher(comm, num_experts, capacity_factor=capacity_factor)
@@ -146,10 +156,10 @@ class MoELayer(nn.Module):
         """
         if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != self.hidden_size:
             # the peers are in dispatch's count exchange: make it raise there too
-            self.comm.reject(ValueError(
-                f"MoELayer (rank {self.comm.global_ranks[self.comm.rank]}): x must be "
-                f"[T, {self.hidden_size}] or [B, S, {self.hidden_size}], got "
-                + (f"{tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)))
+            reject(self.comm, ValueError(
+                f"MoELayer on {rank_label(self.comm)}: x must be [T, {self.hidden_size}] or [B, S, "
+                f"{self.hidden_size}], got " + (f"{tuple(x.shape)}" if isinstance(x, torch.Tensor)
+                                                else type(x).__name__)), on=x)
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         weights, experts, scores = self.router.route(x2)

@@ -11,6 +11,7 @@ from torch import nn
 
 # Tags that keep the router, expert and shared-expert random streams apart for one seed.
 ROUTER_STREAM, EXPERT_STREAM, SHARED_STREAM = 0, 1, 2
+SCORES = ("softmax", "sigmoid")
 
 
 def seeded_generator(seed: int, *stream: int) -> torch.Generator:
@@ -19,6 +20,26 @@ def seeded_generator(seed: int, *stream: int) -> torch.Generator:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     state = np.random.SeedSequence([seed, *stream]).generate_state(2, np.uint32)
     return torch.Generator().manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
+
+
+def is_positive_int(v: object) -> bool:
+    """Whether ``v`` is an int > 0 (bool excluded: True is not a size)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def check_router_arguments(hidden_size: int, num_experts: int, top_k: int, *, score: str, aux_loss_coef: float,
+                           z_loss_coef: float) -> None:
+    """Raise ``ValueError`` (message without a prefix) on the first invalid :class:`TopKRouter` argument."""
+    for name, v in (("hidden_size", hidden_size), ("num_experts", num_experts), ("top_k", top_k)):
+        if not is_positive_int(v):
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}")
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    for name, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
 
 
 class RouterOutput(NamedTuple):
@@ -58,16 +79,11 @@ class TopKRouter(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score: str = "softmax",
                  normalize: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, seed: int = 0):
         super().__init__()
-        for name, v in (("hidden_size", hidden_size), ("num_experts", num_experts), ("top_k", top_k)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"TopKRouter: {name} must be a positive int, got {v!r}")
-        if top_k > num_experts:
-            raise ValueError(f"TopKRouter: top_k={top_k} exceeds num_experts={num_experts}")
-        if score not in ("softmax", "sigmoid"):
-            raise ValueError(f"TopKRouter: score must be 'softmax' or 'sigmoid', got {score!r}")
-        for name, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"TopKRouter: {name} must be a finite number >= 0, got {v!r}")
+        try:
+            check_router_arguments(hidden_size, num_experts, top_k, score=score, aux_loss_coef=aux_loss_coef,
+                                   z_loss_coef=z_loss_coef)
+        except ValueError as e:
+            raise ValueError(f"TopKRouter: {e}") from None
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.score, self.normalize = score, bool(normalize)
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)

@@ -100,3 +100,52 @@ def _mismatch_body(comm) -> str:
 def test_layer_arguments_must_agree():
     msgs = collectives.launch(_mismatch_body, 2, timeout=60)
     assert all("ffn_hidden_size" in m and "rank 0: 8, rank 1: 9" in m for m in msgs), msgs
+
+
+def _outcome(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares what every rank raised
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def _one_rank_wrong_body(comm) -> dict[str, tuple[str, str]]:
+    """One rank passes a bad argument; every case must raise on every rank (a hang raises a timeout instead)."""
+    r = comm.rank
+    big = 2**60  # seeds this large differ from their neighbours only past float64 precision
+    out = {
+        "top_k": _outcome(lambda: MoELayer(comm, H, 8, 4, 8 if r == 0 else 2)),
+        "activation": _outcome(lambda: MoELayer(comm, H, 8, 4, 2, activation="tanh" if r == 1 else "gelu")),
+        "unknown kwarg": _outcome(lambda: MoELayer(comm, H, 8, 4, 2, **({"scor": "sigmoid"} if r == 1 else {}))),
+        "score": _outcome(lambda: MoELayer(comm, H, 8, 4, 2, score="sigmoid" if r == 1 else "softmax")),
+        "seed": _outcome(lambda: MoELayer(comm, H, 8, 4, 2, seed=big + r)),
+    }
+    layer = MoELayer(comm, H, 8, 4, 2, seed=3)
+    x = torch.randn(5, H + (r == 1))
+    out["forward width"] = _outcome(lambda: layer(x))
+    # still in step: a correct call completes on every rank
+    y, _ = layer(torch.randn(5, H))
+    assert y.shape == (5, H)
+    return out
+
+
+def test_one_rank_with_a_bad_argument_fails_every_rank_at_once():
+    per_rank = collectives.launch(_one_rank_wrong_body, 2, timeout=30)
+    expected = {  # case -> (exception type on every rank, text in every rank's message, or one per rank)
+        "top_k": ("ValueError", "MoELayer on rank 0: top_k=8 exceeds num_experts=4"),
+        "activation": ("ValueError", "MoELayer on rank 1: activation must be one of"),
+        "unknown kwarg": ("TypeError", "MoELayer on rank 1: unknown keyword argument(s) ['scor']"),
+        "score": ("ValueError", "score (rank 0: 'softmax', rank 1: 'sigmoid')"),
+        "seed": ("ValueError", f"seed (rank 0: {2**60}, rank 1: {2**60 + 1})"),
+        # forward: rank 0 is already in dispatch's exchange and learns that rank 1 rejected its input
+        "forward width": ("ValueError", ["rank(s) [1]", f"MoELayer on rank 1: x must be [T, {H}]"]),
+    }
+    wrong = []
+    for r, outcomes in enumerate(per_rank):
+        for case, (kind, text) in outcomes.items():
+            want_kind, want_text = expected[case]
+            want_text = want_text if isinstance(want_text, str) else want_text[r]
+            if kind != want_kind or want_text not in text:
+                wrong.append(f"rank {r} {case}: got {kind}: {text!r}; expected {want_kind} containing {want_text!r}")
+    assert not wrong, "\n".join(wrong)
