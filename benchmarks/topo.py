@@ -26,7 +26,7 @@ def topo(as_json: bool, probe: bool, copy: bool, nvml: bool, cross_check: bool, 
          record_dir: str | None) -> None:
     """GPUs (PCI bus id, NUMA node, NVLinks, P2P), NICs (InfiniBand/RoCE/Ethernet, link rate) and the
     connection matrix between them (X, NV#, PIX, PXB, PHB, NODE, SYS as nvidia-smi writes them)."""
-    from collectives import gpu_topology as gt
+    from collectives import topology as gt
 
     if record_dir:
         files = gt.record(record_dir, nvml=nvml)

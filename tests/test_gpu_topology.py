@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 
 from benchmarks.cli import main as cli_main
-from collectives import gpu_topology as gt
+from collectives import topology as gt
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "gpu_topology")
 HGX = os.path.join(FIX, "hgx_h100_8gpu")

@@ -1,4 +1,8 @@
-"""What the communicator knows about where its ranks run: nodes, local ranks, CPUs, GPUs and NICs."""
+"""Where the ranks of a communicator run: nodes, local ranks, the CPUs each may use, and this node's GPUs.
+
+Each rank contributes :func:`local_facts`; the communicator allgathers them and builds one
+:class:`Topology` per rank from the list (:meth:`Topology.from_facts`).
+"""
 
 from __future__ import annotations
 
@@ -67,7 +71,7 @@ class Topology:
         Detected on first use (NVML, else nvidia-smi, else sysfs; ~ms, no CUDA context) and cached.
         Empty ``gpus`` list on a machine without NVIDIA GPUs.
         """
-        from .gpu_topology import detect
+        from .detect import detect
 
         return detect()
 
