@@ -25,14 +25,25 @@ import click
 def topo(as_json: bool, probe: bool, copy: bool, nvml: bool, cross_check: bool, recording: str | None,
          record_dir: str | None) -> None:
     """GPUs (PCI bus id, NUMA node, NVLinks, P2P), NICs (InfiniBand/RoCE/Ethernet, link rate) and the
-    connection matrix between them (X, NV#, PIX, PXB, PHB, NODE, SYS as nvidia-smi writes them)."""
+    connection matrix between them (X, NV#, PIX, PXB, PHB, NODE, SYS as nvidia-smi writes them).
+
+    Exit status: 0, or 1 when --cross-check found differences or could not run, or 2 for a usage error
+    (a --record directory that cannot be written, a --from directory that holds no recording).
+    """
     from collectives import topology as gt
 
     if record_dir:
-        files = gt.record(record_dir, nvml=nvml)
+        try:
+            files = gt.record(record_dir, nvml=nvml)
+        except OSError as e:
+            raise click.BadParameter(f"cannot write a recording into {record_dir!r}: {e.strerror or e}",
+                                     param_hint="'--record'") from None
         click.echo(f"recorded {len(files)} file(s) into {record_dir}", err=True)
     if recording:
-        t = gt.load_recording(recording)
+        try:
+            t = gt.load_recording(recording)
+        except FileNotFoundError as e:
+            raise click.BadParameter(str(e), param_hint="'--from'") from None
     else:
         t = gt.detect(use_nvml=nvml, probe=False)
         if probe and t.gpus:

@@ -554,6 +554,25 @@ def test_moecomm_topo_record(tmp_path):
     assert os.path.isdir(tmp_path / "rec" / "sys")
 
 
+def test_moecomm_topo_usage_errors(tmp_path):
+    """A --record directory that cannot be written, and a --from directory that is missing or holds no
+    recording, are usage errors: exit 2 and one "Error:" line naming the option, no traceback, no output
+    of an empty topology."""
+    (tmp_path / "a_file").write_text("not a directory")
+    (tmp_path / "empty").mkdir()
+    cases = [["--record", str(tmp_path / "a_file" / "rec"), "--no-probe"],
+             ["--from", str(tmp_path / "empty")],
+             ["--from", str(tmp_path / "missing")]]
+    failures = []
+    for args in cases:
+        r = CliRunner().invoke(cli_main, ["topo", *args])
+        errors = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
+        if r.exit_code != 2 or len(errors) != 1 or args[0] not in errors[0] or "Host " in r.output:
+            failures.append(f"topo {' '.join(args)}: exit {r.exit_code}, exception {r.exception!r}, "
+                            f"output {r.output!r}")
+    assert not failures, "\n".join(failures)
+
+
 # ------------------------------------------------------------------------------------------ on a GPU
 
 @needs_cuda

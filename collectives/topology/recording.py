@@ -37,11 +37,14 @@ def load_recording(path: str, *, hostname: str | None = None) -> GpuTopology:
         The topology as it was on the recorded machine.
 
     Raises:
-        FileNotFoundError: ``path`` is not a directory.
+        FileNotFoundError: ``path`` is not a directory, or holds none of those.
     """
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no recording directory {path!r}")
     texts = {k: _read_whole(os.path.join(path, f)) for k, f in RECORD_FILES.items()}
+    if not os.path.isdir(sysfs_path(path)) and not any(texts.values()):
+        raise FileNotFoundError(f"{path!r} holds no recording: none of sys/, {', '.join(RECORD_FILES.values())} "
+                                "(`moecomm topo --record DIR` writes one)")
     nvml = json.loads(texts["nvml"]) if texts["nvml"] else None
     return build_topology(root=path, nvml=nvml, smi_topo=texts["smi_topo"], smi_query=texts["smi_query"],
                           hostname=hostname if hostname is not None else os.path.basename(os.path.abspath(path)))
@@ -106,6 +109,7 @@ def record(dest: str, *, root: str = "/", nvml: bool = True, nvidia_smi: bool = 
             link(os.path.join("sys", "bus", "pci", "devices", path[k]), rel)
         return os.path.join("sys", "devices", *path)
 
+    os.makedirs(dest, exist_ok=True)  # fail here, before anything is read, when dest cannot be written
     for g in scan_pci_gpus(root=root):
         pci_chain(g.path)
     # class entries are links into the device tree (devices/<pci path>/net/eth0, devices/virtual/net/lo,
