@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import render
+from . import render as _render
 from .formats import cpulist_count, natural_key, normalize_bus_id
 
 # PCI relations from nearest to farthest (see sysfs.pci_relation)
@@ -277,30 +277,11 @@ class GpuTopology:
         """:meth:`to_dict` as JSON; ``kwargs`` go to :func:`json.dumps` (e.g. ``indent=1``)."""
         return json.dumps(self.to_dict(), **kwargs)
 
-    # -- rendering (collectives.topology.render)
-    def render_matrix(self) -> str:
-        """The connection matrix as ``nvidia-smi topo -m`` prints it (see :func:`render.render_matrix`)."""
-        return render.render_matrix(self)
-
-    def render_gpus(self) -> str:
-        """One row per GPU (see :func:`render.render_gpus`)."""
-        return render.render_gpus(self)
-
-    def render_p2p(self) -> str:
-        """P2P read/write per GPU pair (see :func:`render.render_p2p`)."""
-        return render.render_p2p(self)
-
-    def render_nics(self) -> str:
-        """One row per NIC (see :func:`render.render_nics`)."""
-        return render.render_nics(self)
-
-    def render_cpus(self) -> str:
-        """CPUs online and NUMA nodes, one line (see :func:`render.render_cpus`)."""
-        return render.render_cpus(self)
-
-    def render(self) -> str:
-        """Everything, as ``moecomm topo`` prints it (see :func:`render.render`)."""
-        return render.render(self)
-
-    def __str__(self) -> str:
-        return self.render()
+    # -- rendering: the functions of collectives.topology.render, as methods
+    render_matrix = _render.render_matrix
+    render_gpus = _render.render_gpus
+    render_p2p = _render.render_p2p
+    render_nics = _render.render_nics
+    render_cpus = _render.render_cpus
+    render = _render.render
+    __str__ = _render.render
