@@ -13,7 +13,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .base import ReduceOp
+from .base import GroupInfo, ReduceOp
+from .settings import resolve as resolve_settings
 
 _NP_STORAGE = {
     torch.float64: np.float64,
@@ -76,3 +77,9 @@ def _reduce_16bit(dst, srcs, op, dtype, divisor):
         acc.div_(divisor)
     out = torch.from_numpy(dst)
     (out.view(torch.bfloat16) if dtype == torch.bfloat16 else out).copy_(acc)
+
+
+def group_settings(group: GroupInfo) -> dict:
+    """The resolved settings a transport reads (``group.settings``; a GroupInfo built by hand has none:
+    then the environment and defaults, through :func:`transports.settings.resolve`)."""
+    return group.settings or resolve_settings()

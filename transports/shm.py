@@ -36,7 +36,7 @@ import time
 import numpy as np
 import torch
 
-from ._host import as_numpy, reduce_into
+from ._host import as_numpy, group_settings, reduce_into
 from ._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
 from .base import (
     META_LEN,
@@ -162,8 +162,8 @@ class SharedMemoryTransport(Transport):
         if not group.single_node:
             raise RuntimeError("shm transport needs every rank of the group on one node")
         n = self.size
-        env_slot = os.environ.get("MOECOMM_SHM_SLOT_BYTES")
-        self.slot_bytes = _align(int(slot_bytes or env_slot or DEFAULT_SLOT_BYTES), 4096)
+        settings = group_settings(group)
+        self.slot_bytes = _align(int(slot_bytes or settings["shm_slot_bytes"] or DEFAULT_SLOT_BYTES), 4096)
         self.timeout = group.timeout
         self._pids = list(group.pids)
         self._ranks = list(group.global_ranks)
@@ -186,16 +186,16 @@ class SharedMemoryTransport(Transport):
         self._view_cache: dict = {}
         self._epoch = 0
         self._use = 0
-        self._broken: str | None = None
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        oversubscribed = n > cpus
+        self._broken: str | None = None  # why this transport is unusable (a failure, or "closed")
+        oversubscribed = group.oversubscribed
         # Spin (~100 ns a turn) only briefly: a peer that is not running now will not arrive soon, and
         # with more ranks than cores the spinning would steal its core. Then yield, then sleep.
-        self._spin_iters = int(os.environ.get("MOECOMM_SHM_SPIN", 16 if oversubscribed else 400))
-        self._yield_iters = int(os.environ.get("MOECOMM_SHM_YIELD", 50))
+        spin = settings["shm_spin"]
+        self._spin_iters = int(spin if spin is not None else (16 if oversubscribed else 400))
+        self._yield_iters = int(settings["shm_yield"])
         _tight_timer_slack()
-        env_one_shot = os.environ.get("MOECOMM_SHM_ONE_SHOT_MAX")
-        self._one_shot_limit = int(env_one_shot) if env_one_shot else ONE_SHOT_MAX_BYTES.get(
+        one_shot = settings["shm_one_shot_max"]
+        self._one_shot_limit = int(one_shot) if one_shot is not None else ONE_SHOT_MAX_BYTES.get(
             n, ONE_SHOT_MAX_BYTES_DEFAULT)
         log.debug("shm transport up: segment %s, %d ranks, slot %d B, oversubscribed=%s",
                   self.segment_name, n, self.slot_bytes, oversubscribed)
@@ -258,6 +258,8 @@ class SharedMemoryTransport(Transport):
         return b
 
     def _raise_broken(self):
+        if self._map is None:
+            raise CommunicatorBrokenError("the shm transport of this communicator is closed; create a new communicator")
         raise CommunicatorBrokenError(
             f"shm communicator is unusable after an earlier failure ({self._broken}); create a new one")
 
@@ -295,7 +297,8 @@ class SharedMemoryTransport(Transport):
 
     def _wait(self, e: int) -> None:
         q = self._q
-        pending = [r for r in self._peers if q[self._bases[r]] < e]
+        bases = self._bases
+        pending = [r for r in self._peers if q[bases[r]] < e]
         i = 0
         spin_end = self._spin_iters
         yield_end = spin_end + self._yield_iters
@@ -313,9 +316,14 @@ class SharedMemoryTransport(Transport):
                 if deadline is None:
                     deadline = now + self.timeout
                 if now >= next_check:
-                    self._check_peers(pending)
+                    pending = self._check_peers(pending, e)
                     next_check = now + 0.05
+                    if not pending:
+                        break
                 if now >= deadline:
+                    pending = [r for r in pending if q[bases[r]] < e]  # a late arrival is not missing
+                    if not pending:
+                        break
                     missing = [self._ranks[r] for r in pending]
                     self._abort(f"timed out after {self.timeout:.1f}s waiting for rank(s) {missing}")
                     raise CollectiveTimeoutError(
@@ -325,22 +333,38 @@ class SharedMemoryTransport(Transport):
                     )
                 time.sleep(sleep)
                 sleep = min(sleep * 2, 1e-3)
-            pending = [r for r in pending if q[self._bases[r]] < e]
+            pending = [r for r in pending if q[bases[r]] < e]
 
-    def _check_peers(self, pending: list[int]) -> None:
+    def _check_peers(self, pending: list[int], e: int) -> list[int]:
+        """Raise PeerFailedError if a rank of ``pending`` closed, aborted or died without arriving at
+        epoch ``e``; returns the ranks still pending.
+
+        ``pending`` may be stale: a peer can arrive, finish the collective and close or exit after it
+        was computed. A peer publishes its epoch before it closes (and a dead process wrote all it
+        ever will), so its epoch is read again after its state: a peer that arrived is no failure.
+        """
         q = self._q
+        still = []
         for r in pending:
-            state = q[self._bases[r] + _STATE]
-            if state == _STATE_ABORTED or state == _STATE_CLOSED:
+            base = self._bases[r]
+            state = q[base + _STATE]
+            gone = state == _STATE_ABORTED or state == _STATE_CLOSED
+            dead = not gone and r < len(self._pids) and not _pid_alive(self._pids[r])
+            _fence()
+            if q[base] >= e:  # read after the state: it arrived, perhaps then closed or exited
+                continue
+            if gone:
                 why = "aborted after a failure" if state == _STATE_ABORTED else "closed its communicator"
                 self._abort(f"rank {self._ranks[r]} {why}")
                 raise PeerFailedError(
                     f"rank {self._ranks[r]} {why} while rank {self._ranks[self.rank]} waited for it", [self._ranks[r]])
-            if r < len(self._pids) and not _pid_alive(self._pids[r]):
+            if dead:
                 self._abort(f"rank {self._ranks[r]} (pid {self._pids[r]}) died")
                 raise PeerFailedError(
                     f"rank {self._ranks[r]} (pid {self._pids[r]}) died while rank {self._ranks[self.rank]} "
                     "waited for it in a collective", [self._ranks[r]])
+            still.append(r)
+        return still
 
     def _abort(self, why: str) -> None:
         self._broken = why
@@ -504,6 +528,11 @@ class SharedMemoryTransport(Transport):
 
     # ---- teardown -------------------------------------------------------------------------
     def close(self) -> None:
+        """Unmap the segment; peers waiting for this rank see the closed state and raise at once.
+
+        Peers that are still reading this rank's slots keep their own mapping, so closing right after
+        the last collective is safe. Any later call on this transport raises CommunicatorBrokenError.
+        """
         if self._map is None:
             return
         try:
@@ -511,6 +540,7 @@ class SharedMemoryTransport(Transport):
                 self._q[self._my_base + _STATE] = _STATE_CLOSED
         except (ValueError, TypeError):
             pass
+        self._broken = self._broken or "closed"
         self._q.release()
         self._ctrl = self._slots = None  # drop views so the mapping can close
         self._view_cache.clear()
