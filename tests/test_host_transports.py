@@ -219,3 +219,43 @@ def test_shm_ranks_that_leave_right_after_the_last_collective_fail_nobody(nprocs
                                  return_exceptions=True)
         assert res == ["done"] * nprocs, [f"rank {r}: {e!r}" for r, e in enumerate(res) if e != "done"]
     assert shm_segments() <= before
+
+
+# ---- nccl: its one setting comes from the group too (a fake NCCL: this runs without a GPU) ----------
+class _OneRankRendezvous(Rendezvous):
+    rank, size, timeout = 0, 1, 5.0
+
+    def __init__(self):
+        self.calls = 0
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        self.calls += 1
+        return [data]
+
+    def split(self, color, key, new_rank, new_size, ranks):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("check,exchanges", [("first", 1), ("always", 3)])
+def test_nccl_reads_its_check_setting_from_the_group(monkeypatch, check, exchanges):
+    import contextlib
+    import types
+
+    import transports.nccl as nccl_mod
+    from transports.settings import resolve
+
+    fake = types.SimpleNamespace(get_unique_id=lambda: (1, 2, 3), NcclCommunicator=lambda *a: object())
+    monkeypatch.setattr(nccl_mod, "nccl_module", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setenv("MOECOMM_NCCL_CHECK", "first" if check == "always" else "always")  # not read
+    rdv = _OneRankRendezvous()
+    info = GroupInfo(rank=0, size=1, timeout=5.0, rendezvous=rdv, global_ranks=[0],
+                     settings=resolve({"nccl_check": check}))
+    t = nccl_mod.NCCLTransport(info)
+    t.comm = None  # nothing to destroy
+    before = rdv.calls
+    sig = Signature.of(OpCode.ALL_REDUCE, dtype=torch.float32, shape=(4,), op=ReduceOp.SUM)
+    for _ in range(3):
+        t._agree(sig)
+    assert rdv.calls - before == exchanges

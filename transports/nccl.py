@@ -17,12 +17,12 @@ STATUS: written against cupy's documented NcclCommunicator API but NOT yet run o
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import numpy as np
 import torch
 
+from ._host import group_settings
 from .base import (
     Allocator,
     CollectiveTimeoutError,
@@ -81,7 +81,7 @@ class NCCLTransport(Transport):
         with torch.cuda.device(self.device):
             self.comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
         self._checked: set[int] = set()
-        self._check_always = os.environ.get("MOECOMM_NCCL_CHECK") == "always"
+        self._check_always = group_settings(group)["nccl_check"] == "always"
         self._ranks = list(group.global_ranks)
         log.debug("nccl transport up on cuda:%d, rank %d/%d", self.device, self.rank, self.size)
 
