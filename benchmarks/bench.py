@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import sys
+from typing import Any, Callable
 
 import click
 
+from transports.settings import TRANSPORT_CHOICES
+
 from . import sweep as sw
+from .common import ALL_OPS, DTYPES, OPS, REDOPS, format_size, parse_dtypes, parse_ops, parse_redops, sizes
+from .options import BYTES, COUNT, FIGURE, NONNEGATIVE, SECONDS, comma_list
+from .peers import EXTERNAL
+from .ranks import on_ranks
+from .table import SWEEP, format_row, summary
 
 DEFAULT_JSON = "moecomm-bench.json"
 DEFAULT_PLOT = "moecomm-bench.png"
 
 
-def _bench_rank(comm, opts: dict) -> dict:
+def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
     """Body of `moecomm bench` on one rank (collective); rank 0 prints as rows arrive.
 
     Returns {"rows": [Row dicts], "notes": [...], "meta": {...}}; rows are the same on every rank.
@@ -39,14 +47,13 @@ def _bench_rank(comm, opts: dict) -> dict:
         if lead:
             bar.print(text)
 
-    def on_start(i: int, total: int, step: tuple) -> None:
+    def on_start(i: int, total: int, step: sw.Step) -> None:
         nonlocal bar
         if not lead:
             return
         if bar.total != total:
             bar = Progress(total, enabled=not opts["quiet"])
-        size, op, dname, redop, peer = step
-        bar.update(i, f"{op} {sw.format_size(size)} {peer}")
+        bar.update(i, f"{step.op} {format_size(step.size)} {step.peer.name}")
 
     try:
         out(f"# moecomm bench: {comm.size} ranks, dtype {','.join(opts['dtypes'])}, iters {opts['iters']}, "
@@ -59,17 +66,18 @@ def _bench_rank(comm, opts: dict) -> dict:
             printed_notes.extend(more)
             for line in notes + more:
                 out(f"# note: {line}")
-            out(sw.HEADER)
+            for line in SWEEP.header():
+                out(line)
 
         rows = sw.run_sweep({p.name: p for p in peers}, opts["ops"], opts["dtypes"], opts["sizes"],
                             iters=opts["iters"], warmup=opts["warmup"], check=opts["check"], seed=opts["seed"],
                             redops=opts["redops"], root=opts["root"], stats=comm, on_start=on_start,
-                            on_notes=on_notes, on_row=lambda r: out(sw.format_row(r)))
+                            on_notes=on_notes, on_row=lambda r: out(format_row(r)))
         bar.finish()
     finally:
         for p in peers:
             p.close()
-    for line in sw.summary(rows):
+    for line in summary(rows):
         out(line)
     bad_peers = sorted({r.transport for r in rows if r.library != "moecomm" and (r.wrong > 0 or r.ip_wrong > 0)})
     if bad_peers:
@@ -86,7 +94,10 @@ def _bench_rank(comm, opts: dict) -> dict:
     return {"rows": [r.as_dict() for r in rows], "notes": notes + printed_notes, "meta": meta}
 
 
-def _write_outputs(res: dict, opts: dict, json_path, csv_path, plot_path) -> None:
+def _write_outputs(res: dict[str, Any], opts: dict[str, Any], json_path: str | None, csv_path: str | None,
+                   plot_path: str | None) -> None:
+    """Write the run as JSON / CSV / a figure where asked; a path that cannot be written is a
+    one-line error (exit 1), not a traceback."""
     from .output import environment, make_run, save_csv, save_json
 
     if not (json_path or csv_path or plot_path):
@@ -94,43 +105,87 @@ def _write_outputs(res: dict, opts: dict, json_path, csv_path, plot_path) -> Non
     env = environment(res["meta"])
     options = {k: v for k, v in opts.items() if k not in ("quiet",)}
     run = make_run(res["rows"], env, options, res["notes"])
-    if json_path:
-        click.echo(f"# wrote {save_json(json_path, run).resolve()}")
-    if csv_path:
-        click.echo(f"# wrote {save_csv(csv_path, run).resolve()}")
-    if plot_path:
-        from .plot import plot_runs
+    try:
+        if json_path:
+            click.echo(f"# wrote {save_json(json_path, run).resolve()}")
+        if csv_path:
+            click.echo(f"# wrote {save_csv(csv_path, run).resolve()}")
+        if plot_path:
+            from .plot import plot_runs
 
-        title = (f"moecomm bench: {env['nranks']} ranks ({env['launch']}) on {env['hostname']}, "
-                 f"{env['cpus']} CPUs, {env.get('gpu_model') or 'no GPU'}")
+            title = (f"moecomm bench: {env['nranks']} ranks ({env['launch']}) on {env['hostname']}, "
+                     f"{env['cpus']} CPUs, {env.get('gpu_model') or 'no GPU'}")
+            try:
+                click.echo(f"# wrote {plot_runs([('', run['rows'])], plot_path, title=title).path.resolve()}")
+            except ValueError as e:
+                click.echo(f"# no plot: {e}", err=True)
+    except OSError as e:
+        raise click.ClickException(f"cannot write the results: {e}") from None
+
+
+def _sweep_options(minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, ops: str, redop: str,
+                   dtype: str, transport: str | None, compare: bool, peers: str | None) -> dict[str, Any]:
+    """The sweep's sizes, ops, dtypes, redops, transports and peers, or a usage error naming the option."""
+    def parsed(parse: Callable[[str], list[str]], text: str, hint: str) -> list[str]:
         try:
-            click.echo(f"# wrote {plot_runs([('', run['rows'])], plot_path, title=title).path.resolve()}")
+            return parse(text)
         except ValueError as e:
-            click.echo(f"# no plot: {e}", err=True)
+            raise click.BadParameter(str(e), param_hint=hint) from None
+
+    if minbytes > maxbytes:
+        raise click.BadParameter(f"-b {format_size(minbytes)} is larger than -e {format_size(maxbytes)}: "
+                                 "no size to measure", param_hint="-b/-e")
+    if stepfactor is None:
+        stepfactor = 1 if stepbytes > 0 else 4
+    if stepfactor <= 1 and stepbytes <= 0:
+        raise click.BadParameter("need -f > 1 or -i > 0 to step from -b to -e", param_hint="-f/-i")
+    transports = comma_list(transport)
+    bad = [t for t in transports if t not in TRANSPORT_CHOICES]
+    if bad:
+        raise click.BadParameter(f"unknown transport(s) {bad}; choose from {', '.join(TRANSPORT_CHOICES)}",
+                                 param_hint="--transport")
+    peer_list = comma_list(peers)
+    bad = [p for p in peer_list if p not in EXTERNAL]
+    if bad:
+        raise click.BadParameter(f"unknown peer(s) {bad}; choose from {', '.join(EXTERNAL)}", param_hint="--peers")
+    if peer_list and not compare:
+        raise click.BadParameter("peers are measured with --compare only", param_hint="--peers")
+    return dict(ops=parsed(parse_ops, ops, "--ops"), dtypes=parsed(parse_dtypes, dtype, "-d"),
+                redops=parsed(parse_redops, redop, "-o"), compare=compare,
+                sizes=sizes(minbytes, maxbytes, stepfactor if stepfactor > 1 else 0, stepbytes if stepfactor <= 1 else 0),
+                transports=transports or None, peers=peer_list or None)
 
 
-def _split(text: str | None) -> list[str]:
-    return [t.strip() for t in (text or "").split(",") if t.strip()]
+def _fits(opts: dict[str, Any]) -> Callable[[int], None]:
+    """The checks that need the number of ranks: broadcast's root, and sizes that run at all."""
+    def check(n: int) -> None:
+        if opts["root"] >= n:
+            raise click.BadParameter(f"root {opts['root']} is not a rank of {n}", param_hint="-r")
+        empty = sw.too_small(opts["ops"], opts["dtypes"], opts["sizes"], n)
+        if empty:
+            raise click.BadParameter(f"no size from -b to -e runs: {'; '.join(empty)}", param_hint="-b/-e")
+    return check
 
 
 @click.command()
-@click.option("-b", "--minbytes", default="8", show_default=True, help="Smallest size (B, K, M, G).")
-@click.option("-e", "--maxbytes", default="32M", show_default=True, help="Largest size.")
-@click.option("-f", "--stepfactor", type=int, default=None,
+@click.option("-b", "--minbytes", type=BYTES, default="8", show_default=True, help="Smallest size (B, K, M, G).")
+@click.option("-e", "--maxbytes", type=BYTES, default="32M", show_default=True, help="Largest size.")
+@click.option("-f", "--stepfactor", type=COUNT, default=None,
               help="Multiply the size by this each step [default: 4, or additive steps when -i is given].")
-@click.option("-i", "--stepbytes", default="0", show_default=True,
+@click.option("-i", "--stepbytes", type=BYTES, default="0", show_default=True,
               help="Add this many bytes each step (used when -f is not given or is 1).")
-@click.option("--ops", default=",".join(sw.OPS), show_default=True,
-              help=f"Comma-separated collectives ({', '.join(sw.ALL_OPS)}).")
+@click.option("--ops", default=",".join(OPS), show_default=True,
+              help=f"Comma-separated collectives ({', '.join(ALL_OPS)}), or all.")
 @click.option("-o", "--op", "redop", default="sum", show_default=True,
-              help=f"Reduction op(s) of all_reduce/reduce_scatter: {', '.join(sw.REDOPS)}, comma-separated, or all.")
+              help=f"Reduction op(s) of all_reduce/reduce_scatter: {', '.join(REDOPS)}, comma-separated, or all.")
 @click.option("-d", "--dtype", "--datatype", "dtype", default="float32", show_default=True,
-              help=f"Data type(s): {', '.join(sw.DTYPES)} (or float, double, half, ...), comma-separated, or all.")
-@click.option("-r", "--root", default=0, show_default=True, help="Root rank of broadcast.")
-@click.option("-n", "--iters", default=20, show_default=True, help="Timed iterations per size.")
-@click.option("-w", "--warmup", "--warmup_iters", "warmup", default=5, show_default=True,
+              help=f"Data type(s): {', '.join(DTYPES)} (or float, double, half, ...), comma-separated, or all.")
+@click.option("-r", "--root", type=NONNEGATIVE, default=0, show_default=True, help="Root rank of broadcast.")
+@click.option("-n", "--iters", type=COUNT, default=20, show_default=True, help="Timed iterations per size.")
+@click.option("-w", "--warmup", "--warmup_iters", "warmup", type=NONNEGATIVE, default=5, show_default=True,
               help="Untimed iterations per size.")
-@click.option("-c", "--check", default=1, show_default=True, help="Checked calls per size and variant (0: no check).")
+@click.option("-c", "--check", type=NONNEGATIVE, default=1, show_default=True,
+              help="Checked calls per size and variant (0: no check).")
 @click.option("--no-check", is_flag=True, help="Same as -c 0.")
 @click.option("--transport", default=None,
               help="moecomm transport(s) to measure, comma-separated: auto, shm, mpi [default: auto; with "
@@ -141,59 +196,34 @@ def _split(text: str | None) -> list[str]:
 @click.option("--peers", default=None, help="With --compare: which of mpi4py, gloo, nccl [default: all that can run].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the tensors live; auto: cuda when every local rank has a GPU.")
-@click.option("--nprocs", default=2, show_default=True, help="Local ranks to launch (ignored under mpirun/torchrun).")
-@click.option("--timeout", default=120.0, show_default=True, help="Communicator timeout in seconds.")
+@click.option("--nprocs", type=COUNT, default=2, show_default=True,
+              help="Local ranks to launch (ignored under mpirun/torchrun).")
+@click.option("--timeout", type=SECONDS, default=120.0, show_default=True, help="Communicator timeout in seconds.")
 @click.option("-J", "--json", "json_path", default=None, metavar="FILE",
               help=f"Write rows and environment as JSON [default: ./{DEFAULT_JSON}].")
 @click.option("--csv", "csv_path", default=None, metavar="FILE", help="Write rows and environment as CSV.")
-@click.option("--plot", "plot_path", default=None, metavar="FILE.png",
+@click.option("--plot", "plot_path", type=FIGURE, default=None,
               help=f"Plot algbw and busbw vs size [default: ./{DEFAULT_PLOT}].")
 @click.option("--no-save", is_flag=True, help=f"Do not write the default {DEFAULT_JSON} / {DEFAULT_PLOT}.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-@click.option("--seed", default=1, show_default=True, help="Seed of the random inputs.")
-def bench(minbytes, maxbytes, stepfactor, stepbytes, ops, redop, dtype, root, iters, warmup, check, no_check,
-          transport, compare, peers, device, nprocs, timeout, json_path, csv_path, plot_path, no_save, quiet, seed):
+@click.option("--seed", type=NONNEGATIVE, default=1, show_default=True, help="Seed of the random inputs.")
+def bench(minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, ops: str, redop: str, dtype: str,
+          root: int, iters: int, warmup: int, check: int, no_check: bool, transport: str | None, compare: bool,
+          peers: str | None, device: str, nprocs: int, timeout: float, json_path: str | None, csv_path: str | None,
+          plot_path: str | None, no_save: bool, quiet: bool, seed: int) -> None:
     """Bandwidth sweep in nccl-tests' format: out-of-place and in-place time/algbw/busbw/#wrong, p50/p99.
 
     Self-launches --nprocs local ranks, or uses the job's ranks under mpirun/mpiexec/torchrun.
     Writes ./moecomm-bench.json and ./moecomm-bench.png unless told otherwise.
     """
-    import collectives
-
-    op_list = _split(ops)
-    bad = [o for o in op_list if o not in sw.ALL_OPS]
-    if bad:
-        raise click.BadParameter(f"unknown op(s) {bad}; choose from {', '.join(sw.ALL_OPS)}", param_hint="--ops")
-    try:
-        dtypes, redops = sw.parse_dtypes(dtype), sw.parse_redops(redop)
-        lo, hi, step = sw.parse_size(minbytes), sw.parse_size(maxbytes), sw.parse_size(stepbytes)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-    if stepfactor is None:
-        stepfactor = 1 if step > 0 else 4
-    if stepfactor <= 1 and step <= 0:
-        raise click.BadParameter("need -f > 1 or -i > 0 to step from -b to -e", param_hint="-f/-i")
-    if iters < 1 or warmup < 0:
-        raise click.BadParameter("-n must be >= 1 and -w >= 0")
-    opts = dict(ops=op_list, dtypes=dtypes, redops=redops, root=root, iters=iters, warmup=warmup,
-                check=0 if no_check else max(check, 0), seed=seed, quiet=quiet, compare=compare,
-                sizes=sw.sizes(lo, hi, stepfactor if stepfactor > 1 else 0, step if stepfactor <= 1 else 0),
-                transports=_split(transport) or None, peers=_split(peers) or None, device=device, timeout=timeout)
+    opts = _sweep_options(minbytes, maxbytes, stepfactor, stepbytes, ops, redop, dtype, transport, compare, peers)
+    opts.update(root=root, iters=iters, warmup=warmup, check=0 if no_check else check, seed=seed, quiet=quiet,
+                device=device, timeout=timeout)
     if not no_save:
         json_path = json_path or DEFAULT_JSON
         plot_path = plot_path or DEFAULT_PLOT
-    if collectives.detect_launch() in ("mpi", "torchrun"):
-        with collectives.init(timeout=timeout) as comm:
-            if not 0 <= root < comm.size:
-                raise click.BadParameter(f"root {root} is not a rank of {comm.size}", param_hint="-r")
-            res = _bench_rank(comm, opts)
-            writer = comm.rank == 0
-    else:
-        if not 0 <= root < nprocs:
-            raise click.BadParameter(f"root {root} is not a rank of {nprocs}", param_hint="-r")
-        res = collectives.launch(_bench_rank, nprocs, opts, timeout=timeout)[0]
-        writer = True
-    if writer:
+    lead, res = on_ranks(_bench_rank, nprocs, opts, timeout=timeout, check_size=_fits(opts))
+    if lead:
         _write_outputs(res, opts, json_path, csv_path, plot_path)
     if any(r["library"] == "moecomm" and (r["wrong"] > 0 or r["ip_wrong"] > 0) for r in res["rows"]):
         sys.exit(1)

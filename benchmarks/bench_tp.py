@@ -13,12 +13,19 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
+from typing import Any, Callable
 
 import click
 import torch
 import torch.nn.functional as F
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+from .common import DTYPES as _ALL_DTYPES
+from .common import format_size
+from .options import COUNT, NONNEGATIVE, SECONDS, comma_list
+from .ranks import launch_logged
+from .table import Column, Table
+
+DTYPES = {name: _ALL_DTYPES[name] for name in ("float32", "bfloat16", "float16", "float64")}
 _TIMED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
@@ -29,15 +36,15 @@ class TimedComm:
     (e.g. "fwd", "bwd"); nothing is recorded while ``phase`` is None.
     """
 
-    def __init__(self, comm):
+    def __init__(self, comm) -> None:
         self._comm = comm
         self.phase: str | None = None
         self.stats: dict = defaultdict(lambda: [0, 0.0, 0])
         for name in _TIMED:
             setattr(self, name, self._timed(getattr(comm, name), name))
 
-    def _timed(self, fn, name):
-        def call(x, *args, **kwargs):
+    def _timed(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if self.phase is None:
                 return fn(x, *args, **kwargs)
             t0 = time.perf_counter()
@@ -49,14 +56,15 @@ class TimedComm:
             return out
         return call
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._comm, name)
 
     def seconds(self, phase: str) -> float:
+        """Seconds spent in collectives during ``phase``, summed over the collectives."""
         return sum(v[1] for (_, p), v in self.stats.items() if p == phase)
 
 
-def _bench_group(comm, opts: dict) -> dict | None:
+def _bench_group(comm, opts: dict[str, Any]) -> dict[str, Any] | None:
     """Measure the MLP block on this TP group (every rank of ``comm``); the group's rank 0 gets the row."""
     from collectives.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -119,7 +127,7 @@ def _bench_group(comm, opts: dict) -> dict | None:
                 threads=torch.get_num_threads())
 
 
-def _bench_world(comm, opts: dict, tp: int) -> dict | None:
+def _bench_world(comm, opts: dict[str, Any], tp: int) -> dict[str, Any] | None:
     """Under mpirun/torchrun: the world split into groups of ``tp`` consecutive ranks, measured together."""
     group = comm.split(comm.rank // tp)
     try:
@@ -129,56 +137,52 @@ def _bench_world(comm, opts: dict, tp: int) -> dict | None:
     return row if comm.rank == 0 else None
 
 
-HEADER = ("#{:>3} {:>7} {:>7} {:>7} {:>9} {:>3} {:>4} {:>10} {:>10} {:>11} {:>10} {:>6} {:>11} {:>9} {:>11}".format(
-    "tp", "tokens", "hidden", "ffn", "dtype", "sp", "thr", "fwd(ms)", "bwd(ms)", "fwd+bwd(ms)", "comm(ms)", "comm%",
-    "compute(ms)", "GFLOP/s", "max_rel_err"))
+TABLE = Table([Column("tp", 3), Column("tokens", 7), Column("hidden", 7), Column("ffn", 7), Column("dtype", 9),
+               Column("sp", 3), Column("thr", 4), Column("fwd(ms)", 10, ".3f"), Column("bwd(ms)", 10, ".3f"),
+               Column("fwd+bwd(ms)", 11, ".3f"), Column("comm(ms)", 10, ".3f"), Column("comm%", 6, ".1f"),
+               Column("compute(ms)", 11, ".3f"), Column("GFLOP/s", 9, ".2f"), Column("max_rel_err", 11)])
 
 
-def _human(nbytes: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def _format(r: dict, opts: dict) -> list[str]:
+def _format(r: dict[str, Any], opts: dict[str, Any]) -> list[str]:
+    """The table line of one TP size, then one ``#`` line per collective and phase."""
     total = r["fwd"] + r["bwd"]
     comm_t = r["comm_fwd"] + r["comm_bwd"]
     flops = 12.0 * opts["tokens"] * opts["hidden"] * opts["ffn"]  # 2 GEMMs x (1 forward + 2 backward) x 2 flop/MAC
-    err = "N/A" if r["err"] < 0 else f"{r['err']:.2e}"
-    lines = [f" {r['tp']:>3} {opts['tokens']:>7} {opts['hidden']:>7} {opts['ffn']:>7} {opts['dtype']:>9} "
-             f"{'on' if opts['sequence_parallel'] else 'off':>3} {r['threads']:>4} {r['fwd'] * 1e3:>10.3f} "
-             f"{r['bwd'] * 1e3:>10.3f} {total * 1e3:>11.3f} {comm_t * 1e3:>10.3f} "
-             f"{100 * comm_t / total if total else 0:>6.1f} {(total - comm_t) * 1e3:>11.3f} "
-             f"{flops / total / 1e9 if total else 0:>9.2f} {err:>11}"]
+    lines = [TABLE.line(r["tp"], opts["tokens"], opts["hidden"], opts["ffn"], opts["dtype"],
+                        "on" if opts["sequence_parallel"] else "off", r["threads"], r["fwd"] * 1e3, r["bwd"] * 1e3,
+                        total * 1e3, comm_t * 1e3, 100 * comm_t / total if total else 0.0, (total - comm_t) * 1e3,
+                        flops / total / 1e9 if total else 0.0, "N/A" if r["err"] < 0 else f"{r['err']:.2e}")]
     for (op, phase), (calls, secs, nbytes) in sorted(r["ops"].items(), key=lambda kv: (kv[0][1] != "fwd", kv[0][0])):
-        lines.append(f"#      {phase} {op:<15} {calls:>4.0f} call(s)/iter, {_human(nbytes / max(calls, 1)):>10} in per call, "
-                     f"{secs * 1e3:>9.3f} ms/iter")
+        lines.append(f"#      {phase} {op:<15} {calls:>4.0f} call(s)/iter, "
+                     f"{format_size(nbytes / max(calls, 1)):>10} in per call, {secs * 1e3:>9.3f} ms/iter")
     return lines
 
 
 @click.command("bench-tp")
-@click.option("--hidden", default=1024, show_default=True, help="Model (hidden) size.")
-@click.option("--ffn", default=4096, show_default=True, help="MLP inner size (split across the TP group).")
-@click.option("--tokens", default=512, show_default=True, help="Tokens per step (sequence x batch).")
+@click.option("--hidden", type=COUNT, default=1024, show_default=True, help="Model (hidden) size.")
+@click.option("--ffn", type=COUNT, default=4096, show_default=True, help="MLP inner size (split across the TP group).")
+@click.option("--tokens", type=COUNT, default=512, show_default=True, help="Tokens per step (sequence x batch).")
 @click.option("--sizes", default="1,2,4", show_default=True, help="Comma-separated TP sizes to measure.")
-@click.option("-n", "--iters", default=10, show_default=True, help="Timed iterations per TP size.")
-@click.option("-w", "--warmup", default=3, show_default=True, help="Untimed iterations per TP size.")
+@click.option("-n", "--iters", type=COUNT, default=10, show_default=True, help="Timed iterations per TP size.")
+@click.option("-w", "--warmup", type=NONNEGATIVE, default=3, show_default=True, help="Untimed iterations per TP size.")
 @click.option("-d", "--dtype", default="float32", show_default=True, type=click.Choice(sorted(DTYPES)))
 @click.option("--sequence-parallel/--no-sequence-parallel", default=False, show_default=True,
               help="All-gather / reduce-scatter along the tokens instead of all-reduce.")
 @click.option("--check/--no-check", "-c", default=True, show_default=True,
               help="Compare the output with the dense block in float64.")
-@click.option("--timeout", default=300.0, show_default=True, help="Communicator timeout in seconds.")
-def bench_tp(hidden, ffn, tokens, sizes, iters, warmup, dtype, sequence_parallel, check, timeout):
+@click.option("--timeout", type=SECONDS, default=300.0, show_default=True, help="Communicator timeout in seconds.")
+def bench_tp(hidden: int, ffn: int, tokens: int, sizes: str, iters: int, warmup: int, dtype: str,
+             sequence_parallel: bool, check: bool, timeout: float) -> None:
     """Forward+backward time of the tensor-parallel MLP block (column -> GELU -> row) per TP size,
     with the time spent in collectives shown separately."""
     import collectives
 
     try:
-        tps = [int(s) for s in sizes.split(",") if s.strip()]
+        tps = [int(s) for s in comma_list(sizes)]
     except ValueError:
         raise click.BadParameter(f"{sizes!r} is not a comma-separated list of ints", param_hint="--sizes") from None
+    if not tps:
+        raise click.BadParameter("no TP size given", param_hint="--sizes")
     for t in tps:
         if t < 1:
             raise click.BadParameter(f"TP size {t} must be >= 1", param_hint="--sizes")
@@ -199,7 +203,8 @@ def bench_tp(hidden, ffn, tokens, sizes, iters, warmup, dtype, sequence_parallel
                    + f", {cpus} CPUs here")
         click.echo("# times: mean per iteration, averaged over ranks; comm = wall time inside collectives on the "
                    "calling rank (includes waiting for peers); compute = fwd+bwd - comm; thr = torch threads per rank")
-        click.echo(HEADER)
+        for line in TABLE.header():
+            click.echo(line)
 
     if mode in ("mpi", "torchrun"):
         with collectives.init(timeout=timeout) as comm:
@@ -219,6 +224,6 @@ def bench_tp(hidden, ffn, tokens, sizes, iters, warmup, dtype, sequence_parallel
     for t in tps:
         if t > cpus:
             click.echo(f"# tp={t}: {t} ranks on {cpus} CPUs (oversubscribed): times include waiting for a CPU")
-        r = collectives.launch(_bench_group, t, opts, timeout=timeout)[0]
+        r = launch_logged(_bench_group, t, opts, timeout=timeout)[0]
         for line in _format(r, opts):
             click.echo(line)

@@ -6,13 +6,17 @@ import logging
 
 import click
 
+from .ranks import configure_logging, set_cli_log_level
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="-v: INFO logs, -vv: DEBUG (one line per transport decision).")
-def main(verbose: int) -> None:
+@click.pass_context
+def main(ctx: click.Context, verbose: int) -> None:
     """moecomm: collective communication and MoE all-to-all benchmarks and tools."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(level)
+    set_cli_log_level(ctx, level)  # self-launched ranks log at this level too
 
 
 # `moecomm bench` / `report` / `doctor` (benchmarks/bench.py, report.py, doctor.py)

@@ -1,6 +1,6 @@
 """Saved runs: the environment of a run, and its rows as JSON or CSV (both read back by ``load_run``).
 
-A run is ``{"schema", "env", "options", "notes", "rows"}``; ``rows`` are :class:`sweep.Row` dicts.
+A run is ``{"schema", "env", "options", "notes", "rows"}``; ``rows`` are :class:`common.Row` dicts.
 CSV keeps the same information: ``# key: <json>`` comment lines for everything but the rows, then a
 header and one line per row (``pandas.read_csv(path, comment="#")`` reads the rows).
 """
@@ -17,8 +17,9 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Mapping, Sequence
 
-from .sweep import ROW_FIELDS, Row
+from .common import ROW_FIELDS, Row
 
 SCHEMA = "moecomm-bench/1"
 _MPI_VERSION_SNIPPET = (
@@ -35,6 +36,7 @@ def _version(pkg: str) -> str | None:
 
 
 def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor/machine name."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -64,7 +66,7 @@ def mpi_library_version(timeout: float = 30.0) -> str | None:
     return (p.stdout.strip() or None) if p.returncode == 0 else None
 
 
-def gpu_info() -> dict:
+def gpu_info() -> dict[str, Any]:
     """GPU model, count, CUDA and NCCL versions where torch sees GPUs (empty dict otherwise)."""
     import torch
 
@@ -112,7 +114,7 @@ def _git_commit() -> str | None:
         return None
 
 
-def environment(meta: dict | None = None) -> dict:
+def environment(meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Where and with what a run was made; ``meta`` (launch, nranks, peers, ...) is merged in."""
     import numpy
     import torch
@@ -142,19 +144,36 @@ def environment(meta: dict | None = None) -> dict:
     return env
 
 
-def make_run(rows: list, env: dict, options: dict, notes: list[str] | None = None) -> dict:
-    return {"schema": SCHEMA, "env": env, "options": options, "notes": list(notes or []),
+def make_run(rows: Sequence[Row | Mapping[str, Any]], env: Mapping[str, Any], options: Mapping[str, Any],
+             notes: Sequence[str] | None = None) -> dict[str, Any]:
+    """A run as saved: ``{"schema", "env", "options", "notes", "rows"}``.
+
+    Args:
+        rows: the measured rows (:class:`common.Row` or their dicts).
+        env: where and with what it ran (:func:`environment`).
+        options: the command's options; notes: what the peers skipped and why.
+
+    Returns:
+        The run, ready for :func:`save_json` / :func:`save_csv`.
+    """
+    return {"schema": SCHEMA, "env": dict(env), "options": dict(options), "notes": list(notes or []),
             "rows": [r.as_dict() if isinstance(r, Row) else dict(r) for r in rows]}
 
 
-def save_json(path: str | os.PathLike, run: dict) -> Path:
+def save_json(path: str | os.PathLike, run: Mapping[str, Any]) -> Path:
+    """Write ``run`` as indented JSON to ``path`` (its folder is created); returns the path."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(run, indent=1) + "\n")
     return p
 
 
-def save_csv(path: str | os.PathLike, run: dict) -> Path:
+def save_csv(path: str | os.PathLike, run: Mapping[str, Any]) -> Path:
+    """Write ``run`` as CSV: ``# key: <json>`` lines for all but the rows, then a header and the rows.
+
+    Returns:
+        The path written (its folder is created).
+    """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     with p.open("w", newline="") as f:
@@ -167,7 +186,8 @@ def save_csv(path: str | os.PathLike, run: dict) -> Path:
     return p
 
 
-def load_csv(path: str | os.PathLike) -> dict:
+def load_csv(path: str | os.PathLike) -> dict[str, Any]:
+    """A run written by :func:`save_csv`, rows normalized through :class:`common.Row`."""
     run: dict = {}
     lines = Path(path).read_text().splitlines()
     body = []
@@ -181,8 +201,11 @@ def load_csv(path: str | os.PathLike) -> dict:
     return run
 
 
-def load_run(path: str | os.PathLike) -> dict:
-    """A saved run (.json or .csv), rows normalized through :class:`Row`."""
+def load_run(path: str | os.PathLike) -> dict[str, Any]:
+    """A saved run (.json or .csv), rows normalized through :class:`common.Row`.
+
+    Raises ValueError, naming the file, for anything that is not a run of this schema.
+    """
     p = Path(path)
     try:
         text = p.read_text()

@@ -28,13 +28,14 @@ predefined type for them, and no average); data movement without reduction goes 
 from __future__ import annotations
 
 import logging
+import socket
 import warnings
 from datetime import timedelta
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from .sweep import DTYPES, REDUCING, out_numel
+from .common import DTYPES, REDUCING, out_numel
 
 log = logging.getLogger("benchmarks")
 
@@ -56,28 +57,49 @@ def _no_sync() -> None:
 
 
 class Peer:
-    """A library under measurement on this rank (subclasses implement ``_out_of_place``/``_in_place``)."""
+    """A library under measurement on this rank.
+
+    Subclasses implement ``_call`` (one op from a source into a destination tensor); a library
+    whose in-place API differs from nccl-tests' layouts (MPI's ``IN_PLACE``) overrides
+    ``_out_of_place``/``_in_place`` instead.
+    """
 
     name: str = "?"
     library: str = "?"
     device: str = "cpu"
 
-    def __init__(self, rank: int, size: int):
+    def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
 
     def supports(self, op: str, dtype: str, redop: str) -> str | None:
-        """None if the peer can run this op, else why not (same answer on every rank)."""
+        """Whether the peer can run ``op`` on ``dtype`` with ``redop`` (names as in :mod:`common`).
+
+        Returns:
+            None if it can, else why not (the same answer on every rank).
+        """
         return None
 
     def algorithm(self, op: str, x: torch.Tensor) -> str:
+        """What the peer runs for ``op`` on ``x`` (the table's peer/algorithm column)."""
         return op
 
     def sync(self) -> None:
+        """Wait for the device (CUDA peers), so timings cover the work."""
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(self.device)
 
     def bind(self, op: str, x: torch.Tensor, count: int, redop: str, root: int, *, in_place: bool) -> Bound:
-        """Buffers and call for ``op``; x: this rank's input [numel] (CPU; moved to the peer's device)."""
+        """Buffers and call for one variant of ``op``.
+
+        Args:
+            op, redop, root: what to run.
+            x: this rank's input, [numel] on the CPU (moved to the peer's device).
+            count: elements per rank (:func:`common.counts_for`).
+            in_place: nccl-tests' in-place variant instead of out-of-place.
+
+        Returns:
+            The bound call (its buffers are allocated once, here).
+        """
         n, r = self.size, self.rank
         sync = self.sync if self.device.startswith("cuda") else _no_sync
         x = x.to(self.device)
@@ -94,17 +116,32 @@ class Peer:
         call, res = self._in_place(op, buf, count, redop, root)
         return Bound(call, lambda: res, lambda: buf.copy_(init), sync)
 
-    def _out_of_place(self, op, x, out, count, redop, root) -> tuple[Callable[[], object], torch.Tensor]:
+    def _call(self, op: str, src: torch.Tensor, dst: torch.Tensor, redop: str, root: int) -> Callable[[], object]:
+        """The library's ``op`` from ``src`` into ``dst`` (the same tensor, or aliasing, in place)."""
         raise NotImplementedError
 
-    def _in_place(self, op, buf, count, redop, root) -> tuple[Callable[[], object], torch.Tensor]:
-        raise NotImplementedError
+    def _out_of_place(self, op: str, x: torch.Tensor, out: torch.Tensor, count: int, redop: str,
+                      root: int) -> tuple[Callable[[], object], torch.Tensor]:
+        """(call, result) of the out-of-place variant: from ``x`` into ``out``."""
+        return self._call(op, x, out, redop, root), out
+
+    def _in_place(self, op: str, buf: torch.Tensor, count: int, redop: str,
+                  root: int) -> tuple[Callable[[], object], torch.Tensor]:
+        """(call, result) of the in-place variant, in nccl-tests' layouts: all_gather's input is
+        this rank's block of ``buf``, reduce_scatter's result lands in this rank's block of ``buf``."""
+        block = buf[self.rank * count : (self.rank + 1) * count]
+        if op == "all_gather":
+            return self._call(op, block, buf, redop, root), buf
+        if op == "reduce_scatter":
+            return self._call(op, buf, block, redop, root), block
+        return self._call(op, buf, buf, redop, root), buf
 
     def describe(self) -> str:
+        """The peer, its library and version, and its device, for the run's header."""
         return f"{self.name} ({self.library}, {self.device})"
 
     def close(self) -> None:
-        pass
+        """Release what the peer holds (a duplicated MPI communicator, a process group)."""
 
 
 class MoecommPeer(Peer):
@@ -112,7 +149,7 @@ class MoecommPeer(Peer):
 
     library = "moecomm"
 
-    def __init__(self, comm, name: str, *, show_transport: bool = False, device: str = "cpu"):
+    def __init__(self, comm, name: str, *, show_transport: bool = False, device: str = "cpu") -> None:
         super().__init__(comm.rank, comm.size)
         self.comm, self.name, self.device = comm, name, device
         self._show_transport = show_transport
@@ -121,33 +158,18 @@ class MoecommPeer(Peer):
         plan = self.comm.plan(op, x.to(self.device))
         return f"{plan.transport}:{plan.algorithm}" if self._show_transport else plan.algorithm
 
-    def _out_of_place(self, op, x, out, count, redop, root):
+    def _call(self, op, src, dst, redop, root):
         c = self.comm
         if op == "all_reduce":
-            return (lambda: c.all_reduce(x, redop, out=out)), out
+            return lambda: c.all_reduce(src, redop, out=dst)
         if op == "all_gather":
-            return (lambda: c.all_gather(x, out=out)), out
+            return lambda: c.all_gather(src, out=dst)
         if op == "reduce_scatter":
-            return (lambda: c.reduce_scatter(x, redop, out=out)), out
+            return lambda: c.reduce_scatter(src, redop, out=dst)
         if op == "all_to_all":
-            return (lambda: c.all_to_all(x, out=out)), out
+            return lambda: c.all_to_all(src, out=dst)
         if op == "broadcast":
-            return (lambda: c.broadcast(x, root, out=out)), out
-        raise ValueError(f"unknown op {op!r}")
-
-    def _in_place(self, op, buf, count, redop, root):
-        c, r = self.comm, self.rank
-        block = buf[r * count : (r + 1) * count]
-        if op == "all_reduce":
-            return (lambda: c.all_reduce(buf, redop, out=buf)), buf
-        if op == "all_gather":
-            return (lambda: c.all_gather(block, out=buf)), buf
-        if op == "reduce_scatter":
-            return (lambda: c.reduce_scatter(buf, redop, out=block)), block
-        if op == "all_to_all":
-            return (lambda: c.all_to_all(buf, out=buf)), buf
-        if op == "broadcast":
-            return (lambda: c.broadcast(buf, root, out=buf)), buf
+            return lambda: c.broadcast(src, root, out=dst)
         raise ValueError(f"unknown op {op!r}")
 
 
@@ -159,7 +181,7 @@ class Mpi4pyPeer(Peer):
 
     name = library = "mpi4py"
 
-    def __init__(self, mpi_comm):
+    def __init__(self, mpi_comm) -> None:
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -167,14 +189,14 @@ class Mpi4pyPeer(Peer):
         super().__init__(self.c.Get_rank(), self.c.Get_size())
         self._ops = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
 
-    def supports(self, op, dtype, redop):
+    def supports(self, op: str, dtype: str, redop: str) -> str | None:
         if op in REDUCING and dtype not in _MPI_REDUCE_DTYPES:
             return "MPI has no predefined reduction type for it"
         if op in REDUCING and redop not in self._ops:
             return "MPI has no predefined reduction op for it"
         return None
 
-    def algorithm(self, op, x):
+    def algorithm(self, op: str, x: torch.Tensor) -> str:
         return {"all_reduce": "Allreduce", "all_gather": "Allgather", "reduce_scatter": "Reduce_scatter_block",
                 "all_to_all": "Alltoall", "broadcast": "Bcast"}[op]
 
@@ -222,13 +244,13 @@ class Mpi4pyPeer(Peer):
             return (lambda: c.Bcast(bb, root)), buf
         raise ValueError(f"unknown op {op!r}")
 
-    def describe(self):
+    def describe(self) -> str:
         from mpi4py import __version__
 
         lib = " ".join(self.MPI.Get_library_version().splitlines()[0].split())
         return f"mpi4py {__version__} ({lib})"
 
-    def close(self):
+    def close(self) -> None:
         try:
             self.c.Free()
         except Exception:  # noqa: BLE001 - MPI may already be finalizing
@@ -240,7 +262,7 @@ class TorchPeer(Peer):
 
     library = "torch"
 
-    def __init__(self, rank: int, size: int, backend: str, device: str):
+    def __init__(self, rank: int, size: int, backend: str, device: str) -> None:
         import torch.distributed as dist
 
         super().__init__(rank, size)
@@ -251,51 +273,36 @@ class TorchPeer(Peer):
         self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-    def supports(self, op, dtype, redop):
+    def supports(self, op: str, dtype: str, redop: str) -> str | None:
         if op in REDUCING and redop == "avg" and self.name != "nccl" and not DTYPES[dtype].is_floating_point:
             return "avg needs a floating dtype"
         return None
 
-    def algorithm(self, op, x):
+    def algorithm(self, op: str, x: torch.Tensor) -> str:
         return {"all_reduce": "all_reduce", "all_gather": self._ag.__name__, "reduce_scatter": self._rs.__name__,
                 "all_to_all": "all_to_all_single", "broadcast": "broadcast"}[op]
 
-    def _out_of_place(self, op, x, out, count, redop, root):
+    def _call(self, op, src, dst, redop, root):
         d = self.dist
-        if op == "all_reduce":  # torch has no out-of-place all_reduce: a caller copies first
+        if op == "all_reduce":  # in place only in torch: the out-of-place variant copies first
             mop = self._ops[redop]
-            return (lambda: d.all_reduce(out.copy_(x), op=mop)), out
+            if src is dst:
+                return lambda: d.all_reduce(dst, op=mop)
+            return lambda: d.all_reduce(dst.copy_(src), op=mop)
         if op == "all_gather":
-            return (lambda: self._ag(out, x)), out
+            return lambda: self._ag(dst, src)
         if op == "reduce_scatter":
             mop = self._ops[redop]
-            return (lambda: self._rs(out, x, op=mop)), out
+            return lambda: self._rs(dst, src, op=mop)
         if op == "all_to_all":
-            return (lambda: d.all_to_all_single(out, x)), out
-        if op == "broadcast":
-            if self.rank == root:
-                return (lambda: d.broadcast(out.copy_(x), root)), out
-            return (lambda: d.broadcast(out, root)), out
+            return lambda: d.all_to_all_single(dst, src)
+        if op == "broadcast":  # in place only too: the root's out-of-place variant copies first
+            if src is dst or self.rank != root:
+                return lambda: d.broadcast(dst, root)
+            return lambda: d.broadcast(dst.copy_(src), root)
         raise ValueError(f"unknown op {op!r}")
 
-    def _in_place(self, op, buf, count, redop, root):
-        d, r = self.dist, self.rank
-        block = buf[r * count : (r + 1) * count]
-        if op == "all_reduce":
-            mop = self._ops[redop]
-            return (lambda: d.all_reduce(buf, op=mop)), buf
-        if op == "all_gather":
-            return (lambda: self._ag(buf, block)), buf
-        if op == "reduce_scatter":
-            mop = self._ops[redop]
-            return (lambda: self._rs(block, buf, op=mop)), block
-        if op == "all_to_all":
-            return (lambda: d.all_to_all_single(buf, buf)), buf
-        if op == "broadcast":
-            return (lambda: d.broadcast(buf, root)), buf
-        raise ValueError(f"unknown op {op!r}")
-
-    def describe(self):
+    def describe(self) -> str:
         extra = ""
         if self.name == "nccl":
             try:
@@ -304,7 +311,7 @@ class TorchPeer(Peer):
                 pass
         return f"{self.name} (torch {torch.__version__}{extra}, {self.device})"
 
-    def close(self):
+    def close(self) -> None:
         try:
             if self.dist.is_initialized():
                 self.dist.destroy_process_group()
@@ -326,41 +333,90 @@ def gpus_per_rank_available(comm) -> bool:
     return _agree(comm, ok)
 
 
-def init_torch_distributed(comm, backend: str, timeout: float) -> None:
-    """torch.distributed's default group over ``comm``'s ranks, whatever launched them.
+def _store_address(comm) -> str:
+    """The address rank 0's store listens on: loopback when every rank is on this node, else this
+    host's address on the route to another rank's host (a UDP connect sends nothing; it only
+    asks the kernel which local address that route leaves from)."""
+    topo = comm.topology
+    if topo.single_node:
+        return "127.0.0.1"
+    other = next(h for h in topo.hosts if h != topo.hosts[comm.rank])
+    family, _, _, _, sockaddr = socket.getaddrinfo(other, 1, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(sockaddr[:2])
+        return s.getsockname()[0]
 
-    Rank 0 hosts a TCPStore on a free port (loopback on one node, its hostname across nodes)
-    and broadcasts the port over ``comm``; environment variables (env://, torchrun's agent
-    store) are not used, so this works the same self-launched, under torchrun and under mpiexec.
+
+def torch_store(comm, timeout: float) -> tuple[Any, str]:
+    """A TCPStore for a torch.distributed group over ``comm``'s ranks (collective).
+
+    Rank 0 binds the server socket with port 0, so the OS picks a free port and nothing can take
+    it between picking and listening; it sends the address and port to the others over ``comm``.
+    Environment variables (env://, torchrun's agent store) are not used, so this works the same
+    self-launched, under torchrun and under mpiexec.
+
+    Args:
+        comm: a moecomm Communicator.
+        timeout: seconds the store waits for a key or a connection.
+
+    Returns:
+        (store, "address:port") on every rank; the store is a ``torch.distributed.PrefixStore``.
     """
     import torch.distributed as dist
 
-    host = "127.0.0.1" if comm.topology.single_node else comm.topology.hosts[0]
-    td = timedelta(seconds=timeout)
-    store = None
+    from collectives.rendezvous import bound_store_server, store_client
+
+    where = torch.zeros(_ADDR_BYTES, dtype=torch.uint8)
+    server = None
     if comm.rank == 0:
-        store = dist.TCPStore(host if comm.topology.single_node else "0.0.0.0", 0, comm.size, True, timeout=td,
-                              wait_for_workers=False)
-        port = store.port
-    else:
-        port = 0
-    port = int(comm.broadcast(torch.tensor([port], dtype=torch.int64), 0)[0])
-    if store is None:
-        store = dist.TCPStore(host, port, comm.size, False, timeout=td)
+        addr = _store_address(comm)
+        server, port = bound_store_server(addr, 0, timeout)
+        text = f"{addr} {port}".encode()
+        where[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    where = comm.broadcast(where, 0)
+    addr, port = bytes(where.tolist()).rstrip(b"\0").decode().split()
+    store = server if server is not None else store_client(addr, int(port), timeout)
+    return dist.PrefixStore("moecomm-benchmarks", store), f"{addr}:{port}"
+
+
+_ADDR_BYTES = 64  # "address port" padded with NULs: an IPv6 address and a port fit
+
+
+def init_torch_distributed(comm, backend: str, timeout: float) -> None:
+    """torch.distributed's default group over ``comm``'s ranks, whatever launched them (collective).
+
+    Args:
+        comm: a moecomm Communicator; rank r of the group is rank r of ``comm``.
+        backend: "gloo" or "nccl" (nccl: rank r uses GPU ``comm.local_rank``).
+        timeout: seconds for the store and the group's collectives.
+    """
+    import torch.distributed as dist
+
+    store, _ = torch_store(comm, timeout)
     kw = {}
     if backend == "nccl":
         torch.cuda.set_device(comm.local_rank)
         kw["device_id"] = torch.device("cuda", comm.local_rank)
-    dist.init_process_group(backend, store=store, rank=comm.rank, world_size=comm.size, timeout=td, **kw)
+    dist.init_process_group(backend, store=store, rank=comm.rank, world_size=comm.size,
+                            timeout=timedelta(seconds=timeout), **kw)
 
 
 def build_peers(comm, *, transports: Sequence[str] | None, compare: bool, peers: Sequence[str] | None,
                 device: str, timeout: float) -> tuple[list[Peer], list[str]]:
     """The peers of one sweep, chosen collectively, and notes on the ones left out.
 
-    transports: moecomm transports to measure (None: with ``compare`` every available one, else
-    auto alone). compare: also moecomm auto and the external peers (``peers``, default all of
-    mpi4py / gloo / nccl that can run here). device: "cpu" or "cuda" (tensors of every peer).
+    Args:
+        comm: the moecomm Communicator of the sweep's ranks.
+        transports: moecomm transports to measure (None: with ``compare`` every available one,
+            else auto alone).
+        compare: also moecomm auto and the external peers.
+        peers: which external peers (None: every one of mpi4py / gloo / nccl that can run here).
+        device: "cpu" or "cuda" (tensors of every peer).
+        timeout: seconds for torch.distributed's store and group.
+
+    Returns:
+        (peers, notes), the same on every rank. Raises ValueError for a transport that is not
+        available or an unknown peer.
     """
     notes: list[str] = []
     mdev = f"cuda:{comm.local_rank}" if device == "cuda" else "cpu"

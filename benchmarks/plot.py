@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from .sweep import best_algbw, format_size
+from .common import best_algbw, format_size
 
 _STYLES = ["-", "--", ":", "-."]
 _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
@@ -14,7 +14,7 @@ _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 
 def series(rows: Sequence[dict]) -> dict[tuple, list[tuple[int, float, float]]]:
     """(op, peer, dtype, redop) -> [(size, algbw, busbw)] sorted by size; bandwidths are each
-    peer's better checked variant (:func:`sweep.best_algbw`), sizes with none are left out."""
+    peer's better checked variant (:func:`common.best_algbw`), sizes with none are left out."""
     out: dict[tuple, list] = {}
     for r in rows:
         alg, bus = best_algbw(r), best_algbw(r, bus=True)
@@ -25,15 +25,22 @@ def series(rows: Sequence[dict]) -> dict[tuple, list[tuple[int, float, float]]]:
 
 
 class Figure(NamedTuple):
+    """What :func:`plot_runs` wrote."""
+
     path: Path
     lines: dict[str, list[str]]  # op -> legend labels of its lines
 
 
 def plot_runs(runs: Sequence[tuple[str, Sequence[dict]]], path: str | os.PathLike, *, title: str = "") -> Figure:
-    """Write a PNG: one row of panels per op (algbw left, busbw right), one line per run and peer.
+    """Write a figure: one row of panels per op (algbw left, busbw right), one line per run and peer.
 
-    runs: [(label, rows)]; label is "" for a single run (lines are then named by peer alone).
-    Returns the file and the lines drawn per op.
+    Args:
+        runs: [(label, rows)]; label is "" for a single run (lines are then named by peer alone).
+        path: the file; its extension picks the format (png, pdf, svg, ...).
+        title: the figure's title.
+
+    Returns:
+        The file and the lines drawn per op. Raises ValueError if no row can be drawn.
     """
     import matplotlib
 

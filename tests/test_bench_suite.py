@@ -14,6 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from benchmarks import common as cm
 from benchmarks import sweep as sw
 from benchmarks.cli import main
 from benchmarks.output import load_run
@@ -42,22 +43,22 @@ NCCL_TESTS_FACTORS = {
 def test_bus_factors_match_nccl_tests():
     for n, table in NCCL_TESTS_FACTORS.items():
         for op, f in table.items():
-            assert sw.bus_factor(op, n) == pytest.approx(f), (op, n)
-    assert sw.bus_factor("reduce", 4) == 1.0
+            assert cm.bus_factor(op, n) == pytest.approx(f), (op, n)
+    assert cm.bus_factor("reduce", 4) == 1.0
     with pytest.raises(ValueError):
-        sw.bus_factor("gossip", 2)
+        cm.bus_factor("gossip", 2)
 
 
 def test_sizes_counts_and_flags():
-    assert sw.parse_size("64K") == 65536 and sw.parse_size("1M") == 1 << 20 and sw.parse_size("8") == 8
-    assert sw.sizes(8, 1024, 4) == [8, 32, 128, 512]
-    assert sw.sizes(1000, 4000, 1, step=1000) == [1000, 2000, 3000, 4000]
+    assert cm.parse_size("64K") == 65536 and cm.parse_size("1M") == 1 << 20 and cm.parse_size("8") == 8
+    assert cm.sizes(8, 1024, 4) == [8, 32, 128, 512]
+    assert cm.sizes(1000, 4000, 1, step=1000) == [1000, 2000, 3000, 4000]
     # nccl-tests: count is per rank; all_gather/reduce_scatter/all_to_all blocks are size / n / itemsize
-    assert sw.counts_for("all_reduce", 4096, 4, 4) == 1024 and sw.counts_for("all_gather", 4096, 4, 4) == 256
-    assert sw.parse_dtypes("float,half,bfloat16,int") == ["float32", "float16", "bfloat16", "int32"]
-    assert sw.parse_dtypes("all") == list(sw.DTYPES) and sw.parse_redops("all") == list(sw.REDOPS)
+    assert cm.counts_for("all_reduce", 4096, 4, 4) == 1024 and cm.counts_for("all_gather", 4096, 4, 4) == 256
+    assert cm.parse_dtypes("float,half,bfloat16,int") == ["float32", "float16", "bfloat16", "int32"]
+    assert cm.parse_dtypes("all") == list(cm.DTYPES) and cm.parse_redops("all") == list(cm.REDOPS)
     with pytest.raises(ValueError):
-        sw.parse_dtypes("float8")
+        cm.parse_dtypes("float8")
 
 
 def _numpy_reference(op, xs, rank, count, redop):
@@ -78,9 +79,9 @@ def _numpy_reference(op, xs, rank, count, redop):
 def test_count_wrong_accepts_correct_and_counts_errors():
     n, count, seed = 3, 37, 5
     for dname in ("float32", "float16", "bfloat16", "int32"):
-        dt = sw.DTYPES[dname]
-        for op in sw.ALL_OPS:
-            for redop in (sw.REDOPS if op in sw.REDUCING else ["none"]):
+        dt = cm.DTYPES[dname]
+        for op in cm.ALL_OPS:
+            for redop in (cm.REDOPS if op in cm.REDUCING else ["none"]):
                 if redop == "avg" and not dt.is_floating_point:
                     continue
                 xs = [sw._inputs(op, count, n, r, dt, seed) for r in range(n)]
@@ -103,19 +104,20 @@ def test_count_wrong_accepts_correct_and_counts_errors():
 
 def test_best_algbw_counts_only_checked_variants():
     r = dict(algbw=1.0, busbw=0.5, wrong=0, ip_algbw=2.0, ip_busbw=1.0, ip_wrong=0)
-    assert sw.best_algbw(r) == 2.0 and sw.best_algbw(r, bus=True) == 1.0
-    assert sw.best_algbw({**r, "ip_wrong": -1}) == 1.0  # in-place all_to_all: not checked
-    assert sw.best_algbw({**r, "ip_wrong": 3}) == 1.0  # wrong results are not bandwidth
-    assert sw.best_algbw({**r, "wrong": 1, "ip_wrong": 1}) is None
-    assert sw.best_algbw({**r, "wrong": -1, "ip_wrong": -1}) == 1.0  # -c 0: out-of-place only
+    assert cm.best_algbw(r) == 2.0 and cm.best_algbw(r, bus=True) == 1.0
+    assert cm.best_algbw({**r, "ip_wrong": -1}) == 1.0  # in-place all_to_all: not checked
+    assert cm.best_algbw({**r, "ip_wrong": 3}) == 1.0  # wrong results are not bandwidth
+    assert cm.best_algbw({**r, "wrong": 1, "ip_wrong": 1}) is None
+    assert cm.best_algbw({**r, "wrong": -1, "ip_wrong": -1}) == 1.0  # -c 0: out-of-place only
 
 
 def test_ratio_table_geomean_and_best_peer():
     rows = []
     for size, auto, gloo, mpi4py in ((1024, 1.0, 0.5, 2.0), (4096, 4.0, 1.0, 1.0), (1 << 20, 8.0, 2.0, 4.0)):
         for peer, lib, bw in (("auto", "moecomm", auto), ("gloo", "torch", gloo), ("mpi4py", "mpi4py", mpi4py)):
-            rows.append(sw.Row("all_reduce", peer, size, size // 4, "float32", "sum", 1.0, bw, bw, 0,
-                               ip_wrong=-1, library=lib).as_dict())
+            rows.append(cm.Row(op="all_reduce", transport=peer, size=size, count=size // 4, dtype="float32",
+                               redop="sum", time_us=1.0, algbw=bw, busbw=bw, wrong=0, ip_wrong=-1,
+                               library=lib).as_dict())
     lines = ratio_table(rows)
     small = next(line for line in lines if "<=64KiB" in line).split()
     # sizes 1K, 4K: best peer bw 2.0 (mpi4py) and 1.0 (tie: mpi4py/gloo): ratios 0.5 and 4 -> geomean 1.41
@@ -234,7 +236,7 @@ def test_json_and_csv_hold_rows_and_environment(runs):
     # round trip: the CSV reads back to exactly the JSON
     a, b = load_run(d / "self.json"), load_run(d / "self.csv")
     assert a == b
-    assert [sw.Row.from_dict(r).as_dict() for r in rows] == a["rows"]
+    assert [cm.Row.from_dict(r).as_dict() for r in rows] == a["rows"]
 
 
 def test_bench_plot_and_report_from_two_saved_runs(runs, tmp_path):

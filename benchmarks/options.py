@@ -1,0 +1,76 @@
+"""Command-line parameter types and checks the ``moecomm`` commands share.
+
+A bad value is a one-line usage error (exit code 2) naming the option, raised before any rank
+starts, never a traceback from deep inside a run or an empty table.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from transports.settings import check_timeout
+
+from .common import parse_size
+
+
+class ByteSize(click.ParamType):
+    """A byte count as nccl-tests writes it (``8``, ``64K``, ``1M``, ``2G``), converted to an int >= 0."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+class Seconds(click.ParamType):
+    """A timeout: a positive, finite number of seconds (``transports.settings.check_timeout``)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        try:
+            return check_timeout(seconds, source="the timeout")
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+class FigurePath(click.ParamType):
+    """A file name whose extension matplotlib can write (``.png``, ``.pdf``, ``.svg``, ...)."""
+
+    name = "FILE.png"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        suffix = Path(str(value)).suffix.lower().lstrip(".")
+        if suffix == "png":  # the common case, without loading matplotlib
+            return str(value)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        kinds = FigureCanvasAgg.get_supported_filetypes()
+        if suffix not in kinds:
+            self.fail(f"{value!r}: matplotlib cannot write {'.' + suffix if suffix else 'a file without an extension'}"
+                      f"; use one of {', '.join('.' + k for k in sorted(kinds))}", param, ctx)
+        return str(value)
+
+
+BYTES = ByteSize()
+SECONDS = Seconds()
+FIGURE = FigurePath()
+COUNT = click.IntRange(min=1)  # ranks, iterations, tokens, sizes: at least one
+NONNEGATIVE = click.IntRange(min=0)  # warmup iterations, checks, roots, seeds
+
+
+def comma_list(text: str | None) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]`` (None or blank: empty)."""
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
