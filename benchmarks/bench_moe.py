@@ -25,16 +25,25 @@ allocator does on GPU; ``--no-keep-freed-memory`` measures without it.
 from __future__ import annotations
 
 import ctypes
-import socket
+import logging
 import time
+from typing import Any
 
 import click
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_COLS = ("rank", "impl", "layout_us", "dispatch_us", "disp_GB/s", "combine_us", "comb_GB/s", "recv_rows",
-         "moved_MB", "check")
-_FMT = "{:>5} {:>10} {:>10} {:>12} {:>10} {:>11} {:>10} {:>10} {:>9} {:>6}"
+from .common import DTYPES as _ALL_DTYPES
+from .options import COUNT, NONNEGATIVE, SECONDS
+from .ranks import on_ranks
+from .table import Column, Table
+
+log = logging.getLogger("benchmarks")
+
+DTYPES = {name: _ALL_DTYPES[name] for name in ("bfloat16", "float16", "float32")}
+IMPLS = ("moecomm", "torch-gloo")
+TABLE = Table([Column("rank", 5), Column("impl", 10), Column("layout_us", 10, ".1f"), Column("dispatch_us", 12, ".1f"),
+               Column("disp_GB/s", 10, ".2f"), Column("combine_us", 11, ".1f"), Column("comb_GB/s", 10, ".2f"),
+               Column("recv_rows", 10), Column("moved_MB", 9, ".2f"), Column("check", 6)])
 
 
 def _keep_freed_memory() -> bool:
@@ -46,29 +55,17 @@ def _keep_freed_memory() -> bool:
         return False
 
 
-def _init_gloo(comm):
-    """A torch.distributed gloo group over the same ranks: rank 0 picks a free loopback port."""
-    import torch.distributed as dist
-
-    port = torch.zeros(1, dtype=torch.int64)
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port[0] = s.getsockname()[1]
-    port = int(comm.broadcast(port)[0]) if comm.size > 1 else int(port[0])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
-    return dist
-
-
 class _Baseline:
     """Megatron-style all-to-all dispatch in plain torch over torch.distributed (see module docstring)."""
 
-    def __init__(self, dist, num_experts: int):
+    def __init__(self, dist: Any, num_experts: int) -> None:
         self.dist, self.E = dist, num_experts
         self.P = dist.get_world_size()
         self.L = num_experts // self.P
 
-    def layout(self, experts: torch.Tensor):
+    def layout(self, experts: torch.Tensor) -> tuple:
+        """experts: [T, k] int64 -> (pair order, token of each pair, send/recv splits, regroup index,
+        rows per local expert); exchanges the per-expert counts."""
         k = experts.shape[1]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)                          # pairs grouped by expert
@@ -85,14 +82,16 @@ class _Baseline:
         regroup = torch.repeat_interleave(starts[seg] - torch.cumsum(lens, 0) + lens, lens) + torch.arange(int(lens.sum()))
         return order, order // k, send_splits, recv_splits, regroup, c.sum(0)
 
-    def dispatch(self, x, lay):
+    def dispatch(self, x: torch.Tensor, lay: tuple) -> torch.Tensor:
+        """x: [T, H] -> the rows of this rank's experts, [received pairs, H], grouped by local expert."""
         order, tok, send_splits, recv_splits, regroup, _ = lay
         send = x.index_select(0, tok)
         recv = x.new_empty((sum(recv_splits), x.shape[1]))
         self.dist.all_to_all_single(recv, send, recv_splits, send_splits)
         return recv.index_select(0, regroup)
 
-    def combine(self, expert_out, lay, weights, num_tokens):
+    def combine(self, expert_out: torch.Tensor, lay: tuple, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """expert_out: [received pairs, H] -> y: [T, H], each token's rows weighted by weights [T, k]."""
         order, tok, send_splits, recv_splits, regroup, _ = lay
         back_in = torch.empty_like(expert_out)
         back_in[regroup] = expert_out
@@ -104,11 +103,19 @@ class _Baseline:
         return y.to(expert_out.dtype)
 
 
-def _bench_rank(comm, o: dict) -> list[list[float]]:
+def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
+    """Body of `moecomm bench-moe` on one rank (collective).
+
+    Returns:
+        Every rank's measurements, the same on every rank: [rank][impl] = [rank, impl index,
+        layout s, dispatch s, combine s, received (token, rank) rows, bytes moved, ok].
+    """
     from moe import ExpertDispatcher
 
+    from .peers import init_torch_distributed
+
     if o["keep_freed_memory"] and not _keep_freed_memory() and comm.rank == 0:
-        print("# note: could not configure glibc malloc; timings include page faults", flush=True)
+        log.warning("could not configure glibc malloc; timings include page faults")
     torch.manual_seed(1234 + comm.rank)
     dtype = DTYPES[o["dtype"]]
     T, H, k, E = o["tokens"], o["hidden"], o["top_k"], o["experts"]
@@ -117,9 +124,12 @@ def _bench_rank(comm, o: dict) -> list[list[float]]:
     weights, experts = torch.topk(scores, k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
     disp = ExpertDispatcher(comm, E)
-    impls = {"moecomm": None}
+    impls: dict[str, _Baseline | None] = {"moecomm": None}
     if o["baseline"]:
-        impls["torch-gloo"] = _Baseline(_init_gloo(comm), E)
+        import torch.distributed as dist
+
+        init_torch_distributed(comm, "gloo", o["timeout"])
+        impls["torch-gloo"] = _Baseline(dist, E)
     want = (x.float() * weights.sum(-1, keepdim=True)).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     rows = []
@@ -157,15 +167,17 @@ def _bench_rank(comm, o: dict) -> list[list[float]]:
     return gathered.reshape(comm.size, len(rows), -1).tolist()
 
 
-def _print_table(stats, o: dict, names: list[str]) -> bool:
+def _print_table(stats: list[list[list[float]]], o: dict[str, Any]) -> bool:
+    """Print the per-rank rows and the means; True if every result was correct."""
     esz = torch.tensor([], dtype=DTYPES[o["dtype"]]).element_size()
-    print(f"# moecomm bench-moe: {o['nprocs_run']} ranks, {o['tokens']} tokens/rank, hidden {o['hidden']}, "
-          f"top-{o['top_k']} of {o['experts']} experts, {o['dtype']}, iters {o['iters']}, warmup {o['warmup']}"
-          + (f" (--cpu-scale: {o['tokens_full']}/8 tokens, {o['hidden_full']}/4 hidden)" if o["cpu_scale"] else "")
-          + ("" if o["keep_freed_memory"] else ", --no-keep-freed-memory"))
-    print("# bytes per rank = received (token, rank) rows x hidden x %d B; GB/s = bytes / time (1e9 B/s); "
-          "times are means per call in microseconds" % esz)
-    print(_FMT.format(*_COLS))
+    click.echo(f"# moecomm bench-moe: {o['nprocs_run']} ranks, {o['tokens']} tokens/rank, hidden {o['hidden']}, "
+               f"top-{o['top_k']} of {o['experts']} experts, {o['dtype']}, iters {o['iters']}, warmup {o['warmup']}"
+               + (f" (--cpu-scale: {o['tokens_full']}/8 tokens, {o['hidden_full']}/4 hidden)" if o["cpu_scale"] else "")
+               + ("" if o["keep_freed_memory"] else ", --no-keep-freed-memory"))
+    click.echo(f"# bytes per rank = received (token, rank) rows x hidden x {esz} B; GB/s = bytes / time (1e9 B/s); "
+               "times are means per call in microseconds")
+    for line in TABLE.header():
+        click.echo(line)
     all_ok = True
     means: dict[int, list[float]] = {}
     for per_rank in stats:
@@ -178,61 +190,48 @@ def _print_table(stats, o: dict, names: list[str]) -> bool:
             m = means.setdefault(int(impl), [0.0] * 5)
             for i, v in enumerate(vals):
                 m[i] += v / len(stats)
-            print(_FMT.format(int(rank), names[int(impl)], f"{vals[0]:.1f}", f"{vals[1]:.1f}", f"{vals[2]:.2f}",
-                              f"{vals[3]:.1f}", f"{vals[4]:.2f}", int(uniq), f"{moved / 1e6:.2f}",
-                              "ok" if ok else "WRONG"))
+            click.echo(TABLE.line(int(rank), IMPLS[int(impl)], *vals, int(uniq), moved / 1e6, "ok" if ok else "WRONG"))
     for impl, m in sorted(means.items()):
-        print(_FMT.format("mean", names[impl], f"{m[0]:.1f}", f"{m[1]:.1f}", f"{m[2]:.2f}", f"{m[3]:.1f}",
-                          f"{m[4]:.2f}", "", "", ""))
+        click.echo(TABLE.line("mean", IMPLS[impl], *m, "", "", ""))
     return all_ok
 
 
 @click.command("bench-moe")
-@click.option("--tokens", default=4096, show_default=True, help="Tokens per rank.")
-@click.option("--hidden", default=7168, show_default=True, help="Hidden size.")
-@click.option("-k", "--top-k", "top_k", default=8, show_default=True, help="Experts per token.")
-@click.option("--experts", default=256, show_default=True, help="Experts in total (divisible by the ranks).")
+@click.option("--tokens", type=COUNT, default=4096, show_default=True, help="Tokens per rank.")
+@click.option("--hidden", type=COUNT, default=7168, show_default=True, help="Hidden size.")
+@click.option("-k", "--top-k", "top_k", type=COUNT, default=8, show_default=True, help="Experts per token.")
+@click.option("--experts", type=COUNT, default=256, show_default=True,
+              help="Experts in total (divisible by the ranks).")
 @click.option("-d", "--dtype", default="bfloat16", show_default=True, type=click.Choice(sorted(DTYPES)))
-@click.option("--nprocs", default=2, show_default=True, help="Local ranks to launch (ignored under mpirun/torchrun).")
-@click.option("-n", "--iters", default=10, show_default=True, help="Timed iterations.")
-@click.option("-w", "--warmup", default=3, show_default=True, help="Untimed iterations first.")
+@click.option("--nprocs", type=COUNT, default=2, show_default=True,
+              help="Local ranks to launch (ignored under mpirun/torchrun).")
+@click.option("-n", "--iters", type=COUNT, default=10, show_default=True, help="Timed iterations.")
+@click.option("-w", "--warmup", type=NONNEGATIVE, default=3, show_default=True, help="Untimed iterations first.")
 @click.option("--cpu-scale/--full-scale", default=False, show_default=True,
               help="Scale down for CPU runs: tokens / 8 and hidden / 4 (4096 x 7168 -> 512 x 1792).")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also time torch.distributed all_to_all_single over gloo (plain permutation).")
 @click.option("--keep-freed-memory/--no-keep-freed-memory", default=True, show_default=True,
               help="CPU: keep freed memory in the process (glibc mallopt) so timings exclude page faults.")
-@click.option("--timeout", default=300.0, show_default=True, help="Communicator timeout in seconds.")
-def bench_moe(tokens, hidden, top_k, experts, dtype, nprocs, iters, warmup, cpu_scale, baseline, keep_freed_memory,
-              timeout):
+@click.option("--timeout", type=SECONDS, default=300.0, show_default=True, help="Communicator timeout in seconds.")
+def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, nprocs: int, iters: int, warmup: int,
+              cpu_scale: bool, baseline: bool, keep_freed_memory: bool, timeout: float) -> None:
     """MoE dispatch / combine time and GB/s per rank (layout separately), with the torch.distributed baseline."""
-    import collectives
-
     o = dict(tokens=tokens, hidden=hidden, top_k=top_k, experts=experts, dtype=dtype, iters=iters, warmup=warmup,
              baseline=baseline, cpu_scale=cpu_scale, tokens_full=tokens, hidden_full=hidden,
-             keep_freed_memory=keep_freed_memory)
+             keep_freed_memory=keep_freed_memory, timeout=timeout)
     if cpu_scale:
         o["tokens"], o["hidden"] = max(tokens // 8, 1), max(hidden // 4, 1)
-    if top_k > experts or top_k < 1:
-        raise click.BadParameter(f"top-k must lie in [1, {experts}]", param_hint="--top-k")
-    if iters < 1 or warmup < 0:
-        raise click.BadParameter("need --iters >= 1 and --warmup >= 0")
-    launched = collectives.detect_launch() in ("mpi", "torchrun")
-    size = None
-    if launched:
-        with collectives.init(timeout=timeout) as comm:
-            size = comm.size
-            if experts % size:
-                raise click.BadParameter(f"--experts {experts} is not divisible by {size} ranks")
-            stats = _bench_rank(comm, o)
-            if comm.rank != 0:
-                return
-    else:
-        if experts % nprocs:
-            raise click.BadParameter(f"--experts {experts} is not divisible by --nprocs {nprocs}")
-        size = nprocs
-        stats = collectives.launch(_bench_rank, nprocs, o, timeout=timeout)[0]
-    o["nprocs_run"] = size
-    names = ["moecomm", "torch-gloo"]
-    if not _print_table(stats, o, names):
+    if top_k > experts:
+        raise click.BadParameter(f"top-k {top_k} exceeds --experts {experts}", param_hint="--top-k")
+
+    def check_size(n: int) -> None:
+        if experts % n:
+            raise click.BadParameter(f"--experts {experts} is not divisible by {n} ranks", param_hint="--experts")
+
+    lead, stats = on_ranks(_bench_rank, nprocs, o, timeout=timeout, check_size=check_size)
+    if not lead:
+        return
+    o["nprocs_run"] = len(stats)
+    if not _print_table(stats, o):
         raise SystemExit(1)

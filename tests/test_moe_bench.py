@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 from click.testing import CliRunner
 
 from benchmarks.cli import main
@@ -24,3 +27,78 @@ def test_bench_moe_smoke():
 def test_bench_moe_rejects_bad_options():
     res = CliRunner().invoke(main, ["bench-moe", "--experts", "9", "-k", "2", "--nprocs", "2", "--cpu-scale"])
     assert res.exit_code != 0 and "not divisible" in res.output
+
+
+# ---- the torch.distributed baseline's store: no port picked, released and bound again ----------
+def _squat_released_ports(comm, o):
+    """bench-moe's rank body on a machine where any loopback port that a Python socket binds and
+    then releases is taken at once by another program (the gap the old code left open)."""
+    import socket
+
+    from benchmarks.bench_moe import _bench_rank
+
+    bound, squatters = {}, []
+    real_bind, real_close = socket.socket.bind, socket.socket.close
+
+    def bind(self, address):
+        real_bind(self, address)
+        bound[self.fileno()] = self.getsockname()[:2]
+
+    def close(self):
+        where = bound.pop(self.fileno(), None)
+        real_close(self)
+        if where is not None:
+            squatter = socket.socket()
+            real_bind(squatter, where)
+            squatter.listen()
+            squatters.append(squatter)
+
+    socket.socket.bind, socket.socket.close = bind, close
+    try:
+        return _bench_rank(comm, o)
+    finally:
+        socket.socket.bind, socket.socket.close = real_bind, real_close
+
+
+def test_bench_moe_baseline_survives_a_busy_machine():
+    import collectives
+
+    o = dict(tokens=16, hidden=8, top_k=2, experts=4, dtype="float32", iters=1, warmup=0, baseline=True,
+             cpu_scale=False, tokens_full=16, hidden_full=8, keep_freed_memory=False, timeout=30.0)
+    stats = collectives.launch(_squat_released_ports, 2, o, timeout=30.0)[0]
+    rows = [r for per_rank in stats for r in per_rank]
+    assert sorted((int(r[0]), int(r[1])) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r[-1] == 1 for r in rows)  # both implementations correct on both ranks
+
+
+def _fake_comm(single_node: bool):
+    return SimpleNamespace(rank=0, size=1, broadcast=lambda x, src=0: x,
+                           topology=SimpleNamespace(single_node=single_node, hosts=("this-node", "node2")))
+
+
+def test_torch_store_listens_on_loopback_alone_on_one_node_and_off_it_across_nodes(monkeypatch):
+    """One node: 127.0.0.1 only. Across nodes: this host's address on the route to the other
+    ranks' hosts (not loopback, which they cannot reach); the port is the OS's pick, held."""
+    import socket
+
+    from benchmarks.peers import torch_store
+    from collectives.rendezvous import store_client
+
+    store, where = torch_store(_fake_comm(True), 10.0)
+    addr, port = where.split(":")
+    assert addr == "127.0.0.1" and int(port) > 0
+    store.set("k", "v")
+    assert store_client(addr, int(port), 10.0).get("moecomm-benchmarks/k") == b"v"
+
+    real = socket.getaddrinfo
+    # node2: an address off this host (TEST-NET-1); a UDP connect sends nothing
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: real("192.0.2.77", *a, **k)
+                        if host == "node2" else real(host, *a, **k))
+    try:
+        store, where = torch_store(_fake_comm(False), 10.0)
+    except OSError as e:  # no route off this host at all
+        pytest.skip(f"no network route: {e}")
+    addr, port = where.rsplit(":", 1)
+    assert not addr.startswith("127.") and int(port) > 0
+    store.set("k", "w")
+    assert store_client(addr, int(port), 10.0).get("moecomm-benchmarks/k") == b"w"
