@@ -3,11 +3,14 @@
 Checks: ranks reach each other (barrier + all_reduce through every transport, bounded by a
 timeout), /dev/shm size and free space, the MPI library (loaded in a subprocess so a broken MPI
 cannot crash the doctor) and mpiexec, GPUs, CUDA P2P and IPC (only with GPUs), NCCL, and
-NCCL_*/MOECOMM_* environment variables that switch fast paths off.
+NCCL_* variables that switch fast paths off. ``MOECOMM_*`` variables are checked against the one
+table of settings (``transports/settings.py``): a bad value FAILs, an unknown name WARNs, and the
+table is printed with the value each setting has here.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import shutil
 import subprocess
@@ -21,17 +24,27 @@ from typing import Mapping
 
 import click
 
+from transports.settings import SETTINGS, SETTINGS_BY_ENV, Setting
+
+from .common import format_size
+from .options import COUNT, SECONDS
+from .ranks import on_ranks
+from .table import Column, Table
+
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 
 
 @dataclass
 class Check:
-    level: str  # OK, WARN or FAIL
+    """One finding: ``level`` OK, WARN or FAIL; ``fix`` says what to do (printed unless OK)."""
+
+    level: str
     name: str
     message: str
     fix: str = ""
 
     def lines(self) -> list[str]:
+        """The finding as printed: one line, and a ``fix:`` line below unless it is OK."""
         out = [f"{self.level:<5} {self.name:<9} {self.message}"]
         if self.fix and self.level != OK:
             out.append(f"{'':<5} {'':<9} fix: {self.fix}")
@@ -61,8 +74,17 @@ def _ranks_body(comm) -> dict:
     return res
 
 
-def check_ranks(nprocs: int = 2, timeout: float = 30.0) -> list[Check]:
-    """Ranks reach each other: this job's ranks under mpirun/torchrun, else ``nprocs`` self-launched."""
+def check_ranks(nprocs: int = 2, timeout: float = 30.0, environ: Mapping[str, str] | None = None) -> list[Check]:
+    """Ranks reach each other: this job's ranks under mpirun/torchrun, else ``nprocs`` self-launched.
+
+    Args:
+        nprocs: local ranks to start when self-launching.
+        timeout: the communicators' timeout; the whole check gives up after ``2 * timeout + 30`` s.
+        environ: the environment whose MOECOMM_TRANSPORT a fix may name (default ``os.environ``).
+
+    Returns:
+        One Check named "ranks".
+    """
     import collectives
 
     mode = collectives.detect_launch()
@@ -70,11 +92,7 @@ def check_ranks(nprocs: int = 2, timeout: float = 30.0) -> list[Check]:
 
     def run() -> None:
         try:
-            if mode in ("mpi", "torchrun"):
-                with collectives.init(timeout=timeout) as comm:
-                    box["res"] = _ranks_body(comm)
-            else:
-                box["res"] = collectives.launch(_ranks_body, nprocs, timeout=timeout)[0]
+            box["res"] = on_ranks(_ranks_body, nprocs, timeout=timeout)[1]
         except BaseException as e:  # noqa: BLE001 - reported as a FAIL line
             box["err"] = e
 
@@ -90,7 +108,7 @@ def check_ranks(nprocs: int = 2, timeout: float = 30.0) -> list[Check]:
         e = box["err"]
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         fix = "run `moecomm -vv doctor` for details; a TimeoutError names the rank that never arrived"
-        if "MOECOMM_TRANSPORT" in os.environ and "not available" in first:
+        if _setting_value(SETTINGS["transport"], environ) not in (None, "auto") and "not available" in first:
             fix = "unset MOECOMM_TRANSPORT, or launch so that transport is available (mpi: mpiexec -n N ...)"
         return [Check(FAIL, "ranks", f"{how} failed: {type(e).__name__}: {first}", fix)]
     res = box["res"]
@@ -104,21 +122,29 @@ def check_ranks(nprocs: int = 2, timeout: float = 30.0) -> list[Check]:
 
 
 # ---- /dev/shm ---------------------------------------------------------------------------------
-def check_shm(path: str = "/dev/shm", nprocs: int | None = None) -> list[Check]:
-    """Size and free space of /dev/shm against what the shm transport maps for ``nprocs`` local ranks."""
-    from transports.shm import DEFAULT_SLOT_BYTES
+def check_shm(path: str = "/dev/shm", nprocs: int | None = None,
+              environ: Mapping[str, str] | None = None) -> list[Check]:
+    """Size and free space of /dev/shm against what the shm transport maps.
 
+    Args:
+        path: the shared-memory file system.
+        nprocs: local ranks (default: one per CPU, at least 2).
+        environ: where MOECOMM_SHM_SLOT_BYTES is read (default ``os.environ``; a bad value counts
+            as the default here, :func:`check_env` reports it).
+
+    Returns:
+        One Check named "shm".
+    """
+    setting = SETTINGS["shm_slot_bytes"]
     fix = ("give the container more: `docker run --shm-size=8g` (or `--ipc=host`); or lower "
-           "MOECOMM_SHM_SLOT_BYTES")
+           f"{setting.env} (default {format_size(setting.default)})")
     try:
         st = os.statvfs(path)
     except OSError as e:
         return [Check(FAIL, "shm", f"{path} is not usable ({e}): the shm transport cannot map its segments", fix)]
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    try:
-        slot = int(os.environ.get("MOECOMM_SHM_SLOT_BYTES") or DEFAULT_SLOT_BYTES)
-    except ValueError:
-        slot = DEFAULT_SLOT_BYTES
+    slot = _setting_value(setting, environ)
+    slot = setting.default if slot is None else slot
     ranks = nprocs or max(os.cpu_count() or 1, 2)
     need = ranks * 2 * slot + (1 << 20)  # two staging slots per rank, plus control blocks
     gib = 1 << 30
@@ -140,6 +166,7 @@ _MPI_PROBE = (
 
 
 def mpiexec_path() -> str | None:
+    """The mpiexec next to this Python (the mpich wheel's), else one on PATH, else None."""
     local = Path(sys.executable).parent / "mpiexec"
     return str(local) if local.exists() else shutil.which("mpiexec") or shutil.which("mpirun")
 
@@ -248,6 +275,7 @@ def check_ipc(n: int, timeout: float = 120.0) -> list[Check]:
 
 
 def check_nccl(n: int) -> list[Check]:
+    """NCCL's version where a library can be loaded; a WARN if ``n`` > 0 GPUs but no NCCL."""
     from .output import nccl_version
 
     ver = nccl_version()
@@ -287,29 +315,120 @@ _ENV_RULES = [
      "unset NCCL_PROTO unless you are experimenting"),
     ("CUDA_LAUNCH_BLOCKING", lambda v: _flag(v) not in (None, 0), "makes every CUDA launch synchronous",
      "unset CUDA_LAUNCH_BLOCKING (a debugging setting)"),
-    ("MOECOMM_TRANSPORT", lambda v: v.strip() not in ("", "auto"),
-     "forces every moecomm call onto one transport: the automatic choice (shm on one node) is off",
-     "unset MOECOMM_TRANSPORT (or use transport= / comm.using() for one communicator)"),
 ]
 
 
+def _setting_value(setting: Setting, environ: Mapping[str, str] | None) -> object | None:
+    """The setting's value from the environment, its default if unset, None if the value is bad."""
+    env = os.environ if environ is None else environ
+    raw = env.get(setting.env)
+    try:
+        return setting.parse(raw if raw not in (None, "") else None, source="environment")
+    except ValueError:
+        return None
+
+
+def _accepted(setting: Setting) -> str:
+    """What a setting accepts, in words."""
+    if setting.choices:
+        return f"one of {', '.join(setting.choices)}"
+    if setting.type is int:
+        return "an integer" + (f" >= {setting.minimum}" if setting.minimum is not None else "")
+    return "a string"
+
+
+def _shown(setting: Setting, value: object) -> str:
+    """A setting's value for the table (byte counts also in KiB/MiB)."""
+    if value is None:
+        return "(detected)" if setting.env == "MOECOMM_LAUNCH" else "(built in)"
+    if isinstance(value, int) and setting.env.endswith(("_BYTES", "_MAX")) and value >= 1024:
+        return f"{value} ({format_size(value)})"
+    return str(value)
+
+
+def check_moecomm_env(environ: Mapping[str, str] | None = None) -> list[Check]:
+    """MOECOMM_* variables checked against ``transports.settings``.
+
+    Args:
+        environ: the environment to check (default ``os.environ``).
+
+    Returns:
+        FAIL per variable whose value its setting refuses, WARN per unknown MOECOMM_* name and per
+        setting that switches a fast path off (a forced transport, a small shm slot).
+    """
+    env = os.environ if environ is None else environ
+    out = []
+    for name in sorted(k for k in env if k.startswith("MOECOMM_")):
+        setting = SETTINGS_BY_ENV.get(name)
+        if setting is None:
+            close = difflib.get_close_matches(name, SETTINGS_BY_ENV, n=1)
+            out.append(Check(WARN, "env", f"{name} is not a moecomm setting: nothing reads it"
+                             + (f" (did you mean {close[0]}?)" if close else ""),
+                             "unset it; the settings table below lists every MOECOMM_* variable"))
+            continue
+        raw = env[name]
+        if raw == "":
+            continue
+        try:
+            value = setting.parse(raw, source="environment")
+        except ValueError as e:
+            out.append(Check(FAIL, "env", f"{e} (every rank refuses to start with it)",
+                             f"set {name} to {_accepted(setting)}, or unset it (default "
+                             f"{_shown(setting, setting.default)})"))
+            continue
+        if setting.option == "transport" and value != "auto":
+            out.append(Check(WARN, "env", f"{name}={raw} forces every moecomm call onto one transport: the "
+                                          "automatic choice (shm on one node) is off",
+                             f"unset {name} (or use transport= / comm.using() for one communicator)"))
+        if setting.option == "shm_slot_bytes" and value < (1 << 20):
+            out.append(Check(WARN, "env", f"{name}={value} (< 1 MiB): large messages take many rounds through "
+                                          "the shm transport",
+                             f"unset it (default {_shown(setting, setting.default)})"))
+    return out
+
+
+def settings_table(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Every MOECOMM_* setting with its value here, its default and what it does.
+
+    Args:
+        environ: where the values come from (default ``os.environ``).
+
+    Returns:
+        The table's lines (a bad value shows as ``(invalid)``).
+    """
+    env = os.environ if environ is None else environ
+    rows = []
+    for s in SETTINGS.values():
+        raw = env.get(s.env)
+        if raw in (None, ""):
+            value = "(default)"
+        else:
+            parsed = _setting_value(s, env)
+            value = "(invalid)" if parsed is None else _shown(s, parsed)
+        rows.append((s.env, value, _shown(s, s.default), s.meaning))
+    table = Table([Column("variable", max(len(r[0]) for r in rows), align="<", gap=2),
+                   Column("value", max(len(r[1]) for r in rows), align="<"),
+                   Column("default", max(len(r[2]) for r in rows), align="<"), Column("meaning", align="<")])
+    return table.header() + [table.line(*r) for r in rows]
+
+
 def check_env(environ: Mapping[str, str] | None = None) -> list[Check]:
-    """NCCL_*/MOECOMM_* (and CUDA_LAUNCH_BLOCKING) settings that switch fast paths off."""
+    """Environment variables: NCCL_* (and CUDA_LAUNCH_BLOCKING) that switch fast paths off, and
+    MOECOMM_* checked by :func:`check_moecomm_env`.
+
+    Args:
+        environ: the environment to check (default ``os.environ``).
+
+    Returns:
+        The WARN/FAIL findings, or one OK Check named "env".
+    """
     env = os.environ if environ is None else environ
     out = []
     for var, harmful, what, fix in _ENV_RULES:
         v = env.get(var)
         if v is not None and harmful(v):
             out.append(Check(WARN, "env", f"{var}={v} {what}", fix))
-    slot = env.get("MOECOMM_SHM_SLOT_BYTES")
-    if slot is not None:
-        n = _flag(slot)
-        if n is None or n <= 0:
-            out.append(Check(FAIL, "env", f"MOECOMM_SHM_SLOT_BYTES={slot!r} is not a positive number of bytes",
-                             "unset it (default 4 MiB) or give bytes, e.g. 8388608"))
-        elif n < (1 << 20):
-            out.append(Check(WARN, "env", f"MOECOMM_SHM_SLOT_BYTES={n} (< 1 MiB): large messages take many rounds "
-                                          "through the shm transport", "unset it (default 4 MiB)"))
+    out += check_moecomm_env(env)
     if not out:
         seen = sorted(k for k in env if k.startswith(("NCCL_", "MOECOMM_")))
         extra = f" (set: {', '.join(seen)})" if seen else ""
@@ -318,10 +437,18 @@ def check_env(environ: Mapping[str, str] | None = None) -> list[Check]:
 
 
 def run_checks(*, nprocs: int = 2, timeout: float = 30.0, environ: Mapping[str, str] | None = None) -> list[Check]:
-    """Every check, in the order printed (module-level functions, so tests can replace one)."""
+    """Every check, in the order printed (module-level functions, so tests can replace one).
+
+    Args:
+        nprocs: local ranks of the rank check; timeout: its communicators' timeout in seconds.
+        environ: the environment checked (default ``os.environ``).
+
+    Returns:
+        The checks, OK/WARN/FAIL.
+    """
     mod = sys.modules[__name__]
-    checks = list(mod.check_ranks(nprocs, timeout))
-    checks += mod.check_shm(nprocs=None)
+    checks = list(mod.check_ranks(nprocs, timeout, environ=environ))
+    checks += mod.check_shm(nprocs=None, environ=environ)
     checks += mod.check_mpi()
     n, gpu_checks = mod.gpu_count()
     checks += gpu_checks
@@ -333,9 +460,9 @@ def run_checks(*, nprocs: int = 2, timeout: float = 30.0, environ: Mapping[str, 
 
 
 @click.command()
-@click.option("--nprocs", default=2, show_default=True, help="Local ranks to launch for the rank check.")
-@click.option("--timeout", default=30.0, show_default=True, help="Seconds the rank check may wait.")
-def doctor(nprocs, timeout):
+@click.option("--nprocs", type=COUNT, default=2, show_default=True, help="Local ranks to launch for the rank check.")
+@click.option("--timeout", type=SECONDS, default=30.0, show_default=True, help="Seconds the rank check may wait.")
+def doctor(nprocs: int, timeout: float) -> None:
     """Check this machine for a run: ranks, /dev/shm, MPI, GPUs, P2P/IPC, NCCL, environment.
 
     Prints OK/WARN/FAIL lines with what to fix; exits 1 if anything FAILs. Under mpirun/torchrun
@@ -350,7 +477,11 @@ def doctor(nprocs, timeout):
     for c in checks:
         for line in c.lines():
             click.echo(line)
+    click.echo("\nsettings (MOECOMM_* environment variables, or options= of collectives.init/launch):")
+    for line in settings_table():
+        click.echo(line)
     fails, warns = sum(c.level == FAIL for c in checks), sum(c.level == WARN for c in checks)
+    click.echo("")
     verdict = "problems found" if fails else "ready" if not warns else "ready, with warnings"
     click.echo(f"doctor: {fails} FAIL, {warns} WARN: {verdict}")
     sys.exit(1 if fails else 0)

@@ -94,3 +94,90 @@ def test_bench_rejects_bad_flags():
                        (["-f", "1"], "-f"), (["-r", "5"], "root 5")):
         res = CliRunner().invoke(main, ["bench", *args])
         assert res.exit_code == 2 and word in res.output, (args, res.output)
+
+
+# ---- bad options: a one-line usage error (exit code 2) naming the option, before any rank starts ----
+# Cases that the old code ran (an empty table, a traceback, or a full sweep) carry a tiny sweep, so
+# that even there they end quickly.
+TINY = ["-e", "8", "-n", "1", "-w", "0", "--no-save", "-q", "--ops", "all_reduce"]
+BAD_BENCH = {
+    "min above max": (["-b", "1G", "-e", "1K", "-n", "1", "-w", "0", "--no-save"], "-b/-e"),
+    "negative min": (["-b", "-5", *TINY], "-b"),
+    "fractional bytes": (["-b", "7.5", *TINY], "-b"),
+    "no size runs": (["-b", "7", "-e", "7", "--ops", "reduce_scatter", "-n", "1", "-w", "0", "--no-save"], "-b/-e"),
+    "negative checks": (["-c", "-1", "-b", "8", *TINY], "-c"),
+    "no ranks": (["--nprocs", "0", *TINY], "--nprocs"),
+    "no iterations": (["-n", "0", "-e", "8", "--no-save"], "-n"),
+    "negative warmup": (["-w", "-1", "-e", "8", "--no-save"], "-w"),
+    "zero timeout": (["--timeout", "0", *TINY], "--timeout"),
+    "nan timeout": (["--timeout", "nan", *TINY], "--timeout"),
+    "no ops": (["--ops", ",", "-e", "8", "--no-save"], "--ops"),
+    "unknown transport": (["--transport", "gossip", *TINY], "--transport"),
+    "peers without --compare": (["--peers", "gloo", *TINY], "--peers"),
+    "figure format": (["--plot", "out.txt", "-b", "8", "-e", "8", "-n", "1", "-w", "0", "--ops", "all_reduce"],
+                      "--plot"),
+    "zero step factor": (["-f", "0", *TINY], "-f"),
+    "negative seed": (["--seed", "-1", *TINY], "--seed"),
+}
+
+
+def _assert_usage_error(args: list[str], option: str) -> None:
+    from click.testing import CliRunner
+
+    from benchmarks.cli import main
+
+    res = CliRunner().invoke(main, args)
+    out = res.output
+    assert res.exit_code == 2, (args, res.exit_code, out, res.exception)
+    assert "Traceback" not in out and out.count("Error:") == 1, out
+    error = out.strip().splitlines()[-1]
+    assert error.startswith("Error: ") and option in error, (option, error)
+
+
+@pytest.mark.parametrize("case", list(BAD_BENCH))
+def test_bench_bad_option_is_a_usage_error(case):
+    args, option = BAD_BENCH[case]
+    _assert_usage_error(["bench", *args], option)
+
+
+BAD_OTHERS = {
+    "bench-moe negative tokens": (["bench-moe", "--tokens", "-5", "--experts", "8", "-k", "2", "-n", "1", "-w", "0"],
+                                  "--tokens"),
+    "bench-moe zero hidden": (["bench-moe", "--hidden", "0", "--tokens", "8", "--experts", "8", "-k", "2", "-n", "1",
+                               "-w", "0", "--dtype", "float32"], "--hidden"),
+    "bench-moe zero timeout": (["bench-moe", "--timeout", "0", "--tokens", "8", "--hidden", "8", "--experts", "8",
+                                "-k", "2", "-n", "1", "-w", "0"], "--timeout"),
+    "bench-tp zero tokens": (["bench-tp", "--tokens", "0", "--hidden", "8", "--ffn", "8", "--sizes", "1", "-n", "1",
+                              "-w", "0"], "--tokens"),
+    "bench-tp no sizes": (["bench-tp", "--sizes", ","], "--sizes"),
+    "doctor no ranks": (["doctor", "--nprocs", "0", "--timeout", "5"], "--nprocs"),
+    "doctor negative timeout": (["doctor", "--timeout", "-1"], "--timeout"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_OTHERS))
+def test_other_commands_bad_option_is_a_usage_error(case):
+    args, option = BAD_OTHERS[case]
+    _assert_usage_error(args, option)
+
+
+def test_report_plot_to_a_format_matplotlib_cannot_write_is_a_usage_error(tmp_path):
+    from benchmarks.output import make_run, save_json
+
+    rows = [dict(op="all_reduce", transport="shm", size=1024, count=256, dtype="float32", redop="sum",
+                 time_us=10.0, algbw=0.1, busbw=0.1, wrong=0)]
+    run = tmp_path / "x.json"
+    save_json(run, make_run(rows, {"nranks": 2}, {}))
+    _assert_usage_error(["report", str(run), "--plot", str(tmp_path / "out.txt")], "--plot")
+    assert not (tmp_path / "out.txt").exists()
+
+
+def test_verbose_bench_logs_every_rank_transport_decisions(tmp_path):
+    """`moecomm -vv bench` self-launched: the ranks log at the CLI's level (DEBUG transport decisions)."""
+    p = subprocess.run([sys.executable, "-m", "benchmarks.cli", "-vv", "bench", "-b", "8", "-e", "8", "-n", "1",
+                        "-w", "0", "--ops", "all_reduce", "--no-save", "-q"],
+                       capture_output=True, text=True, timeout=120, env=_env(), cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for rank in (0, 1):
+        assert any(line.startswith("DEBUG collectives:") and f"rank {rank}: all_reduce of" in line
+                   and "-> shm/" in line for line in p.stderr.splitlines()), (rank, p.stderr)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(UNDER_MPI, reason="starts its own ranks")
 
 def _quick(monkeypatch):
     """Skip the (real, launched) rank check and the MPI subprocess; tested on their own below."""
-    monkeypatch.setattr(dr, "check_ranks", lambda nprocs, timeout: [dr.Check(dr.OK, "ranks", "stubbed")])
+    monkeypatch.setattr(dr, "check_ranks", lambda nprocs, timeout, **kw: [dr.Check(dr.OK, "ranks", "stubbed")])
     monkeypatch.setattr(dr, "check_mpi", lambda: [dr.Check(dr.OK, "mpi", "stubbed")])
     for var in [v for v in os.environ if v.startswith(("NCCL_", "MOECOMM_"))] + ["CUDA_LAUNCH_BLOCKING"]:
         monkeypatch.delenv(var, raising=False)
@@ -122,3 +122,40 @@ def test_gpu_checks_without_and_with_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: (i, j) != (0, 1))
         p2p = dr.check_p2p(2)[0]
         assert p2p.level == dr.WARN and "0->1" in p2p.message
+
+
+def test_moecomm_variables_are_checked_against_the_settings_table(monkeypatch):
+    """Every MOECOMM_* value is parsed by its Setting (FAIL naming the variable), unknown names WARN,
+    defaults quoted in fixes come from the table (the shm slot is 1 MiB, not 4), and doctor lists
+    every setting with its value here."""
+    from benchmarks.common import format_size
+    from transports.settings import SETTINGS
+
+    _quick(monkeypatch)
+    failures = []
+    for var, val in (("MOECOMM_SHM_YIELD", "-3"), ("MOECOMM_NCCL_CHECK", "sometimes"),
+                     ("MOECOMM_SHM_ONE_SHOT_MAX", "big"), ("MOECOMM_TRANSPORT", "pigeon"),
+                     ("MOECOMM_SHM_SLOT_BYTES", "100"), ("MOECOMM_LAUNCH", "slurm"), ("MOECOMM_SHM_SPIN", "1.5")):
+        found = dr.check_env({var: val})
+        if [c.level for c in found] != [dr.FAIL] or var not in found[0].message:
+            failures.append((var, val, [(c.level, c.message) for c in found]))
+    unknown = dr.check_env({"MOECOMM_SLOT_BYTES": "1048576"})
+    if [c.level for c in unknown] != [dr.WARN] or "MOECOMM_SHM_SLOT_BYTES" not in unknown[0].message:
+        failures.append(("unknown name", [(c.level, c.message) for c in unknown]))
+    assert not failures, failures
+
+    slot_default = format_size(SETTINGS["shm_slot_bytes"].default)
+    small = dr.check_env({"MOECOMM_SHM_SLOT_BYTES": "4096"})
+    assert [c.level for c in small] == [dr.WARN] and f"({slot_default})" in small[0].fix, small[0].fix
+    gone = SimpleNamespace(f_blocks=16 << 10, f_frsize=4096, f_bavail=1 << 8)
+    monkeypatch.setattr(dr.os, "statvfs", lambda path: gone)
+    assert f"(default {slot_default})" in dr.check_shm(nprocs=2)[0].fix
+    monkeypatch.undo()
+
+    _quick(monkeypatch)
+    monkeypatch.setenv("MOECOMM_SHM_YIELD", "7")
+    res = CliRunner().invoke(main, ["doctor"])
+    table = res.output[res.output.index("settings (MOECOMM_*"):]
+    for setting in SETTINGS.values():
+        assert f" {setting.env} " in table, setting.env
+    assert next(line for line in table.splitlines() if "MOECOMM_SHM_YIELD" in line).split()[1] == "7"
