@@ -2,83 +2,101 @@
 
     python -m benchmarks.tune_shm --nprocs 2 --sizes 8K,256K,4M,64M
 
-Every configuration is a sub-communicator over the same ranks (its own segment, slot size and
-one-shot limit), measured in turn at each size and repetition, so drift hits all alike; the best
-of the repetitions is reported. The results set ``ONE_SHOT_MAX_BYTES`` and ``DEFAULT_SLOT_BYTES``
-in transports/shm.py.
+Every configuration (slot size x one-shot or two-shot) is a launch of its own with the
+settings passed as ``options=`` (``shm_slot_bytes``, ``shm_one_shot_max``; see
+``transports/settings.py``), nothing set in the environment. Repetitions go round all
+configurations in turn, so drift hits all alike; the best repetition is reported. The results
+chose the defaults of ``MOECOMM_SHM_SLOT_BYTES`` (``transports/settings.py``) and the one-shot
+table ``ONE_SHOT_MAX_BYTES`` (``transports/shm.py``); see ``benchmarks/results/shm-allreduce-tuning.txt``.
 """
 
 from __future__ import annotations
 
-import os
 import time
+from typing import Sequence
 
 import click
 import torch
 
-from .sweep import parse_size
+from transports.settings import SETTINGS
 
-UNBOUNDED = 1 << 62
+from .common import format_size, parse_size
+from .options import COUNT, comma_list
+from .table import Column, Table
+
+UNBOUNDED = 1 << 62  # a one-shot limit no message reaches: always one-shot
 
 
-def _configs(slots: list[int]) -> dict[str, tuple[int, int]]:
+def configs(slots: Sequence[int]) -> dict[str, dict[str, int]]:
+    """The configurations measured: label -> ``options=`` of ``collectives.launch``.
+
+    Args:
+        slots: shm slot sizes in bytes.
+
+    Returns:
+        For each slot, "one_shot/slot <size>" (every all_reduce one-shot) and "two_shot/slot <size>".
+    """
     out = {}
     for slot in slots:
-        label = f"{slot >> 20}M" if slot >= 1 << 20 else f"{slot >> 10}K"
-        out[f"one_shot/slot {label}"] = (slot, UNBOUNDED)
-        out[f"two_shot/slot {label}"] = (slot, 0)
+        label = format_size(slot).replace(" ", "")
+        out[f"one_shot/slot {label}"] = {"shm_slot_bytes": slot, "shm_one_shot_max": UNBOUNDED}
+        out[f"two_shot/slot {label}"] = {"shm_slot_bytes": slot, "shm_one_shot_max": 0}
     return out
 
 
-def _sub(comm, slot: int, one_shot_max: int):
-    os.environ["MOECOMM_SHM_SLOT_BYTES"] = str(slot)
-    os.environ["MOECOMM_SHM_ONE_SHOT_MAX"] = str(one_shot_max)
-    try:
-        return comm.split(0)
-    finally:
-        del os.environ["MOECOMM_SHM_SLOT_BYTES"], os.environ["MOECOMM_SHM_ONE_SHOT_MAX"]
-
-
-def _measure(comm, configs: dict, sizes: list[int], reps: int) -> dict:
-    comms = {name: _sub(comm, *cfg) for name, cfg in configs.items()}
-    best: dict = {}
+def _measure(comm, sizes: Sequence[int]) -> dict[int, float]:
+    """Seconds per float32 sum all_reduce at each size, the slowest rank's (collective)."""
+    out = {}
     for size in sizes:
         x = torch.randn(max(size // 4, 1))
-        out = torch.empty_like(x)
+        y = torch.empty_like(x)
         iters = max(3, min(2000, int(4e8 / max(size, 1) / 20)))
-        for _ in range(reps):
-            for name, c in comms.items():
-                for _ in range(2):
-                    c.all_reduce(x, out=out)
-                c.barrier()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    c.all_reduce(x, out=out)
-                dt = (time.perf_counter() - t0) / iters
-                dt = float(comm.all_reduce(torch.tensor([dt], dtype=torch.float64), op="max")[0])
-                best[(size, name)] = min(best.get((size, name), dt), dt)
-    for c in comms.values():
-        c.close()
-    return best
+        for _ in range(2):
+            comm.all_reduce(x, out=y)
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            comm.all_reduce(x, out=y)
+        dt = (time.perf_counter() - t0) / iters
+        out[size] = float(comm.all_reduce(torch.tensor([dt], dtype=torch.float64), op="max")[0])
+    return out
+
+
+def _sizes(text: str, hint: str, setting: str | None = None) -> list[int]:
+    """Comma-separated byte sizes, each checked by ``transports.settings`` ``setting`` if given."""
+    try:
+        out = [parse_size(s) for s in comma_list(text)]
+        if setting is not None:
+            for size in out:
+                SETTINGS[setting].parse(size, source="shm slot")
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint=hint) from None
+    if not out:
+        raise click.BadParameter("no size given", param_hint=hint)
+    return out
 
 
 @click.command()
-@click.option("--nprocs", default=2, show_default=True)
-@click.option("--sizes", default="8K,64K,256K,1M,4M,16M,64M", show_default=True)
+@click.option("--nprocs", type=COUNT, default=2, show_default=True)
+@click.option("--sizes", default="8K,64K,256K,1M,4M,16M,64M", show_default=True, help="Message sizes.")
 @click.option("--slots", default="1M,4M,16M", show_default=True, help="Slot sizes to try.")
-@click.option("--reps", default=3, show_default=True)
+@click.option("--reps", type=COUNT, default=3, show_default=True, help="Rounds over every configuration.")
 def main(nprocs: int, sizes: str, slots: str, reps: int) -> None:
     """Print algbw (GB/s, float32 sum, slowest rank) per size and configuration."""
     import collectives
 
-    size_list = [parse_size(s) for s in sizes.split(",")]
-    configs = _configs([parse_size(s) for s in slots.split(",")])
-    best = collectives.launch(_measure, nprocs, configs, size_list, reps)[0]
-    names = list(configs)
-    print(f"# shm all_reduce float32 sum, {nprocs} ranks, best of {reps}, algbw GB/s (slowest rank's time)")
-    print(f"{'size':>10} " + " ".join(f"{n:>20}" for n in names))
-    for size in size_list:
-        print(f"{size:>10} " + " ".join(f"{size / best[(size, n)] / 1e9:>20.2f}" for n in names))
+    size_list, cfgs = _sizes(sizes, "--sizes"), configs(_sizes(slots, "--slots", "shm_slot_bytes"))
+    best: dict[tuple[int, str], float] = {}
+    for _ in range(reps):
+        for name, options in cfgs.items():
+            seconds = collectives.launch(_measure, nprocs, size_list, transport="shm", options=options)[0]
+            for size, dt in seconds.items():
+                best[(size, name)] = min(best.get((size, name), dt), dt)
+    table = Table([Column("size", 10), *(Column(name, 20, ".2f") for name in cfgs)])
+    click.echo(f"# shm all_reduce float32 sum, {nprocs} ranks, best of {reps}, algbw GB/s (slowest rank's time)")
+    for line in [*table.header(), *(table.line(size, *(size / best[(size, name)] / 1e9 for name in cfgs))
+                                    for size in size_list)]:
+        click.echo(line)
 
 
 if __name__ == "__main__":

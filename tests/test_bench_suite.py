@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -280,3 +281,27 @@ def test_default_outputs_of_the_readme_command(tmp_path):
     assert len(rows) == 2 * (3 * 2 + 3)
     assert all(r["wrong"] == 0 and r["ip_wrong"] == 0 for r in rows)
     assert {r["root"] for r in rows if r["op"] == "broadcast"} == {1}
+
+
+def test_tune_shm_passes_settings_as_launch_options_not_environment(monkeypatch):
+    """Each configuration is one launch with options= (slot size, one-shot limit); os.environ is
+    never edited, so no setting leaks into later communicators of the process."""
+    import collectives
+    from benchmarks import tune_shm
+
+    calls = []
+
+    def fake_launch(fn, nprocs, *args, **kwargs):
+        calls.append((nprocs, args, kwargs, {k: v for k, v in os.environ.items() if k.startswith("MOECOMM_")}))
+        return [{size: 1e-3 for size in args[0]}] * nprocs
+
+    monkeypatch.setattr(collectives, "launch", fake_launch)
+    before = {k: v for k, v in os.environ.items() if k.startswith("MOECOMM_")}
+    res = CliRunner().invoke(tune_shm.main, ["--nprocs", "3", "--sizes", "8K,1M", "--slots", "64K,1M", "--reps", "2"])
+    assert res.exit_code == 0, res.output
+    want = [{"shm_slot_bytes": slot, "shm_one_shot_max": limit}
+            for slot in (64 << 10, 1 << 20) for limit in (tune_shm.UNBOUNDED, 0)] * 2
+    assert [c[2].get("options") for c in calls] == want
+    assert all(c[0] == 3 and c[1] == ([8 << 10, 1 << 20],) and c[3] == before for c in calls)
+    assert {k: v for k, v in os.environ.items() if k.startswith("MOECOMM_")} == before
+    assert "two_shot/slot 64KiB" in res.output
