@@ -3,15 +3,18 @@
     import collectives
     comm = collectives.init()                 # mpirun / torchrun / single process, detected
     y = comm.all_reduce(x, op="sum")
-    results = collectives.launch(fn, 4)       # fn(comm) on 4 local ranks
+    results = collectives.launch(fn, 4)       # fn(comm) on 4 local ranks (under a __main__ guard)
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import Any, Mapping
 
 from transports.base import CollectiveTimeoutError, CommunicatorBrokenError, PeerFailedError, Rendezvous
+from transports.settings import check_timeout
+from transports.settings import resolve as resolve_settings
 
 from .communicator import Communicator
 from .launcher import RankFailedError, RemoteTraceback, launch
@@ -23,47 +26,94 @@ __all__ = ["init", "launch", "Communicator", "Topology", "Plan", "CollectiveTime
            "CommunicatorBrokenError", "RankFailedError", "RemoteTraceback", "detect_launch"]
 
 log = logging.getLogger("collectives")
-_init_count = 0
+
+# torchrun: this process's store per (address, port), kept across init() calls so that a retry
+# reuses it (rank 0 may host the server: a second server on MASTER_PORT would lose the peers' keys).
+_torchrun_stores: dict[tuple[str, int], Any] = {}
+_ARRIVALS_KEY = "moecomm/init/arrivals"
 
 
-def _build(rdv: Rendezvous, transport: str, timeout: float, launch_mode: str, mpi_comm=None) -> Communicator:
+def _build(rdv: Rendezvous, transport: str, timeout: float, launch_mode: str, mpi_comm: Any = None,
+           settings: Mapping[str, Any] | None = None) -> Communicator:
+    """The Communicator of ``rdv``'s group: exchange topology facts, then create it.
+
+    Args:
+        rdv: the world rendezvous of this launch.
+        transport: "auto" or a transport name (overrides ``settings["transport"]``).
+        timeout: seconds any wait may take; positive and finite.
+        launch_mode: "mpi", "torchrun", "launch" or "single" (recorded in the topology).
+        mpi_comm: the mpi4py world communicator under mpiexec, else None.
+        settings: resolved :mod:`transports.settings` values (None: from the environment).
+
+    Returns:
+        The world Communicator.
+    """
     facts = rdv.allgather_bytes(local_facts())
     topo = Topology.from_facts(rdv.rank, facts, launch_mode)
-    return Communicator(rdv, topo, timeout=timeout, transport=transport, mpi_comm=mpi_comm)
+    return Communicator(rdv, topo, timeout=timeout, transport=transport, mpi_comm=mpi_comm, settings=settings)
 
 
-def init(transport: str = "auto", timeout: float = 300.0) -> Communicator:
+def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[str, Any] | None = None) -> Communicator:
     """A Communicator over all ranks of this job.
 
     Detects the launch: ``mpirun``/``mpiexec`` (rendezvous over MPI; the mpi transport is
     available), ``torchrun`` (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, torch's TCPStore), or a
-    single process. transport: "auto" (pick per call), "shm" or "mpi"; MOECOMM_TRANSPORT
-    overrides "auto". timeout: seconds any wait may take before it raises.
+    single process; ``MOECOMM_LAUNCH`` (or ``options={"launch": ...}``) overrides the detection.
+    Every rank calls it; a rank that retries after an error meets the others' retry (under
+    torchrun the k-th rendezvous of the job is matched by a counter in the store, not by what
+    each process did before).
+
+    Args:
+        transport: "auto" (pick per call), "shm", "mpi" or "nccl"; anything but "auto"
+            overrides ``MOECOMM_TRANSPORT``.
+        timeout: seconds any wait may take before it raises; positive and finite (0, negative,
+            inf and nan raise ValueError, a non-number TypeError, before anything is started).
+        options: settings by option name, overriding their ``MOECOMM_*`` environment variables
+            (``{"shm_slot_bytes": 1 << 16}``; see :data:`transports.settings.SETTINGS` or the
+            README's table). Unknown names or bad values raise ValueError.
+
+    Returns:
+        The world Communicator of this process (``comm.rank``, ``comm.size``).
     """
-    global _init_count
-    _init_count += 1
-    mode = detect_launch()
+    timeout = check_timeout(timeout, source="collectives.init: timeout")
+    settings = resolve_settings(options, source="collectives.init")
+    mode = detect_launch(settings)
     if mode == "mpi":
         from mpi4py import MPI
 
         from .rendezvous import MPIRendezvous
 
         world = MPI.COMM_WORLD
-        return _build(MPIRendezvous(world, timeout), transport, timeout, "mpi", mpi_comm=world)
+        return _build(MPIRendezvous(world, timeout), transport, timeout, "mpi", mpi_comm=world, settings=settings)
     if mode == "torchrun":
-        from .rendezvous import StoreRendezvous, bound_store_server, store_client
+        from .rendezvous import StoreRendezvous
 
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("MASTER_PORT", "29500"))
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or rank != 0:
-            store = store_client(addr, port, timeout)  # torchrun's agent hosts the store
-        else:
-            store, _ = bound_store_server(addr, port, timeout)  # listen only where we were told
-        rdv = StoreRendezvous(store, rank, size, timeout, f"moecomm/init{_init_count}", range(size))
-        comm = _build(rdv, transport, timeout, "torchrun")
+        store = _torchrun_store(rank, timeout)
+        # Every rank's n-th arrival lands in generation (n - 1) // size: the k-th collective init of
+        # the job meets, whatever each process tried before (a local error before this point is
+        # not counted).
+        generation = (store.add(_ARRIVALS_KEY, 1) - 1) // size
+        rdv = StoreRendezvous(store, rank, size, timeout, f"moecomm/init/g{generation}", range(size))
+        comm = _build(rdv, transport, timeout, "torchrun", settings=settings)
         comm._store = store  # rank 0 hosts the server in the no-agent case; keep it alive
         return comm
     from .rendezvous import LocalRendezvous
 
-    return _build(LocalRendezvous(timeout), transport, timeout, "single")
+    return _build(LocalRendezvous(timeout), transport, timeout, "single", settings=settings)
+
+
+def _torchrun_store(rank: int, timeout: float) -> Any:
+    """This process's TCPStore for the torchrun job (created on first use, then reused)."""
+    from .rendezvous import bound_store_server, store_client
+
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    store = _torchrun_stores.get((addr, port))
+    if store is None:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or rank != 0:
+            store = store_client(addr, port, timeout)  # torchrun's agent hosts the store
+        else:
+            store, _ = bound_store_server(addr, port, timeout)  # listen only where we were told
+        _torchrun_stores[(addr, port)] = store
+    return store

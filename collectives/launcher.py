@@ -16,7 +16,11 @@ import os
 import pickle
 import signal
 import traceback
-from typing import Any, Callable
+import sys
+from typing import Any, Callable, Mapping
+
+from transports.settings import check_timeout
+from transports.settings import resolve as resolve_settings
 
 log = logging.getLogger("collectives")
 
@@ -39,6 +43,29 @@ class RankFailedError(RuntimeError):
         self.rank = rank
 
 
+def _refuse_inside_mpi() -> None:
+    """RuntimeError if this process was started by an MPI launcher and MPI is initialized here.
+
+    The fork server and its ranks would inherit the MPI launcher's PMI connection; MPICH then
+    aborts the children. Raised before anything is started.
+    """
+    from .rendezvous import launched_by_mpi
+
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not launched_by_mpi():
+        return
+    try:
+        initialized = mpi.Is_initialized() and not mpi.Is_finalized()
+    except Exception:  # noqa: BLE001 - a broken MPI module: let launch try
+        return
+    if initialized:
+        raise RuntimeError(
+            "collectives.launch cannot start ranks inside an MPI job (this process was started by "
+            "mpiexec/mpirun and MPI is initialized here): use the communicator from collectives.init(), "
+            "which already spans the MPI job's ranks, or run the script without mpiexec to let "
+            "launch start its own ranks")
+
+
 def _context():
     global _ctx
     if _ctx is None:
@@ -55,8 +82,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _rank_main(rank: int, nprocs: int, port: int, fn, args, kwargs, transport: str, timeout: float,
-               conn, threads: int | None) -> None:
+def _rank_main(rank: int, nprocs: int, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
+               transport: str, timeout: float, settings: dict[str, Any], conn: mpc.Connection,
+               threads: int | None) -> None:
     _die_with_parent()
     import torch
 
@@ -68,7 +96,7 @@ def _rank_main(rank: int, nprocs: int, port: int, fn, args, kwargs, transport: s
     try:
         store = store_client("127.0.0.1", port, timeout)
         rdv = StoreRendezvous(store, rank, nprocs, timeout, "moecomm/launch", range(nprocs))
-        comm = _build(rdv, transport, timeout, "launch")
+        comm = _build(rdv, transport, timeout, "launch", settings=settings)
         try:
             result = fn(comm, *args, **kwargs)
         finally:
@@ -86,19 +114,44 @@ def _rank_main(rank: int, nprocs: int, port: int, fn, args, kwargs, transport: s
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, transport: str = "auto", timeout: float = 300.0,
-           return_exceptions: bool = False, threads: int | None = None, **kwargs: Any) -> list[Any]:
+           options: Mapping[str, Any] | None = None, return_exceptions: bool = False, threads: int | None = None,
+           **kwargs: Any) -> list[Any]:
     """Run ``fn(comm, *args, **kwargs)`` on ``nprocs`` local ranks; return their results in rank order.
 
-    fn: a module-level (picklable) function. transport: "auto", "shm" or "mpi" (mpi needs mpirun).
-    timeout: the communicators' timeout in seconds. threads: torch intra-op threads per rank
-    (default: CPUs // nprocs, at least 1, like torchrun's OMP_NUM_THREADS=1 for several ranks).
+    The ranks are started from a fork server, which imports the calling script's ``__main__``
+    module: a script that calls ``launch`` must do so under ``if __name__ == "__main__":``.
+    Under mpiexec, use the communicator of :func:`collectives.init` instead (MPI cannot be
+    started again in the launched ranks); ``launch`` raises RuntimeError there once MPI is
+    initialized.
 
-    If a rank raises, the others are killed and that rank's exception is re-raised (its remote
-    traceback as ``__cause__``, ``.rank`` set). With ``return_exceptions=True`` every rank runs to
-    its end and the list holds the exception objects of the ranks that failed.
+    Args:
+        fn: a module-level (picklable) function ``fn(comm, *args, **kwargs)``.
+        nprocs: number of ranks, >= 1.
+        *args, **kwargs: passed to ``fn`` on every rank (picklable).
+        transport: "auto", "shm" or "nccl" ("mpi" needs mpiexec; see :func:`collectives.init`).
+        timeout: the communicators' timeout in seconds; positive and finite (checked before any
+            rank starts: ValueError/TypeError).
+        options: settings by option name, overriding their ``MOECOMM_*`` environment variables;
+            resolved here, in the calling process, and handed to every rank (so every rank sees
+            the same values, and the caller's current environment, not the fork server's).
+        return_exceptions: False: if a rank raises, the others are killed and that rank's
+            exception is re-raised (its remote traceback as ``__cause__``, ``.rank`` set). True:
+            every rank runs to its end and the list holds the failed ranks' exception objects.
+        threads: torch intra-op threads per rank (default: CPUs // nprocs, at least 1, like
+            torchrun's OMP_NUM_THREADS=1 for several ranks).
+
+    Returns:
+        [nprocs] ``fn``'s return value on each rank, in rank order.
     """
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int):
+        raise TypeError(f"launch: nprocs must be an int, got {nprocs!r}")
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    timeout = check_timeout(timeout, source="collectives.launch: timeout")
+    settings = resolve_settings(options, source="collectives.launch")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"launch: threads must be a positive int or None, got {threads!r}")
+    _refuse_inside_mpi()
     try:
         pickle.dumps(fn)
     except Exception as e:  # noqa: BLE001
@@ -115,7 +168,8 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, transport: str = "au
         for rank in range(nprocs):
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_rank_main, name=f"moecomm-rank{rank}", daemon=False,
-                            args=(rank, nprocs, port, fn, args, kwargs, transport, timeout, child_end, threads))
+                            args=(rank, nprocs, port, fn, args, kwargs, transport, timeout, settings, child_end,
+                                  threads))
             p.start()
             child_end.close()
             procs.append(p)

@@ -19,24 +19,41 @@ import socket
 import time
 from typing import Sequence
 
+from typing import Any, Mapping
+
 import numpy as np
 
 from transports.base import CollectiveTimeoutError, Rendezvous
+from transports.settings import resolve as resolve_settings
 
 # Variables that MPI launchers (MPICH/Hydra, Open MPI, Intel MPI, MVAPICH, PMIx, Slurm's PMI) set.
 _MPI_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE",
             "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
 
 
-def detect_launch() -> str:
-    """'mpi', 'torchrun' or 'single': how this process was started."""
-    if os.environ.get("MOECOMM_LAUNCH") in ("mpi", "torchrun", "single"):
-        return os.environ["MOECOMM_LAUNCH"]
-    if any(v in os.environ for v in _MPI_ENV):
+def detect_launch(settings: Mapping[str, Any] | None = None) -> str:
+    """How this process was started: the ``launch`` setting (``MOECOMM_LAUNCH``) if set, else
+    detected from the launchers' own variables.
+
+    Args:
+        settings: resolved :mod:`transports.settings` values (None: from the environment).
+
+    Returns:
+        "mpi", "torchrun" or "single".
+    """
+    forced = (settings if settings is not None else resolve_settings(source="detect_launch"))["launch"]
+    if forced is not None:
+        return forced
+    if launched_by_mpi():
         return "mpi"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return "torchrun"
     return "single"
+
+
+def launched_by_mpi() -> bool:
+    """Whether an MPI launcher (mpiexec/mpirun/srun with PMI) started this process."""
+    return any(v in os.environ for v in _MPI_ENV)
 
 
 class LocalRendezvous(Rendezvous):
