@@ -340,8 +340,11 @@ def _store_address(comm) -> str:
     topo = comm.topology
     if topo.single_node:
         return "127.0.0.1"
-    other = next(h for h in topo.hosts if h != topo.hosts[comm.rank])
-    family, _, _, _, sockaddr = socket.getaddrinfo(other, 1, type=socket.SOCK_DGRAM)[0]
+    others = [h for h in topo.hosts if h != topo.hosts[comm.rank]]
+    if not others:
+        raise RuntimeError(f"the ranks span {topo.num_nodes} nodes that all call themselves "
+                           f"{topo.hosts[comm.rank]!r}: no other host to route to")
+    family, _, _, _, sockaddr = socket.getaddrinfo(others[0], 1, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect(sockaddr[:2])
         return s.getsockname()[0]
@@ -351,9 +354,10 @@ def torch_store(comm, timeout: float) -> tuple[Any, str]:
     """A TCPStore for a torch.distributed group over ``comm``'s ranks (collective).
 
     Rank 0 binds the server socket with port 0, so the OS picks a free port and nothing can take
-    it between picking and listening; it sends the address and port to the others over ``comm``.
-    Environment variables (env://, torchrun's agent store) are not used, so this works the same
-    self-launched, under torchrun and under mpiexec.
+    it between picking and listening; it sends the address and port to the others over ``comm``
+    (or why it could not, so that every rank raises, not rank 0 alone). Environment variables
+    (env://, torchrun's agent store) are not used, so this works the same self-launched, under
+    torchrun and under mpiexec.
 
     Args:
         comm: a moecomm Communicator.
@@ -361,25 +365,32 @@ def torch_store(comm, timeout: float) -> tuple[Any, str]:
 
     Returns:
         (store, "address:port") on every rank; the store is a ``torch.distributed.PrefixStore``.
+        Raises RuntimeError on every rank if rank 0 could not start the server.
     """
     import torch.distributed as dist
 
     from collectives.rendezvous import bound_store_server, store_client
 
-    where = torch.zeros(_ADDR_BYTES, dtype=torch.uint8)
-    server = None
+    server, text = None, ""
     if comm.rank == 0:
-        addr = _store_address(comm)
-        server, port = bound_store_server(addr, 0, timeout)
-        text = f"{addr} {port}".encode()
-        where[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-    where = comm.broadcast(where, 0)
-    addr, port = bytes(where.tolist()).rstrip(b"\0").decode().split()
+        try:
+            addr = _store_address(comm)
+            server, port = bound_store_server(addr, 0, timeout)
+            text = f"ok {addr} {port}"
+        except (OSError, RuntimeError) as e:
+            text = f"error {type(e).__name__}: {e}"
+    data = text.encode()[:_MESSAGE_BYTES]
+    message = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+    message[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    status, _, rest = bytes(comm.broadcast(message, 0).tolist()).rstrip(b"\0").decode(errors="replace").partition(" ")
+    if status != "ok":
+        raise RuntimeError(f"rank 0 could not start the torch.distributed store: {rest}")
+    addr, port = rest.split()
     store = server if server is not None else store_client(addr, int(port), timeout)
     return dist.PrefixStore("moecomm-benchmarks", store), f"{addr}:{port}"
 
 
-_ADDR_BYTES = 64  # "address port" padded with NULs: an IPv6 address and a port fit
+_MESSAGE_BYTES = 256  # "ok <address> <port>" or "error <why>", padded with NULs
 
 
 def init_torch_distributed(comm, backend: str, timeout: float) -> None:

@@ -102,3 +102,26 @@ def test_torch_store_listens_on_loopback_alone_on_one_node_and_off_it_across_nod
     assert not addr.startswith("127.") and int(port) > 0
     store.set("k", "w")
     assert store_client(addr, int(port), 10.0).get("moecomm-benchmarks/k") == b"w"
+
+
+def _store_fails_on_rank_0(comm):
+    from benchmarks import peers
+
+    if comm.rank == 0:
+        def unroutable(c):
+            raise OSError("no route to node2")
+
+        peers._store_address = unroutable
+    try:
+        peers.torch_store(comm, 10.0)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_torch_store_failure_on_rank_0_reaches_every_rank():
+    import collectives
+
+    for message in collectives.launch(_store_fails_on_rank_0, 2, timeout=30.0):
+        assert message.startswith("rank 0 could not start the torch.distributed store") and \
+            "no route to node2" in message, message
