@@ -15,7 +15,7 @@ class Progress:
     Call :meth:`print` for table lines (it erases the bar, prints, and redraws it).
     """
 
-    def __init__(self, total: int, *, enabled: bool = True, stream: TextIO | None = None, width: int = 24):
+    def __init__(self, total: int, *, enabled: bool = True, stream: TextIO | None = None, width: int = 24) -> None:
         self.stream = stream if stream is not None else sys.stdout
         isatty = getattr(self.stream, "isatty", None)
         self.enabled = bool(enabled and total > 0 and isatty is not None and isatty())
@@ -42,6 +42,7 @@ class Progress:
         self._shown = len(line)
 
     def clear(self) -> None:
+        """Erase the bar (the line is left empty for the next output)."""
         if self.enabled and self._shown:
             self.stream.write("\r" + " " * self._shown + "\r")
             self.stream.flush()
@@ -61,4 +62,5 @@ class Progress:
             self._draw()
 
     def finish(self) -> None:
+        """Erase the bar for good."""
         self.clear()
