@@ -23,7 +23,7 @@ import torch
 
 from .protocols import CommunicatorLike
 
-__all__ = ["agree", "reject", "rank_label"]
+__all__ = ["agree", "reject", "rejecting", "rank_label"]
 
 _MESSAGE_BYTES = 4000  # longest error text carried to the peers (longer ones are cut)
 _OK, _VALUE_ERROR, _TYPE_ERROR = 0, 1, 2
@@ -50,6 +50,29 @@ def reject(comm: CommunicatorLike, error: Exception, *, on: Any = None) -> NoRet
     """
     comm.reject(error, device=on.device.type if isinstance(on, torch.Tensor) else "cpu")
     raise error  # a communicator's reject never returns; this keeps a stand-in honest
+
+
+class rejecting:  # noqa: N801 - used like a function: ``with rejecting(comm, on=x):``
+    """Around local work between collectives: an exception raised inside is :func:`reject`-ed (collective).
+
+    For checks and computations that may fail on one rank only (a bad input, a dtype mismatch,
+    out of memory): the error is raised here as it is, and the peers' next collective raises
+    instead of waiting for this rank. Never put a collective inside: its errors already reach
+    every rank, and a rank that lost a peer must not wait on it again.
+    """
+
+    __slots__ = ("comm", "on")
+
+    def __init__(self, comm: CommunicatorLike, *, on: Any = None):
+        self.comm, self.on = comm, on
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, error: BaseException | None, tb: Any) -> bool:
+        if isinstance(error, Exception):
+            reject(self.comm, error, on=self.on)
+        return False
 
 
 def agree(comm: CommunicatorLike, where: str, values: Mapping[str, Any], *, error: Exception | None = None,

@@ -439,9 +439,9 @@ def test_mlp_and_tied_embedding_chain_train_like_dense(n, tp_run):
 def test_errors_are_loud_and_leave_ranks_in_step(n, tp_run):
     msgs = tp_run(n, "errors")
     # The same refusals on every rank, up to the rank each message names.
-    same = [[re.sub(r"rank \d+ \(tp rank \d+ of", "rank R (tp rank R of", m) for m in ms] for ms in msgs]
+    same = [[re.sub(r"rank \d+", "rank R", m) for m in ms] for ms in msgs]
     assert all(ms == same[0] for ms in same[1:]), f"ranks raised different errors: {msgs}"
-    assert n == 1 or any("(tp rank 1 of" in m for m in msgs[1])
+    assert n == 1 or any(" on rank 1: " in m for m in msgs[1])
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -467,3 +467,99 @@ def test_init_distribution(tp_run):
     # Distinct seeds (and successive seed=None draws) give distinct layers.
     assert not torch.equal(init["drawn1"][0], init["drawn2"][0])
     assert not torch.equal(init["drawn1"][0], w)
+
+
+# ---- one rank with a bad argument ------------------------------------------------------------------
+def _outcome(comm, fn) -> tuple[str, str]:
+    """What ``fn`` raised here. A rank that got through joins a collective, where a peer's refusal reaches it."""
+    try:
+        fn()
+        comm.all_reduce(torch.ones(1))
+    except Exception as e:  # noqa: BLE001 - the test compares what every rank raised
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def _one_rank_wrong_cases(n: int) -> dict:
+    """case -> (the bad rank, what runs there, what runs on the others, expected (type, text) on the bad rank,
+    on the others). Built the same on every rank."""
+    d64 = dict(dtype=F64, seed=0)
+    cases = {}
+
+    def case(name, bad_call, good_call, bad_expect, peer_expect=None):
+        bad = len(cases) % n  # the bad rank moves around, so rank 0 (the seed and fingerprint reference) is one too
+        cases[name] = (bad, bad_call, good_call, bad_expect, peer_expect or bad_expect)
+
+    # constructors and from_dense: one agreement, the same message on every rank
+    case("column out_features", lambda c: tp.ColumnParallelLinear(H, FFN + 1, c, seed=0),
+         lambda c: tp.ColumnParallelLinear(H, FFN, c, seed=0),
+         ("ValueError", f"out_features {FFN + 1} is not divisible by the tensor-parallel size {n}"))
+    case("row options", lambda c: tp.RowParallelLinear(FFN, H, c, input_is_parallel=False, sequence_parallel=True),
+         lambda c: tp.RowParallelLinear(FFN, H, c, input_is_parallel=False), ("ValueError", "needs input_is_parallel"))
+    case("embedding vocabulary", lambda c: tp.VocabParallelEmbedding(V + 1, H, c, seed=0),
+         lambda c: tp.VocabParallelEmbedding(V, H, c, seed=0),
+         ("ValueError", f"num_embeddings {V + 1} is not divisible"))
+    case("seed type", lambda c: tp.ColumnParallelLinear(H, FFN, c, seed="7"),
+         lambda c: tp.ColumnParallelLinear(H, FFN, c, seed=7), ("TypeError", "seed must be an int or None"))
+    case("seed drawn on one rank only", lambda c: tp.ColumnParallelLinear(H, FFN, c),
+         lambda c: tp.ColumnParallelLinear(H, FFN, c, seed=7), ("ValueError", "ranks disagree on seed"))
+    case("dtype", lambda c: tp.RowParallelLinear(FFN, H, c, dtype=torch.float32, seed=0),
+         lambda c: tp.RowParallelLinear(FFN, H, c, **d64), ("ValueError", "ranks disagree on dtype"))
+    case("from_dense of an embedding", lambda c: tp.ColumnParallelLinear.from_dense(_dense_embedding(1), c),
+         lambda c: tp.ColumnParallelLinear.from_dense(_dense_linear(H, FFN, 1), c),
+         ("TypeError", "needs a torch.nn.Linear, got Embedding"))
+    case("reset_parameters seed", lambda c: tp.VocabParallelEmbedding(V, H, c, seed=0).reset_parameters(),
+         lambda c: tp.VocabParallelEmbedding(V, H, c, seed=0).reset_parameters(seed=3),
+         ("ValueError", "ranks disagree on seed"))
+    # forward checks: this rank refuses its input, the peers' next collective raises
+    peers = ("ValueError", "rejected their input")
+    case("row input width", lambda c, m: m["row"](_rand(1, 3, FFN // n + 1)),
+         lambda c, m: m["row"](_rand(1, 3, FFN // n)), ("ValueError", f"expected last dim {FFN // n}"), peers)
+    case("column input dtype", lambda c, m: m["row"](F.gelu(m["col"](_rand(2, 3, H).float()))),
+         lambda c, m: m["row"](F.gelu(m["col"](_rand(2, 3, H)))), ("TypeError", "x has dtype torch.float32"), peers)
+    case("sequence-parallel column width", lambda c, m: m["col_sp"](_rand(3, 2, H - 1)),
+         lambda c, m: m["col_sp"](_rand(3, 2, H)), ("ValueError", f"expected last dim {H}"), peers)
+    case("sequence-parallel row sequence length", lambda c, m: m["row_sp"](_rand(4, n + 1, FFN // n)),
+         lambda c, m: m["row_sp"](_rand(4, n, FFN // n)),
+         ("ValueError", f"shape ({n + 1}, {H}) = {n + 1} is not divisible"), peers)
+    case("embedding ids out of range", lambda c, m: m["emb"](torch.tensor([0, V])),
+         lambda c, m: m["emb"](torch.tensor([0, V - 1])), ("ValueError", f"valid ids are in [0, {V})"), peers)
+    case("embedding float ids", lambda c, m: m["emb"](torch.tensor([0.0])),
+         lambda c, m: m["emb"](torch.tensor([0])), ("TypeError", "ids must be an int64 or int32 tensor"), peers)
+    case("scatter_to region width", lambda c, m: tp.scatter_to_tensor_parallel_region(_rand(5, 2, n + 1), c),
+         lambda c, m: tp.scatter_to_tensor_parallel_region(_rand(5, 2, n), c), ("ValueError", f"= {n + 1} is not"),
+         peers)
+    case("gather_from_sequence region 0-d", lambda c, m: tp.gather_from_sequence_parallel_region(_rand(6, 1)[0], c),
+         lambda c, m: tp.gather_from_sequence_parallel_region(_rand(6, 1), c), ("ValueError", "0-d"), peers)
+    return cases
+
+
+def _one_rank_wrong_body(comm) -> dict[str, tuple[str, str]]:
+    layers = dict(row=tp.RowParallelLinear(FFN, H, comm, dtype=F64, seed=1),
+                  col=tp.ColumnParallelLinear(H, FFN, comm, dtype=F64, seed=2),
+                  col_sp=tp.ColumnParallelLinear(H, FFN, comm, dtype=F64, seed=3, sequence_parallel=True),
+                  row_sp=tp.RowParallelLinear(FFN, H, comm, dtype=F64, seed=4, sequence_parallel=True),
+                  emb=tp.VocabParallelEmbedding(V, H, comm, dtype=F64, seed=5))
+    out = {}
+    for name, (bad, bad_call, good_call, _, _) in _one_rank_wrong_cases(comm.size).items():
+        call = bad_call if comm.rank == bad else good_call
+        args = (comm,) if call.__code__.co_argcount == 1 else (comm, layers)
+        out[name] = _outcome(comm, lambda: call(*args))
+    assert float(comm.all_reduce(torch.ones(1))) == comm.size, "ranks out of step after the refusals"
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_one_rank_with_a_bad_argument_fails_every_rank_at_once(n):
+    # A rank left waiting would raise CollectiveTimeoutError after 30 s instead of the expected error.
+    per_rank = collectives.launch(_one_rank_wrong_body, n, timeout=30)
+    wrong = []
+    for name, (bad, _, _, bad_expect, peer_expect) in _one_rank_wrong_cases(n).items():
+        for r, outcomes in enumerate(per_rank):
+            kind, text = bad_expect if r == bad else peer_expect
+            got = outcomes[name]
+            ok = got[0] == kind and text in got[1] and f"rank {bad}" in got[1].replace("rank(s) [", "rank ")
+            if not ok:
+                wrong.append(f"{name}: rank {r} raised {got[0]}: {got[1]!r}; expected {kind} with {text!r} "
+                             f"naming rank {bad}")
+    assert not wrong, "\n".join(wrong)

@@ -18,16 +18,10 @@ backward), as for every collective. Double backward is not supported (it raises)
 """
 
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .mappings import (
-    copy_to_tensor_parallel_region,
-    divide,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_parallel_region,
-    reduce_from_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-    scatter_to_tensor_parallel_region,
-)
+from .mappings import (copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
+                       gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+                       scatter_to_tensor_parallel_region)
 
 __all__ = [
     "ColumnParallelLinear",
