@@ -1,0 +1,206 @@
+"""collectives.init / collectives.launch: argument checks up front, options=, retries under torchrun,
+and launch refused inside an MPI job."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import collectives
+from spmd import UNDER_MPI
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+pytestmark = pytest.mark.skipif(UNDER_MPI, reason="starts its own ranks and launchers")
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOECOMM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def _mpiexec() -> str | None:
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else None
+
+
+def _rank_of(comm) -> int:
+    return comm.rank
+
+
+def _settings_of(comm) -> dict:
+    return {k: comm.settings[k] for k in ("shm_slot_bytes", "shm_yield", "transport")}
+
+
+def test_bad_timeouts_raise_before_anything_starts():
+    """0, negative, inf and nan (ValueError) and non-numbers (TypeError) are refused by init and
+    launch alike, at once, with no rank started (they used to hang or surface as torch C++ errors)."""
+    failures = []
+    cases = [(0, ValueError), (-1, ValueError), (0.0, ValueError), (float("inf"), ValueError),
+             (float("-inf"), ValueError), (float("nan"), ValueError), ("5", TypeError), (None, TypeError),
+             (True, TypeError)]
+    for timeout, expected in cases:
+        for name, call in (("init", lambda: collectives.init(timeout=timeout)),
+                           ("launch", lambda: collectives.launch(_rank_of, 2, timeout=timeout))):
+            t0 = time.monotonic()
+            try:
+                call()
+            except expected as e:
+                if "timeout" not in str(e):
+                    failures.append(f"{name}(timeout={timeout!r}): message does not name the timeout: {e}")
+            except BaseException as e:  # noqa: BLE001 - collect every wrong outcome
+                failures.append(f"{name}(timeout={timeout!r}): {type(e).__name__} instead of {expected.__name__}: {e}")
+            else:
+                failures.append(f"{name}(timeout={timeout!r}) was accepted")
+            if time.monotonic() - t0 > 5:
+                failures.append(f"{name}(timeout={timeout!r}) took {time.monotonic() - t0:.1f}s to refuse")
+    assert not multiprocessing.active_children(), "a bad timeout started ranks"
+    assert not failures, "\n".join(failures)
+
+
+def test_launch_options_reach_every_rank_and_bad_ones_raise_up_front():
+    got = collectives.launch(_settings_of, 2, timeout=60.0,
+                             options={"shm_slot_bytes": 1 << 16, "shm_yield": 7, "transport": "shm"})
+    assert got == [{"shm_slot_bytes": 1 << 16, "shm_yield": 7, "transport": "shm"}] * 2
+    for options, match in (({"no_such_option": 1}, "no_such_option"), ({"shm_slot_bytes": "big"}, "SHM_SLOT_BYTES"),
+                           ({"transport": "carrier-pigeon"}, "carrier-pigeon")):
+        with pytest.raises(ValueError, match=match):
+            collectives.launch(_rank_of, 2, timeout=60.0, options=options)
+    assert not multiprocessing.active_children()
+
+
+def test_launch_ranks_see_the_callers_current_environment(monkeypatch):
+    """Ranks fork from a server started at the first launch; a MOECOMM_* variable set after that
+    must still reach them (it used to be silently ignored)."""
+    collectives.launch(_rank_of, 1, timeout=60.0)  # the fork server exists from here on
+    monkeypatch.setenv("MOECOMM_TRANSPORT", "mpi")  # not available under launch: every rank must say so
+    with pytest.raises(ValueError, match="mpi"):
+        collectives.launch(_rank_of, 2, timeout=60.0)
+    monkeypatch.setenv("MOECOMM_TRANSPORT", "shm")
+    monkeypatch.setenv("MOECOMM_SHM_YIELD", "3")
+    assert [s["shm_yield"] for s in collectives.launch(_settings_of, 2, timeout=60.0)] == [3, 3]
+
+
+def test_init_options_override_launch_detection(monkeypatch):
+    """options={"launch": "single"} wins over a torchrun environment (no store is contacted)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens there: a store contact would fail
+    assert collectives.detect_launch() == "torchrun"
+    comm = collectives.init(timeout=5.0, options={"launch": "single", "shm_yield": 9})
+    try:
+        assert (comm.size, comm.topology.launch, comm.settings["shm_yield"]) == (1, "single", 9)
+    finally:
+        comm.close()
+    with pytest.raises(ValueError, match="no_such_option"):
+        collectives.init(timeout=5.0, options={"no_such_option": 1})
+
+
+_RETRY_JOB = textwrap.dedent("""
+    import json, os
+    import torch
+    import collectives
+
+    rank = int(os.environ["RANK"])
+    report = {"rank": rank, "local_errors": [], "phase2": None, "ok": []}
+
+    def check(comm, seed):
+        g = torch.Generator().manual_seed(seed)
+        xs = [torch.randn(5, dtype=torch.float64, generator=g) for _ in range(comm.size)]
+        report["ok"].append(bool(torch.allclose(comm.all_reduce(xs[comm.rank]), sum(xs))))
+
+    # 1: rank 1 fails twice on its own before the rendezvous, then retries; rank 0 calls init once
+    if rank == 1:
+        for bad in ("soon", float("nan")):
+            try:
+                collectives.init(timeout=bad)
+                report["local_errors"].append("accepted")
+            except (TypeError, ValueError) as e:
+                report["local_errors"].append(type(e).__name__)
+    comm = collectives.init(timeout=15.0)
+    check(comm, 1)
+    comm.close()
+    # 2: every rank fails after the rendezvous (their settings differ), then every rank retries
+    try:
+        collectives.init(timeout=15.0, options={"shm_slot_bytes": 8192 * (rank + 1)})
+        report["phase2"] = "accepted"
+    except ValueError as e:
+        report["phase2"] = "ValueError" if "shm_slot_bytes" in str(e).lower() else repr(e)
+    comm = collectives.init(timeout=15.0)
+    check(comm, 2)
+    comm.close()
+    print(json.dumps(report), flush=True)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_retry_reports(out: str, err: str) -> None:
+    reports = sorted((json.loads(m) for m in re.findall(r'\{"rank"[^\n]*\}', out)), key=lambda d: d["rank"])
+    assert [r["rank"] for r in reports] == [0, 1], out[-3000:] + err[-3000:]
+    assert reports[1]["local_errors"] == ["TypeError", "ValueError"], reports
+    assert all(r["phase2"] == "ValueError" and r["ok"] == [True, True] for r in reports), reports
+
+
+def test_init_retry_meets_the_peers_under_torchrun(tmp_path):
+    """A rank whose init() failed (locally, or on every rank) retries and meets its peers: under
+    torchrun (agent's store) and with RANK/WORLD_SIZE/MASTER_* set by hand (rank 0 hosts the store)."""
+    job = tmp_path / "retry_job.py"
+    job.write_text(_RETRY_JOB)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(job)], capture_output=True, text=True, timeout=180, env=_env())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    _check_retry_reports(p.stdout, p.stderr)
+
+    common = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    procs = [subprocess.Popen([sys.executable, str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env(RANK=str(r), LOCAL_RANK=str(r), **common)) for r in range(2)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o + e[-4000:] for o, e in outs)
+    _check_retry_reports("".join(o for o, _ in outs), "".join(e for _, e in outs))
+
+
+_MPI_LAUNCH_JOB = textwrap.dedent("""
+    import collectives
+
+    def touches_mpi(comm):
+        from mpi4py import MPI  # what a rank of an MPI program would do; MPICH aborts here when launched inside mpiexec
+        return MPI.COMM_WORLD.Get_size()
+
+    if __name__ == "__main__":
+        comm = collectives.init(timeout=30.0)
+        try:
+            print("RESULT", collectives.launch(touches_mpi, 2, timeout=30.0), flush=True)
+        except collectives.RankFailedError as e:
+            print("RANK FAILED", e, flush=True)
+        except RuntimeError as e:
+            print("REFUSED", e, flush=True)
+        comm.close()
+""")
+
+
+@pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec (install the test extra: pip install '.[test]')")
+def test_launch_inside_an_mpi_job_is_refused_with_advice(tmp_path):
+    job = tmp_path / "mpi_launch_job.py"
+    job.write_text(_MPI_LAUNCH_JOB)
+    p = subprocess.run([_mpiexec(), "-n", "1", sys.executable, str(job)], capture_output=True, text=True,
+                       timeout=120, env=_env())
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "REFUSED" in p.stdout, out[-4000:]
+    assert "collectives.init()" in p.stdout and "without mpiexec" in p.stdout, p.stdout
