@@ -1,6 +1,30 @@
 """Expert-parallel token dispatch and combine over a Communicator's uneven all-to-all.
 
-Rank ``i`` of ``P`` owns global experts ``[i*E/P, (i+1)*E/P)``. ``dispatch`` sends each token
+Notation (the names the code and its docstrings use):
+
+====  ==========================================================================================
+P     ranks in the group (``comm.size``).
+E     experts over all ranks (``num_experts``), divisible by P.
+L     local experts per rank, E / P (``num_local_experts``): rank ``i`` owns global experts
+      ``[i*L, (i+1)*L)``; local expert ``j`` there is global expert ``i*L + j``.
+T     tokens on this rank (``x.shape[0]``); may differ between ranks, and be 0. T_global: the
+      sum of T over ranks.
+H     hidden size of the tokens (``x.shape[1]``), equal on every rank; H' the width of the
+      expert outputs given to ``combine`` (may differ from H).
+k     slots per token (top-k, ``experts.shape[1]``), equal on every rank; a slot holds a global
+      expert id, or -1 for an unused slot.
+S     rows this rank sends in dispatch: one per (token, destination rank) with at least one
+      kept slot there, ordered by destination rank, then token; S <= T * min(k, P).
+R     rows this rank receives in dispatch (the sum of its receive counts), one per (source
+      token, this rank); combine sends R rows back.
+N     (token, expert) pairs this rank receives: the rows of ``recv_x`` and of ``expert_out``,
+      grouped by local expert, then source rank, token and slot. N >= R, as a token that
+      picked several experts here crosses the wire once.
+C     the per-expert capacity with ``capacity_factor``: ceil(capacity_factor * T_global * k / E)
+      kept pairs per expert over all ranks.
+====  ==========================================================================================
+
+Rank ``i`` owns global experts ``[i*L, (i+1)*L)``. ``dispatch`` sends each token
 once to every rank that holds at least one of its experts (DeepEP-style de-duplication: a token
 that picks three experts on one rank crosses the wire once) together with the local expert
 slots it picked there, and the receiver expands the rows into one row per (token, expert) pair,
@@ -30,7 +54,7 @@ from collectives.agreement import agree, rank_label, reject
 from collectives.protocols import CommunicatorLike, check_communicator
 from transports.base import dtype_code, dtype_name
 
-from .router import is_positive_int
+from .router import is_positive_int, shape_or_type
 
 log = logging.getLogger("moe")
 
@@ -50,16 +74,22 @@ def _round8(n: int) -> int:
 class DispatchLayout:
     """Who sends which token where: the result of the one count exchange (:meth:`ExpertDispatcher.get_dispatch_layout`).
 
-    Send side (this rank's tokens): ``send_token_idx`` [S] int64, the token of each sent row,
-    rows ordered by destination rank then token; ``send_slot_ids`` [S, k] int32, for each sent
-    row the destination-local expert of each of the token's k slots or -1; ``send_counts`` [P]
-    rows per destination. ``send_weights`` [S, k]: the weights travelling with the rows (0 for
-    other ranks' slots), or None when dispatch got no weights; ``weights`` a copy of those [T, k].
-    ``dropped`` [T, k] bool: pairs removed by the capacity limit.
-    Global view (identical on every rank): ``counts`` [P, E] int64, kept pairs per (source rank,
-    expert); ``global_tokens_per_expert`` [E] int64 pairs per expert before capacity dropping;
-    ``num_global_tokens`` T summed over ranks; ``capacity`` the per-expert limit or None.
-    ``tokens_per_expert`` [E/P] int64 (CPU): pairs this rank will receive per local expert.
+    Attributes (notation in the module docstring):
+        num_tokens, top_k, hidden, dtype, requires_grad: T, k, H, x.dtype and whether x
+            required grad, for the x this layout was made for.
+        send_token_idx: [S] int64, the token of each sent row (rows by destination rank, then token).
+        send_slot_ids: [S, k] int32, for each sent row the destination-local expert (0..L-1) of
+            each of the token's k slots, or -1 where that slot goes elsewhere or nowhere.
+        send_counts: [P] Python ints, rows sent to each rank.
+        send_weights: [S, k] the weights' dtype, the router weights travelling with the rows (0 for
+            other ranks' slots); None when dispatch got no weights.
+        weights, weights_id: a copy of those weights [T, k] and the identity of the tensor given
+            (combine checks it gets the same values); None without weights.
+        dropped: [T, k] bool, the pairs removed by the capacity limit.
+        counts: [P, E] int64 (CPU), kept pairs per (source rank, expert); the same on every rank.
+        global_tokens_per_expert: [E] int64 (CPU), pairs per expert over all ranks, before dropping.
+        num_global_tokens: T_global. capacity: C, or None (dropless).
+        tokens_per_expert: [L] int64 (CPU), the pairs this rank receives per local expert (sums to N).
     """
 
     num_tokens: int
@@ -85,11 +115,15 @@ class DispatchLayout:
 class DispatchHandle:
     """Everything ``combine`` and the backward passes need, cached by ``dispatch``.
 
-    ``layout``: the :class:`DispatchLayout`. Receive side: ``recv_counts`` [P] rows received from
-    each rank; ``pair_row`` [N] int64 and ``pair_slot`` [N] int64, for each row of ``recv_x``
-    (grouped by local expert, then source rank, then token, then slot) the received row it
-    copies and the source token's top-k slot; ``pair_weight`` [N] the router weight of each pair
-    (when dispatch got weights). ``dropped`` is ``layout.dropped`` ([T, k] bool).
+    Attributes (notation in the module docstring):
+        layout: the :class:`DispatchLayout` of the dispatch.
+        recv_counts: [P] Python ints, rows received from each rank (they sum to R).
+        pair_row: [N] int64, for each row of ``recv_x`` the received row (0..R-1) it copies.
+        pair_slot: [N] int64, the source token's slot (0..k-1) of each pair.
+        pair_weight: [N] the weights' dtype, the router weight of each pair; None when dispatch
+            got no weights.
+    Properties: ``dropped`` ([T, k] bool, ``layout.dropped``), ``tokens_per_expert`` ([L] int64),
+    ``num_recv_rows`` (R) and ``num_recv_pairs`` (N).
     """
 
     layout: DispatchLayout
@@ -238,19 +272,21 @@ class _CombineAllToAll(torch.autograd.Function):
 class ExpertDispatcher:
     """Moves tokens to the ranks that hold their experts and the expert outputs back.
 
-    Rank ``i`` of ``P = comm.size`` owns experts ``[i*E/P, (i+1)*E/P)``. Construction is collective:
-    ``num_experts`` and ``capacity_factor`` are compared across ranks (``ValueError`` on every rank
-    if they differ, or if ``E`` is not divisible by ``P``).
+    Rank ``i`` of ``P = comm.size`` owns experts ``[i*L, (i+1)*L)``, ``L = E / P`` (notation in the
+    module docstring). All calls are collective and must be made in the same order on every rank;
+    so must the backward passes, which run the reverse all-to-alls (call ``backward`` on a loss
+    that depends on the combined output on every rank, even one with zero tokens).
 
-    capacity_factor: None for dropless; otherwise each expert keeps at most
-    ``C = ceil(capacity_factor * T_global * k / E)`` (token, expert) pairs over all ranks, where
-    ``T_global`` is the sum of every rank's token count, dropping the pairs with the lowest router
-    weight (ties: the later of (rank, token, slot) is dropped, so the result does not depend on how
-    tokens are split over ranks, as long as the split is contiguous in rank order).
-
-    All calls are collective and must be made in the same order on every rank; so must the
-    backward passes, which run the reverse all-to-alls (call ``backward`` on a loss that depends
-    on the combined output on every rank, even one with zero tokens).
+    Args:
+        comm: the expert-parallel group. Construction is collective: ``num_experts`` and
+            ``capacity_factor`` are compared across ranks (``ValueError`` on every rank if they
+            differ, are invalid on some rank, or if E is not divisible by P).
+        num_experts: E, the number of experts over all ranks.
+        capacity_factor: None for dropless; otherwise each expert keeps at most C =
+            ceil(capacity_factor * T_global * k / E) (token, expert) pairs over all ranks, dropping
+            the pairs with the lowest router weight (ties: the later of (rank, token, slot) is
+            dropped, so the result does not depend on how tokens are split over ranks, as long as
+            the split is contiguous in rank order).
     """
 
     def __init__(self, comm: CommunicatorLike, num_experts: int, *, capacity_factor: float | None = None):
@@ -265,7 +301,7 @@ class ExpertDispatcher:
               hint="Construct the dispatcher with the same num_experts and capacity_factor on every rank.")
         if num_experts % comm.size:  # agreed values: every rank raises
             raise ValueError(f"ExpertDispatcher: num_experts={num_experts} is not divisible by the number of "
-                             f"ranks {comm.size}; each rank must own E/P experts")
+                             f"ranks {comm.size}; each rank must own the same number of experts")
         self.comm = comm
         self.num_experts = num_experts
         self.num_local_experts = num_experts // comm.size
@@ -280,13 +316,11 @@ class ExpertDispatcher:
     def _check_inputs(self, x: Any, experts: Any, weights: Any, *, need_weights: bool) -> str | None:
         """The first problem with dispatch's arguments on this rank (a message without the rank), or None."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            return "x must be a 2-D tensor [num_tokens, hidden], got " + (
-                f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
+            return f"x must be a 2-D tensor [num_tokens, hidden], got {shape_or_type(x)}"
         if x.dtype not in _FLOATS:
             return f"x must be float64/32/16 or bfloat16, got {x.dtype}"
         if not isinstance(experts, torch.Tensor) or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
-            return (f"experts must be an int tensor [num_tokens={x.shape[0]}, top_k], got "
-                    + (f"shape {tuple(experts.shape)}" if isinstance(experts, torch.Tensor) else type(experts).__name__))
+            return f"experts must be an int tensor [num_tokens={x.shape[0]}, top_k], got {shape_or_type(experts)}"
         if experts.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             return f"experts must be an integer tensor, got {experts.dtype}"
         if experts.device != x.device:
@@ -311,14 +345,20 @@ class ExpertDispatcher:
                             weights: torch.Tensor | None = None) -> DispatchLayout:
         """The one count exchange of a dispatch (collective): who sends what where, after capacity dropping.
 
-        x: [T, H] float (only its shape, dtype and requires_grad are used; they are checked across
-        ranks: H and dtype must agree, and so must whether x requires grad, because the backward
-        all-to-all must run on every rank). experts: [T, k] int, global expert index per slot, -1
-        for an unused slot. weights: [T, k] float router weights or None (on every rank alike);
-        required with a capacity factor (to drop the lowest-weight pairs). Given weights travel
-        with the tokens, and ``combine`` must then get the same values. Returns a
-        :class:`DispatchLayout`, reusable with ``dispatch(..., layout=)`` for any x of the same
-        shape and dtype.
+        Args:
+            x: [T, H] float64/32/16 or bfloat16. Only its shape, dtype and requires_grad are used;
+                H, the dtype and whether x requires grad must agree across ranks (the backward
+                all-to-all must run on every rank); T may differ, and be 0.
+            experts: [T, k] int64/32/16 or uint8, the global expert id (0..E-1) of each slot, or -1
+                for an unused slot; k must agree across ranks.
+            weights: [T, k] float router weights, or None, on every rank alike; required with a
+                capacity factor (the lowest-weight pairs are dropped). Given weights travel with
+                the tokens, and :meth:`combine` must then get the same values.
+
+        Returns:
+            A :class:`DispatchLayout`, reusable with ``dispatch(..., layout=)`` for any x of the
+            same shape, dtype and requires_grad. Every rank raises ``ValueError`` (naming the ranks
+            and values) if any rank's arguments are invalid or they disagree.
         """
         comm, E, L, P = self.comm, self.num_experts, self.num_local_experts, self.comm.size
         err = self._check_inputs(x, experts, weights, need_weights=self.capacity_factor is not None)
@@ -435,13 +475,18 @@ class ExpertDispatcher:
                  layout: DispatchLayout | None = None) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Send every (token, expert) pair to the expert's rank (collective, differentiable in x).
 
-        x: [T, H] float64/32/16 or bf16 (T may differ between ranks, and be 0). experts: [T, k]
-        int, global expert index per slot (-1: unused slot). weights: [T, k] router weights, only
-        used (and then required) with a capacity factor. layout: a precomputed
-        :meth:`get_dispatch_layout` result for these experts (it carries the weights, so
-        ``weights`` is then ignored); None computes it here (the one count exchange). Returns ``(recv_x [N, H] x.dtype, tokens_per_expert [E/P] int64 on CPU, handle)``:
-        recv_x holds one row per pair routed to this rank, grouped by local expert in expert order,
-        then by source rank, token and slot; ``handle`` is for :meth:`combine`.
+        Args:
+            x: [T, H] float64/32/16 or bfloat16 (T may differ between ranks, and be 0).
+            experts: [T, k] int, the global expert id of each slot (-1: unused slot).
+            weights: [T, k] float router weights or None (see :meth:`get_dispatch_layout`).
+            layout: a :meth:`get_dispatch_layout` result for these experts (it carries the
+                weights, so ``weights`` is then ignored); None computes it here (the count exchange).
+
+        Returns:
+            ``(recv_x, tokens_per_expert, handle)``: recv_x [N, H] x.dtype, one row per pair routed
+            to this rank, grouped by local expert, then source rank, token and slot;
+            tokens_per_expert [L] int64 on the CPU, rows of recv_x per local expert; handle, a
+            :class:`DispatchHandle` for :meth:`combine`.
         """
         if layout is None:
             layout = self.get_dispatch_layout(x, experts, weights=weights)
@@ -463,20 +508,22 @@ class ExpertDispatcher:
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor) -> torch.Tensor:
         """Bring expert outputs back and sum them per token (collective, differentiable in expert_out and weights).
 
-        expert_out: [N, H'] float, row i the expert output for row i of ``recv_x`` (same order).
-        handle: from :meth:`dispatch`. weights: [T, k] float, the router weights (the same
-        values as given to dispatch, if any: those already sit on the expert ranks, so combine is
-        then a single all-to-all).
-        Returns y: [T, H'] expert_out.dtype with ``y[t] = sum_j weights[t, j] * out(t, j)``, where
-        dropped pairs and -1 slots contribute 0. Sums are accumulated in float32 (float64 for float64).
+        Args:
+            expert_out: [N, H'] float, row i the expert output for row i of ``recv_x`` (same order).
+            handle: from :meth:`dispatch`.
+            weights: [T, k] float router weights: the same values as given to dispatch, if any
+                (those already sit on the expert ranks, so combine is then a single all-to-all).
+
+        Returns:
+            y: [T, H'] expert_out.dtype, ``y[t] = sum_j weights[t, j] * out(t, j)``, where dropped
+            pairs and -1 slots contribute 0; sums accumulate in float32 (float64 for float64).
         """
         lay = handle.layout
         err = None
         if not isinstance(expert_out, torch.Tensor) or expert_out.dim() != 2 or \
                 expert_out.shape[0] != handle.num_recv_pairs:
-            err = (f"expert_out must be [{handle.num_recv_pairs}, hidden] (one row per row of "
-                   f"recv_x), got " + (f"shape {tuple(expert_out.shape)}" if isinstance(expert_out, torch.Tensor)
-                                       else type(expert_out).__name__))
+            err = (f"expert_out must be [{handle.num_recv_pairs}, hidden] (one row per row of recv_x), got "
+                   f"{shape_or_type(expert_out)}")
         elif expert_out.dtype not in _FLOATS:
             err = f"expert_out must be a float tensor, got {expert_out.dtype}"
         elif not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (lay.num_tokens, lay.top_k) \

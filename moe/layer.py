@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from collectives.agreement import agree, rank_label, reject
+from collectives.agreement import agree, rank_label, rejecting
 from collectives.protocols import CommunicatorLike, check_communicator
 
 from .dispatcher import ExpertDispatcher
 from .router import (EXPERT_STREAM, SCORES, SHARED_STREAM, TopKRouter, check_router_arguments, is_positive_int,
-                     seeded_generator)
+                     seeded_generator, shape_or_type)
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "swiglu": lambda h: F.silu(h[..., : h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:],
@@ -35,11 +35,16 @@ def _ffn_weights(hidden: int, ffn: int, activation: str, gen: torch.Generator) -
 
 
 class GroupedExperts(nn.Module):
-    """This rank's experts, stacked: ``fc1`` [L, H, F or 2F], ``fc2`` [L, F, H] (no biases).
+    """This rank's experts, stacked: ``fc1`` [L, H, F or 2F], ``fc2`` [L, F, H] float32 (no biases).
 
     Expert ``i`` here is global expert ``first_expert + i``; its weights come from
     ``seeded_generator(seed, EXPERT_STREAM, first_expert + i)`` alone, so they do not depend on
-    how experts are spread over ranks.
+    how experts are spread over ranks. Local (no communication).
+
+    Args:
+        num_local_experts: L. first_expert: the global id of local expert 0.
+        hidden_size: H. ffn_hidden_size: F. activation: a key of ``_ACTIVATIONS`` (gated ones
+            double fc1's width). seed: an int >= 0.
     """
 
     def __init__(self, num_local_experts: int, first_expert: int, hidden_size: int, ffn_hidden_size: int,
@@ -53,7 +58,15 @@ class GroupedExperts(nn.Module):
         self.fc2 = nn.Parameter(torch.stack(w2))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x: [N, H] rows grouped by local expert; tokens_per_expert: [L] int64 (CPU) -> [N, H] fc1.dtype."""
+        """Run each local expert on its rows.
+
+        Args:
+            x: [N, H] float, rows grouped by local expert (as ``ExpertDispatcher.dispatch`` returns them).
+            tokens_per_expert: [L] int64 (CPU), rows per local expert (sums to N).
+
+        Returns:
+            [N, H] fc1.dtype, row i the output of row i's expert.
+        """
         act = _ACTIVATIONS[self.activation]
         x = x.to(self.fc1.dtype)
         # One GEMM pair per local expert (like Megatron's SequentialMLP); empty experts still run
@@ -64,7 +77,11 @@ class GroupedExperts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """A dense FFN every token passes through (DeepSeek-style shared expert), replicated on all ranks."""
+    """A dense FFN every token passes through (DeepSeek-style shared expert), replicated on all ranks.
+
+    Args: hidden_size H, ffn_hidden_size F, activation and seed as :class:`GroupedExperts`; its
+    weights come from ``seeded_generator(seed, SHARED_STREAM)``. Local (no communication).
+    """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str, seed: int):
         super().__init__()
@@ -73,23 +90,33 @@ class SharedExpert(nn.Module):
         self.fc1, self.fc2 = nn.Parameter(w1), nn.Parameter(w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> [T, H] fc1.dtype."""
+        """Args: x [T, H] float. Returns: [T, H] fc1.dtype."""
         return _ACTIVATIONS[self.activation](x.to(self.fc1.dtype) @ self.fc1) @ self.fc2
 
 
 class MoELayer(nn.Module):
     """Router -> dispatch -> local experts -> combine (+ shared expert), expert-parallel over ``comm``.
 
-    Rank ``i`` holds experts ``[i*E/P, (i+1)*E/P)``; the router and the shared expert are
-    replicated. All weights are drawn from ``seed`` and each expert's global index, so layers with
-    the same arguments over 1 or N ranks compute the same function. Construction is collective and
-    checks that every rank passed the same arguments (``ValueError`` otherwise).
+    Rank ``i`` of P holds experts ``[i*L, (i+1)*L)``, L = E / P (notation in :mod:`moe.dispatcher`);
+    the router and the shared expert are replicated. All weights are drawn from ``seed`` and each
+    expert's global index, so layers with the same arguments over 1 or N ranks compute the same
+    function.
 
     Gradients: expert parameters get their full gradient on their rank. The router and shared
     expert are replicated, so each rank's gradient is its tokens' share: sum them over ranks (a
     data-parallel all-reduce with op="sum") to get the gradient of the whole batch.
 
-    ``router_kwargs``: ``score``, ``normalize``, ``aux_loss_coef``, ``z_loss_coef`` of :class:`TopKRouter`.
+    Args:
+        comm: the expert-parallel group. Construction is collective: every rank must pass the same
+            arguments; a bad or differing argument on any rank raises ``ValueError`` (``TypeError``
+            for an unknown keyword) on every rank, naming the rank.
+        hidden_size: H. ffn_hidden_size: F, each expert's inner size. num_experts: E, divisible by P.
+        top_k: k <= E, experts per token.
+        activation: "swiglu", "geglu" (gated: fc1 is 2F wide), "gelu", "relu" or "silu".
+        capacity_factor: None (dropless) or > 0: see :class:`~moe.dispatcher.ExpertDispatcher`.
+        shared_ffn_hidden_size: inner size of a shared expert, 0 for none.
+        seed: an int >= 0.
+        router_kwargs: ``score``, ``normalize``, ``aux_loss_coef``, ``z_loss_coef`` of :class:`TopKRouter`.
     """
 
     expert_keys = ("experts.fc1", "experts.fc2")
@@ -146,28 +173,35 @@ class MoELayer(nn.Module):
                 f"top_k={self.top_k}, capacity_factor={self.dispatcher.capacity_factor}")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, H] or [B, S, H] float (T may differ between ranks, and be 0).
+        """Route, dispatch, run the experts, combine (collective; its backward is collective too).
 
-        Returns ``(y, aux_loss)``: y of x's shape and dtype; aux_loss a 0-d float32 tensor, this
-        rank's share of the router losses of the whole batch over all ranks (see
-        :class:`TopKRouter`): the shares of all ranks sum to the loss the same layer computes on
-        one rank over all tokens. Collective; its backward is collective too.
-        The dispatch handle of the last call is kept as ``last_handle`` (e.g. ``.dropped``).
+        Args:
+            x: [T, H] or [B, S, H] float (T, or B * S, may differ between ranks, and be 0).
+
+        Returns:
+            ``(y, aux_loss)``: y of x's shape and dtype; aux_loss a 0-d float32 tensor, this
+            rank's share of the router losses of the whole batch over all ranks (see
+            :class:`TopKRouter`): the shares of all ranks sum to the loss the same layer computes
+            on one rank over all tokens. The dispatch handle of the call is kept as
+            ``last_handle`` (e.g. ``.dropped``).
         """
-        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != self.hidden_size:
-            # the peers are in dispatch's count exchange: make it raise there too
-            reject(self.comm, ValueError(
-                f"MoELayer on {rank_label(self.comm)}: x must be [T, {self.hidden_size}] or [B, S, "
-                f"{self.hidden_size}], got " + (f"{tuple(x.shape)}" if isinstance(x, torch.Tensor)
-                                                else type(x).__name__)), on=x)
-        shape = x.shape
-        x2 = x.reshape(-1, self.hidden_size)
-        weights, experts, scores = self.router.route(x2)
+        # Local work between collectives runs under `rejecting`: a failure on this rank makes the peers'
+        # next collective raise. Before dispatch that is its count exchange, which moves CPU tensors.
+        with rejecting(self.comm):
+            if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != self.hidden_size:
+                raise ValueError(f"MoELayer on {rank_label(self.comm)}: x must be [T, {self.hidden_size}] or "
+                                 f"[B, S, {self.hidden_size}], got "
+                                 + shape_or_type(x))
+            shape = x.shape
+            x2 = x.reshape(-1, self.hidden_size)
+            weights, experts, scores = self.router.route(x2)
         recv_x, tokens_per_expert, handle = self.dispatcher.dispatch(x2, experts, weights=weights.detach())
-        expert_out = self.experts(recv_x, tokens_per_expert)
+        with rejecting(self.comm, on=recv_x):  # the peers go on to combine's all-to-all
+            expert_out = self.experts(recv_x, tokens_per_expert)
         y = self.dispatcher.combine(expert_out, handle, weights).to(x.dtype)
         if self.shared is not None:
-            y = y + self.shared(x2).to(x.dtype)
+            with rejecting(self.comm, on=y):
+                y = y + self.shared(x2).to(x.dtype)
         lay = handle.layout
         aux = self.router.aux_loss(scores, lay.global_tokens_per_expert, lay.num_global_tokens)
         self.last_handle = handle
@@ -177,9 +211,13 @@ class MoELayer(nn.Module):
 def gather_state_dict(layer: MoELayer) -> dict[str, torch.Tensor]:
     """The full (single-rank) state dict of an expert-parallel layer, on every rank (collective).
 
-    Expert tensors (``MoELayer.expert_keys``, [E/P, ...] per rank) are all-gathered into [E, ...]
-    in global expert order; replicated tensors are taken from this rank. The result loads into a
-    ``MoELayer`` over one rank with the same arguments.
+    Args:
+        layer: the layer (every rank of its communicator calls this).
+
+    Returns:
+        name -> tensor: expert tensors (``MoELayer.expert_keys``, [L, ...] per rank) all-gathered
+        into [E, ...] in global expert order; replicated tensors copied from this rank. It loads
+        into a ``MoELayer`` over one rank with the same arguments.
     """
     full = {}
     for name, t in layer.state_dict().items():
@@ -191,10 +229,16 @@ def gather_state_dict(layer: MoELayer) -> dict[str, torch.Tensor]:
 
 
 def shard_state_dict(layer: MoELayer, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's part of a full state dict: expert tensors sliced to its experts [E/P, ...].
+    """This rank's part of a full state dict (local).
 
-    full: e.g. from :func:`gather_state_dict` or a single-rank layer's ``state_dict()``.
-    Returns a dict for ``layer.load_state_dict``. Local; raises ``ValueError`` on a wrong shape.
+    Args:
+        layer: the expert-parallel layer to load into.
+        full: name -> tensor with expert tensors [E, ...], e.g. from :func:`gather_state_dict` or a
+            single-rank layer's ``state_dict()``.
+
+    Returns:
+        A dict for ``layer.load_state_dict``: expert tensors sliced to this rank's experts [L, ...],
+        the others as given. Raises ``ValueError`` on an expert tensor without E rows.
     """
     L, first = layer.num_local_experts, layer.dispatcher.first_local_expert
     out = {}

@@ -15,11 +15,24 @@ SCORES = ("softmax", "sigmoid")
 
 
 def seeded_generator(seed: int, *stream: int) -> torch.Generator:
-    """A CPU generator determined by ``seed`` and the stream tags only (e.g. a global expert index)."""
+    """A CPU generator determined by ``seed`` and the stream tags only.
+
+    Args:
+        seed: an int >= 0 (ValueError otherwise).
+        stream: ints that keep streams of one seed apart (e.g. EXPERT_STREAM and a global expert index).
+
+    Returns:
+        A seeded ``torch.Generator`` on the CPU; the global random generator is not touched.
+    """
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     state = np.random.SeedSequence([seed, *stream]).generate_state(2, np.uint32)
     return torch.Generator().manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
+
+
+def shape_or_type(x: object) -> str:
+    """``"shape (3, 4)"`` for a tensor, else the type's name: how error messages show a bad argument."""
+    return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def is_positive_int(v: object) -> bool:
@@ -29,7 +42,10 @@ def is_positive_int(v: object) -> bool:
 
 def check_router_arguments(hidden_size: int, num_experts: int, top_k: int, *, score: str, aux_loss_coef: float,
                            z_loss_coef: float) -> None:
-    """Raise ``ValueError`` (message without a prefix) on the first invalid :class:`TopKRouter` argument."""
+    """Raise ``ValueError`` on the first invalid :class:`TopKRouter` argument (message without a prefix).
+
+    Args: as :class:`TopKRouter`. Returns: None. Local (no communication).
+    """
     for name, v in (("hidden_size", hidden_size), ("num_experts", num_experts), ("top_k", top_k)):
         if not is_positive_int(v):
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -74,6 +90,13 @@ class TopKRouter(nn.Module):
       router z-loss (ST-MoE eq. 5):
         z = z_loss_coef * (1 / T) * sum_t (logsumexp_e logits_{t,e})^2.
     ``aux_loss`` = aux + z (a 0-d float32 tensor; zeros with no graph when both coefs are 0).
+
+    Args:
+        hidden_size: H. num_experts: E. top_k: k <= E (all positive ints).
+        score: "softmax" or "sigmoid". normalize: divide the k weights by their sum.
+        aux_loss_coef, z_loss_coef: finite numbers >= 0 (0 disables that loss).
+        seed: an int >= 0; the gate weight depends on it alone.
+    Local: no communication (``ValueError`` on a bad argument).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score: str = "softmax",
@@ -97,10 +120,18 @@ class TopKRouter(nn.Module):
                 f"z_loss_coef={self.z_loss_coef}, seed={self.seed}")
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterScores]:
-        """Routing without the losses. x: [T, H] -> (weights [T, k] float32, experts [T, k] int64, scores)."""
+        """Routing without the losses.
+
+        Args:
+            x: [T, H] float (any float dtype; the gate runs in float32).
+
+        Returns:
+            ``(weights, experts, scores)``: weights [T, k] float32, experts [T, k] int64 global
+            expert ids (each row distinct, by descending score), scores a :class:`RouterScores`.
+        """
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"TopKRouter: x must be [num_tokens, {self.hidden_size}], got "
-                             + (f"{tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
+                             + shape_or_type(x))
         logits = x.float() @ self.weight.float().t()
         if self.score == "softmax":
             s = torch.softmax(logits, dim=-1)
@@ -116,9 +147,14 @@ class TopKRouter(nn.Module):
     def aux_loss(self, scores: RouterScores, tokens_per_expert: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """This batch's share of the load-balancing + z-loss (formulas in the class docstring).
 
-        scores: from :meth:`route` for this rank's tokens. tokens_per_expert: [E] int, pairs routed to
-        each expert over the whole batch (all ranks). num_tokens: T of the whole batch. The shares of
-        all ranks sum to the loss of the whole batch, and so do their gradients.
+        Args:
+            scores: from :meth:`route` for this rank's tokens.
+            tokens_per_expert: [E] int, pairs routed to each expert over the whole batch (all ranks).
+            num_tokens: T of the whole batch.
+
+        Returns:
+            A 0-d float32 tensor. The shares of all ranks sum to the loss of the whole batch, and
+            so do their gradients.
         """
         dev = scores.logits.device
         if self.aux_loss_coef == 0 and self.z_loss_coef == 0:
@@ -135,9 +171,13 @@ class TopKRouter(nn.Module):
         return loss
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
-        """x: [T, H] -> RouterOutput(weights [T, k] float32, experts [T, k] int64, aux_loss 0-d float32).
+        """Route ``x`` and compute the losses over this call's tokens (:class:`MoELayer` uses the whole batch).
 
-        The losses here use this call's tokens only; :class:`MoELayer` uses the whole batch.
+        Args:
+            x: [T, H] float.
+
+        Returns:
+            ``RouterOutput(weights [T, k] float32, experts [T, k] int64, aux_loss 0-d float32)``.
         """
         weights, experts, scores = self.route(x)
         counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
