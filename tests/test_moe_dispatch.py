@@ -222,3 +222,14 @@ def test_errors_raise_on_every_rank():
     # rank 0's view of rank 1's bad expert ids names rank 1 and the problem (the agreement carries it)
     assert any("dispatch on rank 1: expert indices must lie in [0, 4)" in m for m in msgs[0]), msgs[0]
     assert any("rank 0: 4, rank 1: 8" in m for m in msgs[1])
+
+
+def test_one_dtype_code_table():
+    """moe compares dtypes across ranks with the codes of transports.base, the library's one table (bug 4)."""
+    import moe.dispatcher
+    import transports.base
+
+    assert moe.dispatcher.dtype_code is transports.base.dtype_code
+    assert moe.dispatcher.dtype_name is transports.base.dtype_name
+    assert not any(isinstance(v, dict) and torch.float32 in v for m in (moe.dispatcher, moe.layer, moe.router)
+                   for v in vars(m).values()), "a second dtype table in moe"
