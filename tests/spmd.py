@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import zlib
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pytest
@@ -21,7 +22,12 @@ UNDER_MPI = collectives.detect_launch() == "mpi"
 _world = None
 
 
-def world():
+def world() -> collectives.Communicator:
+    """The world communicator of this mpiexec job (created on first use, timeout 60 s).
+
+    Returns:
+        The communicator from :func:`collectives.init`.
+    """
     global _world
     if _world is None:
         _world = collectives.init(timeout=60.0)
@@ -29,27 +35,56 @@ def world():
 
 
 def transports_under_test() -> list[str]:
-    """shm always; mpi too when pytest itself runs under mpiexec."""
+    """The transports the collective tests cover here.
+
+    Returns:
+        ["shm"], and "mpi" too when pytest itself runs under mpiexec.
+    """
     return ["mpi", "shm"] if UNDER_MPI else ["shm"]
 
 
-def run(body, nprocs: int, *args, transport: str = "shm", timeout: float = 60.0, **kwargs):
+def run(body: Callable[..., Any], nprocs: int, *args: Any, transport: str = "shm", timeout: float = 60.0,
+        **kwargs: Any) -> list[Any]:
+    """``body(comm, *args, **kwargs)`` on ``nprocs`` ranks.
+
+    Args:
+        body: a module-level function that asserts on every rank.
+        nprocs: ranks it needs; under mpiexec a job of another size skips the test.
+        transport: the transport every call is routed to ("shm", or "mpi" under mpiexec only).
+        timeout: the communicators' timeout in seconds.
+
+    Returns:
+        The bodies' return values in rank order (under mpiexec: this rank's only).
+    """
     if UNDER_MPI:
         comm = world()
         if comm.size != nprocs:
             pytest.skip(f"needs {nprocs} ranks; this mpiexec job has {comm.size}")
         return [body(comm.using(transport), *args, **kwargs)]
     if transport == "mpi":
-        pytest.skip("the mpi transport is tested under mpiexec (tests/test_mpi_launch.py)")
+        pytest.skip("the mpi transport is tested under mpiexec "
+                    "(tests/test_launch_modes.py::test_collective_suite_under_mpiexec)")
     return collectives.launch(body, nprocs, *args, transport=transport, timeout=timeout, **kwargs)
 
 
 def shm_segments() -> set[str]:
+    """Names of this user's moecomm segments in /dev/shm (to check that none is left behind)."""
     return {os.path.basename(p) for p in glob.glob(f"/dev/shm/moecomm-{os.getuid()}-*")}
 
 
-def rank_input(kind: str, rank: int, shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Deterministic random input any rank can regenerate for any other rank (never all-zeros/ones)."""
+def rank_input(kind: str, rank: int, shape: Sequence[int], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Deterministic random input any rank can regenerate for any other rank (never all-zeros/ones).
+
+    Args:
+        kind: what the input is for (part of the seed, so different uses differ).
+        rank: the rank whose input this is.
+        shape: its shape.
+        dtype: its dtype (bool: random True/False; floats in [-2, 2); uint8 in [0, 256); other ints in [-1000, 1000) cast to the dtype).
+        seed: the test's seed.
+
+    Returns:
+        ``shape`` tensor of ``dtype`` on the CPU.
+    """
     # crc32, not hash(): str hashes differ between processes
     g = torch.Generator().manual_seed(zlib.crc32(repr((kind, rank, tuple(shape), str(dtype), seed)).encode()))
     if dtype == torch.bool:
@@ -61,7 +96,15 @@ def rank_input(kind: str, rank: int, shape, dtype: torch.dtype, seed: int) -> to
 
 
 def reference_reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
-    """NumPy reference in rank order: float64 for floats, wrapping arithmetic of the dtype for ints."""
+    """NumPy reference in rank order: float64 for floats, wrapping arithmetic of the dtype for ints.
+
+    Args:
+        xs: [size] every rank's input, all of one shape and dtype.
+        op: "sum", "avg", "prod", "max" or "min".
+
+    Returns:
+        The reduction, float64 for float inputs, else the inputs' dtype.
+    """
     dtype = xs[0].dtype
     if dtype.is_floating_point:
         arrs = [x.double().numpy() for x in xs]
@@ -77,6 +120,15 @@ def reference_reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
 
 
 def assert_reduced(result: torch.Tensor, xs: list[torch.Tensor], op: str, what: str) -> None:
+    """Assert ``result`` is ``op`` over ``xs``: exact for ints, bool, max and min; within the rounding
+    of the dtype (and float32 accumulation of 16-bit types) otherwise.
+
+    Args:
+        result: one rank's all_reduce output.
+        xs: [size] every rank's input.
+        op: the reduction.
+        what: the case, for the assertion message.
+    """
     ref = reference_reduce(xs, op)
     dtype = xs[0].dtype
     assert result.dtype == dtype and tuple(result.shape) == tuple(xs[0].shape), what
