@@ -6,9 +6,11 @@ timeout. Two tools, one per situation:
 - :func:`agree`, where every rank reaches the same point (a constructor, the count exchange of a
   dispatch): one all-gather carries each rank's arguments and its own verdict, and every rank
   raises the same error, naming the ranks and their values;
-- ``comm.reject(error)`` (:meth:`collectives.Communicator.reject`) where the peers have already
-  gone on into their next collective (a forward-time check): it raises here and makes that
-  collective raise on the peers.
+- :func:`reject` / ``with rejecting(comm):`` (over :meth:`collectives.Communicator.reject`) where
+  the peers have already gone on into their next collective (a forward-time check, local work
+  between collectives): the error is raised here and that collective raises on the peers.
+
+Messages name ranks as :func:`rank_label` does: ``"<where> on rank 3: <problem>"``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def reject(comm: CommunicatorLike, error: Exception, *, on: Any = None) -> NoRet
         on: the tensor the skipped collective would have moved; its device type picks the transport
             that carries the news (CPU when it is not a tensor).
     """
+    error._moecomm_rejected = True  # so that an enclosing `rejecting` does not tell the peers twice
     comm.reject(error, device=on.device.type if isinstance(on, torch.Tensor) else "cpu")
     raise error  # a communicator's reject never returns; this keeps a stand-in honest
 
@@ -70,7 +73,7 @@ class rejecting:  # noqa: N801 - used like a function: ``with rejecting(comm, on
         return None
 
     def __exit__(self, kind: type | None, error: BaseException | None, tb: Any) -> bool:
-        if isinstance(error, Exception):
+        if isinstance(error, Exception) and not getattr(error, "_moecomm_rejected", False):
             reject(self.comm, error, on=self.on)
         return False
 

@@ -375,7 +375,8 @@ def _subgroup_body(comm) -> None:
         group.close()
 
 
-_CHECKS = {"regions": _regions_body, "subgroups": _subgroup_body, "layers": _layers_body, "round_trip": _dense_roundtrip_body,
+_CHECKS = {"regions": _regions_body, "subgroups": _subgroup_body, "layers": _layers_body,
+           "round_trip": _dense_roundtrip_body,
            "errors": _errors_body, "init": _init_body, "train": _train_body}
 
 

@@ -162,6 +162,13 @@ class _ShardedModule(nn.Module):
         _mark(p, partition_dim)
         return p
 
+    def _full_shape(self, p: nn.Parameter) -> tuple[int, ...]:
+        """The shape of the full tensor ``p`` is a shard of."""
+        shape = list(p.shape)
+        if p.tensor_model_parallel:
+            shape[p.partition_dim] *= self.comm.size
+        return tuple(shape)
+
     def _shard_index(self, p: nn.Parameter) -> tuple[slice, ...]:
         """Where ``p`` sits in its full tensor."""
         index = [slice(None)] * p.dim()
@@ -186,9 +193,7 @@ class _ShardedModule(nn.Module):
                     p.copy_(dense[name][self._shard_index(p)])
                     continue
                 tag, dist, scale = self._init_spec()[name]
-                full_shape = [n * (self.comm.size if p.tensor_model_parallel and d == p.partition_dim else 1)
-                              for d, n in enumerate(p.shape)]
-                p.copy_(global_init(seed, tag, tuple(full_shape), self._shard_index(p), dist=dist, scale=scale,
+                p.copy_(global_init(seed, tag, self._full_shape(p), self._shard_index(p), dist=dist, scale=scale,
                                     dtype=p.dtype, device=p.device))
 
     def reset_parameters(self, *, seed: int | None = None) -> None:
