@@ -30,7 +30,13 @@ log = logging.getLogger("collectives")
 # torchrun: this process's store per (address, port), kept across init() calls so that a retry
 # reuses it (rank 0 may host the server: a second server on MASTER_PORT would lose the peers' keys).
 _torchrun_stores: dict[tuple[str, int], Any] = {}
-_ARRIVALS_KEY = "moecomm/init/arrivals"
+
+
+def _torchrun_key_base() -> str:
+    """Store key prefix of this torchrun attempt: an elastic restart reuses the agent's store, so
+    the run id and restart count keep a restarted job clear of the previous attempt's keys."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return f"moecomm/init/{run_id}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _build(rdv: Rendezvous, transport: str, timeout: float, launch_mode: str, mpi_comm: Any = None,
@@ -90,11 +96,13 @@ def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[st
 
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = _torchrun_store(rank, timeout)
-        # Every rank's n-th arrival lands in generation (n - 1) // size: the k-th collective init of
-        # the job meets, whatever each process tried before (a local error before this point is
-        # not counted).
-        generation = (store.add(_ARRIVALS_KEY, 1) - 1) // size
-        rdv = StoreRendezvous(store, rank, size, timeout, f"moecomm/init/g{generation}", range(size))
+        # The n-th arrival of the job lands in generation (n - 1) // size, so the k-th collective
+        # init meets whatever each process tried before (a local error before this point is not
+        # counted, nor is an error on every rank after it). A rank that timed out waiting here was
+        # counted without its peers, so the counts no longer line up: that calls for a restart.
+        base = _torchrun_key_base()
+        generation = (store.add(f"{base}/arrivals", 1) - 1) // size
+        rdv = StoreRendezvous(store, rank, size, timeout, f"{base}/g{generation}", range(size))
         comm = _build(rdv, transport, timeout, "torchrun", settings=settings)
         comm._store = store  # rank 0 hosts the server in the no-agent case; keep it alive
         return comm

@@ -109,11 +109,22 @@ def test_init_options_override_launch_detection(monkeypatch):
 
 
 _RETRY_JOB = textwrap.dedent("""
-    import json, os
+    import json, os, sys, time
     import torch
     import collectives
 
     rank = int(os.environ["RANK"])
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        # 0: the first attempt of an elastic job fails: rank 0 has arrived at init when rank 1 exits;
+        # torchrun then restarts both, and the restarted ranks must not be confused by rank 0's arrival
+        if rank == 1:
+            from collectives import _torchrun_key_base, _torchrun_store
+            store = _torchrun_store(rank, 60.0)
+            while store.add(_torchrun_key_base() + "/arrivals", 0) < 1:
+                time.sleep(0.02)
+            sys.exit(3)
+        collectives.init(timeout=60.0)  # torchrun kills this rank when rank 1 exits
+        sys.exit(4)
     report = {"rank": rank, "local_errors": [], "phase2": None, "ok": []}
 
     def check(comm, seed):
@@ -160,11 +171,13 @@ def _check_retry_reports(out: str, err: str) -> None:
 
 def test_init_retry_meets_the_peers_under_torchrun(tmp_path):
     """A rank whose init() failed (locally, or on every rank) retries and meets its peers: under
-    torchrun (agent's store) and with RANK/WORLD_SIZE/MASTER_* set by hand (rank 0 hosts the store)."""
+    torchrun (agent's store, after an elastic restart of a first attempt that failed during init)
+    and with RANK/WORLD_SIZE/MASTER_* set by hand (rank 0 hosts the store)."""
     job = tmp_path / "retry_job.py"
     job.write_text(_RETRY_JOB)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(job)], capture_output=True, text=True, timeout=180, env=_env())
+                        "--max-restarts", "1", "--monitor-interval", "0.1", str(job)],
+                       capture_output=True, text=True, timeout=180, env=_env())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     _check_retry_reports(p.stdout, p.stderr)
 
