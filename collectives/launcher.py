@@ -4,6 +4,10 @@ Ranks are started from a fork server that has torch and moecomm preloaded, so a 
 costs a fork per rank, not an interpreter start and a torch import. The rendezvous store
 listens on 127.0.0.1 only. A rank that raises or dies makes ``launch`` kill the others and
 re-raise that rank's exception (its traceback attached); ranks die with the launcher.
+
+Settings (``options=`` over ``MOECOMM_*``) are resolved in the calling process and sent to
+every rank: the fork server keeps the environment of the first launch, so a variable set
+later would otherwise never reach the ranks.
 """
 
 from __future__ import annotations
@@ -36,7 +40,12 @@ class RemoteTraceback(Exception):
 
 
 class RankFailedError(RuntimeError):
-    """A launched rank died without returning (signal, os._exit, or an unpicklable error)."""
+    """A launched rank died without returning (signal, os._exit, or an unpicklable error).
+
+    Args:
+        message: what happened, naming the rank.
+        rank: the rank that failed (also ``.rank``).
+    """
 
     def __init__(self, message: str, rank: int):
         super().__init__(message)
@@ -66,7 +75,7 @@ def _refuse_inside_mpi() -> None:
             "launch start its own ranks")
 
 
-def _context():
+def _context() -> mp.context.BaseContext:
     global _ctx
     if _ctx is None:
         _ctx = mp.get_context("forkserver")
@@ -186,7 +195,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, transport: str = "au
         del store
 
 
-def _collect(procs, conns, return_exceptions: bool) -> list[Any]:
+def _collect(procs: list[mp.process.BaseProcess], conns: list[mpc.Connection],
+             return_exceptions: bool) -> list[Any]:
+    """Every rank's result in rank order; the first failure raised (or kept, with return_exceptions)."""
     n = len(procs)
     results: list[Any] = [None] * n
     done = [False] * n
@@ -229,7 +240,8 @@ def _collect(procs, conns, return_exceptions: bool) -> list[Any]:
     return results
 
 
-def _rebuild(payload) -> BaseException:
+def _rebuild(payload: tuple) -> BaseException:
+    """A failed rank's exception, with ``.rank`` set and its remote traceback as ``__cause__``."""
     _, rank, exc, tb = payload
     if exc is None:
         exc = RankFailedError(f"rank {rank} failed", rank)

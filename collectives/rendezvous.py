@@ -1,6 +1,7 @@
 """Rendezvous: how the ranks of a job find each other before any data moves.
 
-Three sources, tried in this order by :func:`detect_launch`:
+Three sources, tried in this order by :func:`detect_launch` (the ``launch`` setting,
+``MOECOMM_LAUNCH``, overrides it):
 
 - ``mpi``: launched by ``mpirun``/``mpiexec`` (MPI/PMI variables in the environment); the
   exchange rides on mpi4py, non-blocking and bounded by the timeout.
@@ -57,22 +58,38 @@ def launched_by_mpi() -> bool:
 
 
 class LocalRendezvous(Rendezvous):
-    """The trivial rendezvous of a one-rank group."""
+    """The trivial rendezvous of a one-rank group.
+
+    Args:
+        timeout: seconds (kept for the communicator; nothing here waits).
+    """
 
     def __init__(self, timeout: float):
         self.rank, self.size, self.timeout = 0, 1, timeout
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Returns: [1] ``data`` itself."""
         return [bytes(data)]
 
-    def split(self, color, key, new_rank, new_size, ranks):
+    def split(self, color: int, key: int, new_rank: int, new_size: int, ranks: list[int]) -> "LocalRendezvous":
+        """Returns: a new one-rank rendezvous (see :meth:`Rendezvous.split`)."""
         return LocalRendezvous(self.timeout)
 
 
 class StoreRendezvous(Rendezvous):
-    """Exchange through a torch.distributed Store (TCPStore/FileStore), keys under a private prefix."""
+    """Exchange through a torch.distributed Store (TCPStore/FileStore), keys under a private prefix.
 
-    def __init__(self, store, rank: int, size: int, timeout: float, prefix: str, global_ranks: Sequence[int]):
+    Args:
+        store: a ``torch.distributed.Store`` every rank of the group reaches.
+        rank: this rank in the group.
+        size: ranks in the group.
+        timeout: seconds an exchange may wait for the other ranks.
+        prefix: key prefix every rank of the group uses and no other group does.
+        global_ranks: [size] world rank of each group rank, for messages.
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: float, prefix: str,
+                 global_ranks: Sequence[int]):
         self.store, self.rank, self.size, self.timeout = store, rank, size, timeout
         self.prefix = prefix
         self.global_ranks = list(global_ranks)
@@ -80,6 +97,12 @@ class StoreRendezvous(Rendezvous):
         self._splits = 0
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank contributes ``data``.
+
+        Returns:
+            [size] every rank's bytes in rank order. Raises CollectiveTimeoutError naming the
+            ranks that did not arrive within the timeout.
+        """
         k = self._round
         self._round += 1
         keys = [f"{self.prefix}/ag{k}/{r}" for r in range(self.size)]
@@ -106,7 +129,8 @@ class StoreRendezvous(Rendezvous):
                 pass
         return values
 
-    def split(self, color, key, new_rank, new_size, ranks):
+    def split(self, color: int, key: int, new_rank: int, new_size: int, ranks: list[int]) -> "StoreRendezvous":
+        """Returns: the sub-group's rendezvous on the same store, under a prefix per split and color."""
         self._splits += 1
         return StoreRendezvous(self.store, new_rank, new_size, self.timeout,
                                f"{self.prefix}/s{self._splits}/c{color}",
@@ -114,14 +138,20 @@ class StoreRendezvous(Rendezvous):
 
 
 class MPIRendezvous(Rendezvous):
-    """Exchange through mpi4py, posted non-blocking and polled so it is bounded by the timeout."""
+    """Exchange through mpi4py, posted non-blocking and polled so it is bounded by the timeout.
 
-    def __init__(self, comm, timeout: float, global_ranks: Sequence[int] | None = None):
+    Args:
+        comm: the group's mpi4py communicator.
+        timeout: seconds an exchange may wait.
+        global_ranks: [size] world rank of each group rank (default 0..size-1).
+    """
+
+    def __init__(self, comm: Any, timeout: float, global_ranks: Sequence[int] | None = None):
         self.comm = comm
         self.rank, self.size, self.timeout = comm.Get_rank(), comm.Get_size(), timeout
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(self.size))
 
-    def _wait(self, req, what):
+    def _wait(self, req: Any, what: str) -> None:
         deadline = time.monotonic() + self.timeout
         sleep = 1e-5
         while not req.Test():
@@ -133,6 +163,11 @@ class MPIRendezvous(Rendezvous):
             sleep = min(2 * sleep, 1e-2)
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank contributes ``data``.
+
+        Returns:
+            [size] every rank's bytes in rank order (CollectiveTimeoutError after the timeout).
+        """
         lens = np.zeros(self.size, dtype=np.int64)
         self._wait(self.comm.Iallgather(np.array([len(data)], dtype=np.int64), lens), "lengths")
         buf = np.empty(int(lens.sum()), dtype=np.uint8)
@@ -144,7 +179,9 @@ class MPIRendezvous(Rendezvous):
                    "data")
         return [buf[d : d + n].tobytes() for d, n in zip(displs, lens)]
 
-    def split(self, color, key, new_rank, new_size, ranks):
+    def split(self, color: int, key: int, new_rank: int, new_size: int,
+              ranks: list[int]) -> "MPIRendezvous | None":
+        """Returns: the sub-group's rendezvous over ``MPI_Comm_split``; None where color < 0."""
         from mpi4py import MPI
 
         sub = self.comm.Split(color if color >= 0 else MPI.UNDEFINED, key)
@@ -153,6 +190,7 @@ class MPIRendezvous(Rendezvous):
         return MPIRendezvous(sub, self.timeout, [self.global_ranks[r] for r in ranks])
 
     def close(self) -> None:
+        """Free the sub-communicator (never COMM_WORLD/COMM_SELF)."""
         from mpi4py import MPI
 
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and not MPI.Is_finalized():
@@ -162,12 +200,29 @@ class MPIRendezvous(Rendezvous):
                 pass
 
 
-def loopback_store_server(timeout: float):
-    """A TCPStore server that listens on 127.0.0.1 only (torch's own binds every interface)."""
+def loopback_store_server(timeout: float) -> tuple[Any, int]:
+    """A TCPStore server that listens on 127.0.0.1 only (torch's own binds every interface).
+
+    Args:
+        timeout: seconds the store's operations may wait.
+
+    Returns:
+        (store, port): the server-side ``TCPStore`` and the port it listens on.
+    """
     return bound_store_server("127.0.0.1", 0, timeout)
 
 
-def bound_store_server(addr: str, port: int, timeout: float):
+def bound_store_server(addr: str, port: int, timeout: float) -> tuple[Any, int]:
+    """A TCPStore server listening on ``addr`` only.
+
+    Args:
+        addr: the address to listen on (IPv4, IPv6 or a name).
+        port: the port, or 0 to let the system pick.
+        timeout: seconds the store's operations may wait.
+
+    Returns:
+        (store, port): the server-side ``TCPStore`` and the port it listens on.
+    """
     import torch.distributed as dist
 
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -181,7 +236,17 @@ def bound_store_server(addr: str, port: int, timeout: float):
     return store, port
 
 
-def store_client(addr: str, port: int, timeout: float):
+def store_client(addr: str, port: int, timeout: float) -> Any:
+    """A TCPStore client of the server at ``addr:port``.
+
+    Args:
+        addr: the server's address.
+        port: the server's port.
+        timeout: seconds to connect and for the store's operations.
+
+    Returns:
+        The client ``TCPStore``.
+    """
     import torch.distributed as dist
 
     return dist.TCPStore(addr, port, None, False, timeout=datetime.timedelta(seconds=timeout))
