@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 # Transport names a user may force (kept here, the bottom layer, so nothing imports upwards).
-TRANSPORT_CHOICES = ("auto", "shm", "mpi", "nccl")
+TRANSPORT_CHOICES = ("auto", "shm", "mpi", "nccl", "ipc")
 LAUNCH_CHOICES = ("mpi", "torchrun", "single")
 
 
@@ -82,6 +82,14 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
     _s("MOECOMM_SHM_YIELD", int, 50,
        "sched_yield turns of an shm wait before it sleeps with backoff",
        "transports.shm", minimum=0),
+    _s("MOECOMM_IPC_BUFFER_BYTES", int, 8 << 20,
+       "per-rank registered buffer of the ipc transport in bytes; larger messages go in chunks "
+       "(8 MiB: vLLM's custom all-reduce buffer size, see shared ANCHORS.md)",
+       "transports.ipc", agree=True, minimum=4096),
+    _s("MOECOMM_IPC_EMULATE", int, 0,
+       "1: the ipc transport serves CPU tensors on one node through POSIX shared memory and Triton's "
+       "interpreter (TRITON_INTERPRET=1), so its kernels run without a GPU; 0: ipc serves CUDA tensors only",
+       "transports.ipc", agree=True, minimum=0),
     _s("MOECOMM_NCCL_CHECK", str, "first",
        "when the nccl transport compares call signatures across ranks: the first call of each signature, "
        "or always (an extra host exchange per call)",
