@@ -94,7 +94,8 @@ def test_launch_ranks_see_the_callers_current_environment(monkeypatch):
 
 
 def test_init_options_override_launch_detection(monkeypatch):
-    """options={"launch": "single"} wins over a torchrun environment (no store is contacted)."""
+    """options={"launch": "single"} wins over a torchrun environment (no store is contacted); bad
+    launch settings and thread counts raise."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens there: a store contact would fail
@@ -106,6 +107,12 @@ def test_init_options_override_launch_detection(monkeypatch):
         comm.close()
     with pytest.raises(ValueError, match="no_such_option"):
         collectives.init(timeout=5.0, options={"no_such_option": 1})
+    monkeypatch.setenv("MOECOMM_LAUNCH", "slurm")  # a typo must not be ignored (it used to be)
+    with pytest.raises(ValueError, match="MOECOMM_LAUNCH"):
+        collectives.init(timeout=5.0)
+    for bad_threads in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="threads"):
+            collectives.launch(_rank_of, 1, timeout=5.0, threads=bad_threads)
 
 
 _RETRY_JOB = textwrap.dedent("""
