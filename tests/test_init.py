@@ -110,6 +110,7 @@ def test_init_options_override_launch_detection(monkeypatch):
     monkeypatch.setenv("MOECOMM_LAUNCH", "slurm")  # a typo must not be ignored (it used to be)
     with pytest.raises(ValueError, match="MOECOMM_LAUNCH"):
         collectives.init(timeout=5.0)
+    monkeypatch.delenv("MOECOMM_LAUNCH")
     for bad_threads in (0, -2, 1.5):
         with pytest.raises(ValueError, match="threads"):
             collectives.launch(_rank_of, 1, timeout=5.0, threads=bad_threads)
