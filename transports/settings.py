@@ -84,7 +84,7 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
        "transports.shm", minimum=0),
     _s("MOECOMM_IPC_BUFFER_BYTES", int, 8 << 20,
        "per-rank registered buffer of the ipc transport in bytes; larger messages go in chunks "
-       "(8 MiB: vLLM's custom all-reduce buffer size, see shared ANCHORS.md)",
+       "(8 MiB: the buffer size of vLLM's custom all-reduce)",
        "transports.ipc", agree=True, minimum=4096),
     _s("MOECOMM_IPC_EMULATE", int, 0,
        "1: the ipc transport serves CPU tensors on one node through POSIX shared memory and Triton's "
