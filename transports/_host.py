@@ -8,6 +8,7 @@ every rank sums in rank order, so all ranks get bitwise-identical results.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
@@ -83,3 +84,29 @@ def group_settings(group: GroupInfo) -> dict:
     """The resolved settings a transport reads (``group.settings``; a GroupInfo built by hand has none:
     then the environment and defaults, through :func:`transports.settings.resolve`)."""
     return group.settings or resolve_settings()
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` on this node, from /proc: 'R', 'S', 'D', 'T' (stopped),
+    't' (stopped by a tracer), 'Z' (zombie) ...; 'X' when it is gone; '?' when it exists but /proc
+    cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        at = stat.rindex(b")") + 2  # the state follows the parenthesised command name
+        return stat[at : at + 1].decode()
+    except FileNotFoundError:
+        return "X"
+    except (OSError, ValueError):
+        try:
+            os.kill(pid, 0)
+            return "?"
+        except ProcessLookupError:
+            return "X"
+        except PermissionError:
+            return "?"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this node still runs (a zombie does not)."""
+    return process_state(pid) not in ("Z", "X")

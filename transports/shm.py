@@ -36,7 +36,7 @@ import time
 import numpy as np
 import torch
 
-from ._host import as_numpy, group_settings, reduce_into
+from ._host import as_numpy, group_settings, pid_alive, reduce_into
 from ._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
 from .base import (
     META_LEN,
@@ -108,24 +108,6 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # state is the field after the parenthesised command name
-        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
-
 _SEGMENT_RE = re.compile(rf"^{SEGMENT_PREFIX}-(\d+)-(\d+)-[0-9a-f]+$")
 
 
@@ -139,7 +121,7 @@ def remove_stale_segments() -> list[str]:
         return removed
     for name in names:
         m = _SEGMENT_RE.match(name)
-        if not m or int(m.group(1)) != uid or _pid_alive(int(m.group(2))):
+        if not m or int(m.group(1)) != uid or pid_alive(int(m.group(2))):
             continue
         path = os.path.join(SHM_DIR, name)
         try:
@@ -349,7 +331,7 @@ class SharedMemoryTransport(Transport):
             base = self._bases[r]
             state = q[base + _STATE]
             gone = state == _STATE_ABORTED or state == _STATE_CLOSED
-            dead = not gone and r < len(self._pids) and not _pid_alive(self._pids[r])
+            dead = not gone and r < len(self._pids) and not pid_alive(self._pids[r])
             _fence()
             if q[base] >= e:  # read after the state: it arrived, perhaps then closed or exited
                 continue
