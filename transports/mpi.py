@@ -220,30 +220,25 @@ class MPITransport(Transport):
         """
         self._poll_notices()
         me, step = self._ranks[self.rank], self._step
-        failure = None
-        for r, (at, kind, ranks, count) in self._failed_at.items():  # a root cause before a mere close
-            if step < at:
-                continue
-            if kind == _TIMED_OUT and ranks:
-                failure = CollectiveTimeoutError(
+        causes = []  # (priority, error): a root cause (a timeout, a close, a death) before a peer's abort
+        for r, (at, kind, ranks, count) in self._failed_at.items():
+            if step >= at and kind == _TIMED_OUT and ranks:
+                causes.append((0, CollectiveTimeoutError(
                     f"mpi {what} cannot complete on rank {me}: rank {self._ranks[r]} timed out waiting for "
-                    f"rank(s) {_listed(ranks, count)}, which never arrived, and gave up", ranks)
-            else:
-                failure = PeerFailedError(f"rank {self._ranks[r]} aborted after a failure while rank {me} "
-                                          f"waited for it in mpi {what}", [self._ranks[r]])
-            break
-        if failure is None:
-            for r, done in self._closed_after.items():
-                if step > done:
-                    failure = PeerFailedError(f"rank {self._ranks[r]} closed its communicator while rank {me} "
-                                              f"waited for it in mpi {what}", [self._ranks[r]])
-                    break
-        if failure is None and check_pids:
+                    f"rank(s) {_listed(ranks, count)}, which never arrived, and gave up", ranks)))
+            elif step >= at:
+                causes.append((3, PeerFailedError(f"rank {self._ranks[r]} aborted after a failure while rank {me} "
+                                                  f"waited for it in mpi {what}", [self._ranks[r]])))
+        for r, done in self._closed_after.items():
+            if step > done:
+                causes.append((1, PeerFailedError(f"rank {self._ranks[r]} closed its communicator while rank {me} "
+                                                  f"waited for it in mpi {what}", [self._ranks[r]])))
+        if check_pids:
             for r, pid in self._local_pids.items():
                 if r not in self._closed_after and not pid_alive(pid):  # a clean exit says how far it got
-                    failure = PeerFailedError(f"rank {self._ranks[r]} (pid {pid}) died while rank {me} waited for "
-                                              f"it in mpi {what}", [self._ranks[r]])
-                    break
+                    causes.append((2, PeerFailedError(f"rank {self._ranks[r]} (pid {pid}) died while rank {me} "
+                                                      f"waited for it in mpi {what}", [self._ranks[r]])))
+        failure = min(causes, key=lambda c: c[0])[1] if causes else None
         if failure is None:
             return False
         # Its part of this step may be in flight already (it finished the step, then left): let it land.
