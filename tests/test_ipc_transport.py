@@ -1,0 +1,301 @@
+"""The ipc transport in emulation (host provider + Triton's interpreter), ranks in forked processes.
+
+One launch per rank count runs every collective x dtype x op x size cell against a torch reference
+computed from every rank's (seeded) input and reports all failing cells together: reductions sum
+in fp32 in rank order and round once, so the reference is exact and the check is bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ipc_harness import run_ranks  # noqa: E402
+from transports.base import (  # noqa: E402
+    CollectiveTimeoutError,
+    CommunicatorBrokenError,
+    OpCode,
+    PeerFailedError,
+    ReduceOp,
+    Signature,
+)
+
+BUF = 4096  # the smallest buffer: sizes past it exercise chunking
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+INTS = (torch.int32, torch.int64)
+OPS = ("sum", "avg", "max", "min")
+
+
+def _input(seed: int, rank: int, numel: int, dtype: torch.dtype, nan: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    if dtype.is_floating_point:
+        x = (torch.randn(numel, generator=g) * 4).to(dtype)
+        if nan and numel > 2 and rank == 1:
+            x[numel // 2] = float("nan")
+        return x
+    return torch.randint(-1000, 1000, (numel,), generator=g, dtype=dtype)
+
+
+def _reduce_ref(xs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """Rank-order reduction in the kernels' accumulation type, rounded once."""
+    dtype = xs[0].dtype
+    acc_t = torch.float32 if dtype in FLOATS else dtype
+    acc = xs[0].to(acc_t)
+    for x in xs[1:]:
+        x = x.to(acc_t)
+        acc = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[op](acc, x)
+    if op == "avg":
+        acc = acc / len(xs)
+    return acc.to(dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.is_floating_point:
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        return bool(torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b]))
+    return torch.equal(a, b)
+
+
+def _sizes(n: int, itemsize: int) -> list[int]:
+    # 0, 1, odd, not divisible by the rank count, more than one buffer
+    return [0, 1, 37, 5 * n + 1, BUF // itemsize + 3 * n + 1]
+
+
+def _matrix(group):
+    """Every cell on this rank; returns (failures, digests of all_reduce outputs)."""
+    from transports.ipc import IPCTransport
+
+    t = IPCTransport(group, buffer_bytes=BUF)
+    n, me = group.size, group.rank
+    fails: list[str] = []
+    digests: list[bytes] = []
+    seed = 0
+
+    def check(name, got, want):
+        if not _same(got, want):
+            bad = (got != want).nonzero()[:3].flatten().tolist() if got.shape == want.shape else "shape"
+            fails.append(f"rank {me} {name}: differs at {bad}")
+
+    try:
+        for dtype in FLOATS + INTS:
+            item = torch.empty(0, dtype=dtype).element_size()
+            ops = OPS if dtype in FLOATS else ("sum", "max", "min")
+            for numel in _sizes(n, item):
+                for op in ops:
+                    seed += 1
+                    xs = [_input(seed, r, numel, dtype, nan=op in ("max", "min")) for r in range(n)]
+                    want = _reduce_ref(xs, op)
+                    rop = ReduceOp.parse(op)
+                    for algo, limit in (("one_shot", 1 << 62), ("two_shot", 0)):
+                        t.one_shot_max = limit
+                        out = torch.empty_like(xs[me])
+                        sig = Signature.of(OpCode.ALL_REDUCE, dtype=dtype, shape=(numel,), op=rop)
+                        t.all_reduce(xs[me].clone(), out, rop, sig)
+                        check(f"all_reduce/{algo} {dtype} {op} n={numel}", out, want)
+                        digests.append(out.view(torch.uint8).numpy().tobytes())
+                    # reduce_scatter: numel elements per rank out
+                    xs_rs = [_input(seed + 7, r, numel * n, dtype, nan=op in ("max", "min")) for r in range(n)]
+                    full = _reduce_ref(xs_rs, op)
+                    out = torch.empty(numel, dtype=dtype)
+                    sig = Signature.of(OpCode.REDUCE_SCATTER, dtype=dtype, shape=(numel * n,), op=rop)
+                    t.reduce_scatter(xs_rs[me], out, rop, sig)
+                    check(f"reduce_scatter {dtype} {op} n={numel}", out, full[me * numel : (me + 1) * numel])
+                # copy collectives (once per size and dtype)
+                seed += 1
+                xs = [_input(seed, r, numel, dtype) for r in range(n)]
+                out = torch.empty(numel * n, dtype=dtype)
+                t.all_gather(xs[me], out, Signature.of(OpCode.ALL_GATHER, dtype=dtype, shape=(numel,)))
+                check(f"all_gather {dtype} n={numel}", out, torch.cat(xs))
+                for root in {0, n - 1}:
+                    out = torch.empty(numel, dtype=dtype)
+                    t.broadcast(xs[me], out, root, Signature.of(OpCode.BROADCAST, dtype=dtype, shape=(numel,),
+                                                                root=root))
+                    check(f"broadcast {dtype} root={root} n={numel}", out, xs[root])
+            # uneven all_to_all: rows of 3; a small and a multi-round exchange
+            for scale in (4, 3 * BUF // (3 * item) // n):
+                seed += 1
+                g = torch.Generator().manual_seed(seed)
+                counts = torch.randint(0, scale + 1, (n, n), generator=g).tolist()  # counts[src][dst]
+                counts[0][n - 1] = 0  # an empty block
+                sends = [_input(seed, r, sum(counts[r]) * 3, dtype) for r in range(n)]
+                sig = Signature.of(OpCode.ALL_TO_ALL, dtype=dtype, shape=(0, 3), compare_first_dim=False,
+                                   rows=sum(counts[me]))
+                got = t.all_to_all(sends[me], counts[me], 3, lambda recv: torch.empty(sum(recv) * 3, dtype=dtype),
+                                   sig)
+                want = torch.cat([sends[s][sum(counts[s][:me]) * 3 : sum(counts[s][: me + 1]) * 3] for s in range(n)])
+                check(f"all_to_all {dtype} scale={scale}", got, want)
+    finally:
+        t.close()
+    return fails, digests
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_every_collective_dtype_op_and_size(ranks):
+    results = run_ranks(_matrix, ranks, timeout=120.0)
+    errors = [r[1] for r in results if r[0] != "ok"]
+    assert not errors, errors
+    fails = [f for r in results for f in r[1][0]]
+    assert not fails, f"{len(fails)} failing cells:\n" + "\n".join(fails[:60])
+    digests = [r[1][1] for r in results]
+    assert all(d == digests[0] for d in digests), "all_reduce results differ across ranks"
+    assert len(digests[0]) > 100
+
+
+def _long_run(group):
+    from transports.ipc import IPCTransport
+    from transports.kernels import layout as L
+
+    t = IPCTransport(group, buffer_bytes=BUF)
+    bad = []
+    try:
+        for i in range(300):
+            x = _input(i, group.rank, 1 + i % 7, torch.float32)
+            xs = [_input(i, r, 1 + i % 7, torch.float32) for r in range(group.size)]
+            out = torch.empty_like(x)
+            sig = Signature.of(OpCode.ALL_REDUCE, dtype=x.dtype, shape=x.shape, op=ReduceOp.SUM)
+            t.all_reduce(x, out, ReduceOp.SUM, sig)
+            if not _same(out, _reduce_ref(xs, "sum")):
+                bad.append(i)
+        epochs = t._regions.read(group.rank, L.EPOCH, 1).tolist()
+    finally:
+        t.close()
+    return bad, epochs
+
+
+def test_300_calls_keep_epochs_in_step():
+    results = run_ranks(_long_run, 2, timeout=60.0)
+    assert all(r[0] == "ok" for r in results), results
+    for bad, epochs in (r[1] for r in results):
+        assert bad == []
+        assert epochs == [600]  # two barriers a call, advanced by the kernel only
+
+
+def _killed_peer(group, victim):
+    from transports.ipc import IPCTransport
+
+    t = IPCTransport(group, buffer_bytes=BUF)
+    name = t._regions.name
+    x = torch.randn(64)
+    sig = Signature.of(OpCode.ALL_REDUCE, dtype=x.dtype, shape=x.shape, op=ReduceOp.SUM)
+    t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM, sig)  # everybody up
+    if group.rank == victim:
+        time.sleep(0.5)  # the others are inside the kernel by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM, sig)
+        outcome = ("no error", "", [])
+    except Exception as e:  # noqa: BLE001 - inspected by the test
+        outcome = (type(e).__name__, str(e), getattr(e, "missing_ranks", None))
+    waited = time.monotonic() - t0
+    try:
+        t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM, sig)
+        later = "no error"
+    except CommunicatorBrokenError:
+        later = "broken"
+    t.close()
+    return outcome, waited, later, name
+
+
+def test_sigkilled_peer_makes_the_others_raise_naming_it():
+    results = run_ranks(_killed_peer, 3, 2, timeout=60.0)
+    assert results[2][0] == "missing"
+    for r in (0, 1):
+        assert results[r][0] == "ok", results[r]
+        (kind, msg, missing), waited, later, name = results[r][1]
+        assert kind == "PeerFailedError", msg
+        assert missing == [2] or "rank 2" in msg, msg
+        assert waited < 10.0, waited  # well inside the 60 s timeout
+        assert later == "broken"
+        assert not os.path.exists(os.path.join("/dev/shm", name))
+    assert not [f for f in os.listdir("/dev/shm") if f == results[0][1][3]]
+
+
+def _stalled_or_closed(group, how):
+    from transports.ipc import IPCTransport
+
+    t = IPCTransport(group, buffer_bytes=BUF)
+    x = torch.randn(16)
+    sig = Signature.of(OpCode.ALL_GATHER, dtype=x.dtype, shape=x.shape)
+    if group.rank == 1:
+        if how == "close":
+            t.close()
+        else:
+            time.sleep(4.0)
+            t.close()
+        return None
+    t0 = time.monotonic()
+    try:
+        t.all_gather(x, torch.empty(32), sig)
+        return "no error", time.monotonic() - t0
+    except (CollectiveTimeoutError, PeerFailedError) as e:
+        return (type(e).__name__, str(e), e.missing_ranks), time.monotonic() - t0
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("how", ["close", "stall"])
+def test_closed_or_stalled_peer(how):
+    results = run_ranks(_stalled_or_closed, 2, how, timeout=1.5)
+    assert results[1][0] == "ok", results[1]
+    assert results[0][0] == "ok", results[0]
+    (kind, msg, missing), waited = results[0][1]
+    if how == "close":
+        assert kind == "PeerFailedError" and "rank 1 closed" in msg, msg
+    else:
+        assert kind == "CollectiveTimeoutError" and missing == [1], msg
+        assert 1.4 < waited < 4.0, waited
+
+
+def _mismatch(group):
+    from transports.ipc import IPCTransport
+
+    t = IPCTransport(group, buffer_bytes=BUF)
+    out = []
+    try:
+        # shapes differ (rank 1 needs more chunks than rank 0)
+        numel = 8 if group.rank == 0 else 3000
+        x = torch.randn(numel)
+        try:
+            t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM,
+                         Signature.of(OpCode.ALL_REDUCE, dtype=x.dtype, shape=x.shape, op=ReduceOp.SUM))
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+        # different collectives
+        try:
+            if group.rank == 0:
+                t.all_gather(x, torch.empty(numel * group.size), Signature.of(OpCode.ALL_GATHER, dtype=x.dtype,
+                                                                              shape=x.shape))
+            else:
+                t.broadcast(x, torch.empty_like(x), 0, Signature.of(OpCode.BROADCAST, dtype=x.dtype, shape=x.shape))
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+        # still in step afterwards
+        y = torch.full((5,), float(group.rank + 1))
+        res = torch.empty_like(y)
+        t.all_reduce(y, res, ReduceOp.SUM, Signature.of(OpCode.ALL_REDUCE, dtype=y.dtype, shape=y.shape,
+                                                        op=ReduceOp.SUM))
+        out.append(res.tolist())
+    finally:
+        t.close()
+    return out
+
+
+def test_signature_mismatch_raises_value_error_on_every_rank():
+    results = run_ranks(_mismatch, 3, timeout=30.0)
+    for r in results:
+        assert r[0] == "ok", r
+        shape_msg, op_msg, after = r[1]
+        assert "shape differs" in shape_msg and "rank 0: (8)" in shape_msg and "rank 1: (3000)" in shape_msg
+        assert "collective differs" in op_msg and "all_gather" in op_msg and "broadcast" in op_msg
+        assert after == [6.0] * 5

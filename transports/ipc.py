@@ -1,0 +1,536 @@
+"""``ipc``: collectives by our own Triton kernels over every rank's peer-mapped buffer (one node).
+
+Symmetric memory: each rank owns a *region* ::
+
+    [signal area: layout.SIGNAL_WORDS int64 words][data buffer: ipc_buffer_bytes]
+
+and every rank maps every region. Kernels get tables of all ranks' buffer and signal-area
+addresses, stage their input in their own buffer, meet the peers in an in-kernel epoch barrier
+(release/acquire at system scope) and read the peers' buffers directly
+(:mod:`transports.kernels`). Messages larger than a buffer go in chunks, one launch each.
+
+Two providers map the regions:
+
+- ``cuda``: one ``cudaMalloc`` region per rank, shared with ``cudaIpcGetMemHandle`` /
+  ``cudaIpcOpenMemHandle`` (cupy) over the group's rendezvous, closed on close. Ranks of one GPU
+  work too (CUDA IPC between processes of one device). NOT RUN YET: no GPU was available when
+  it was written; the emulated provider below is what the tests prove.
+- ``host`` (emulation, ``MOECOMM_IPC_EMULATE=1``): one POSIX shared-memory segment for the
+  group (mode 0600, random name, unlinked once mapped; :mod:`transports._segment`), and the same
+  kernels run by Triton's interpreter (``TRITON_INTERPRET=1``), where pointers are host
+  addresses. The transport then serves CPU tensors.
+
+Agreement without a host round trip: every kernel writes the call's signature digest (and full
+signature) into its signal area before the first barrier and compares the peers' digests after
+it; on a difference it moves no data, passes its remaining barrier and sets MISMATCH, and the
+host raises :func:`check_agreement`'s ``ValueError`` from the peers' signatures.
+
+Never hang: waits in the kernels are bounded and stop when this rank's ABORT word is set. A
+watchdog thread per transport sets it while a call runs when a peer's process dies, a peer
+closes or aborts, or the call outlives the communicator's timeout; the host then raises
+``PeerFailedError`` / ``CollectiveTimeoutError`` naming the rank, marks its own STATE aborted
+(so the peers raise too) and refuses later calls (``CommunicatorBrokenError``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._host import group_settings, pid_alive
+from ._schedule import all_to_all_pulls, staged_segments, windows
+from .base import (
+    META_LEN,
+    Allocator,
+    CollectiveTimeoutError,
+    CommunicatorBrokenError,
+    GroupInfo,
+    OpCode,
+    PeerFailedError,
+    ReduceOp,
+    Signature,
+    Transport,
+    check_agreement,
+)
+from .kernels import layout as L
+
+log = logging.getLogger(__name__)
+
+assert L.META_WORDS == META_LEN
+
+# all_reduce: one-shot (every rank reduces the whole message from all buffers) up to this many
+# bytes, two-shot (reduce-scatter + all-gather through the buffers) above; world size 2 always
+# one-shot. From vLLM's custom all-reduce (csrc/custom_all_reduce.cuh, see shared ANCHORS.md):
+# 512 KiB for up to 4 GPUs, 256 KiB for up to 8. Not measured by us: no GPU run has tuned them yet.
+ONE_SHOT_MAX_BYTES: dict[int, float] = {1: math.inf, 2: math.inf, 3: 512 << 10, 4: 512 << 10,
+                                        5: 256 << 10, 6: 256 << 10, 7: 256 << 10, 8: 256 << 10}
+ONE_SHOT_MAX_BYTES_DEFAULT = 256 << 10
+
+# Launch shape: one program under the interpreter (it runs programs one after another; fewer,
+# larger tiles mean fewer Python steps); on a GPU enough programs to keep several SMs copying.
+EMULATED_PROGRAMS, EMULATED_BLOCK = 1, 4096
+CUDA_PROGRAMS, CUDA_BLOCK = 16, 1024
+TWO_SHOT_ALIGN = 16  # elements; parts of a two-shot all_reduce start at multiples of it
+_REGION_ALIGN = 4096
+_WATCH_PERIOD = 0.02  # seconds between the watchdog's looks at the peers during a call
+_SPINS_PER_SECOND = 1_000_000  # bound of an in-kernel wait: >= 1 us a turn on every device
+
+_kernels_lock = threading.Lock()
+
+
+def load_kernels(emulate: bool) -> Any:
+    """The kernel module, compiled for the GPU or run by Triton's interpreter (``emulate``).
+
+    ``triton.jit`` decides between the two when the kernels are defined, from
+    ``TRITON_INTERPRET``: emulation sets it before the first import. Raises RuntimeError when
+    this process already loaded them the other way.
+    """
+    with _kernels_lock:
+        if emulate:
+            os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            from .kernels import collectives as kernels
+        except ImportError as e:
+            raise RuntimeError(f"the ipc transport needs triton ({e}); pip install triton") from None
+        from triton.runtime.interpreter import InterpretedFunction
+
+        interpreted = isinstance(kernels.all_reduce_one_shot, InterpretedFunction)
+        if interpreted != emulate:
+            raise RuntimeError(
+                "the ipc kernels were already loaded " + ("by Triton's interpreter" if interpreted else "for the GPU")
+                + " in this process; " + ("GPU" if not emulate else "emulated")
+                + " ipc needs a fresh process (TRITON_INTERPRET is read when the kernels are defined)")
+        return kernels
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+# ---- providers: map every rank's region; read and write signal words --------------------------
+class _HostRegions:
+    """All regions in one POSIX shared-memory segment (emulation)."""
+
+    def __init__(self, group: GroupInfo, region_bytes: int):
+        from ._segment import create_and_map
+
+        self.region_bytes = region_bytes
+        n = group.size
+        self._map, self.name = create_and_map(group, n * region_bytes, what="ipc host provider")
+        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        base = self._bytes.ctypes.data
+        self.signals = [np.frombuffer(self._map, dtype=np.int64, count=L.SIGNAL_WORDS, offset=r * region_bytes)
+                        for r in range(n)]
+        sig_addrs = [base + r * region_bytes for r in range(n)]
+        self.sig_ptrs = torch.tensor(sig_addrs, dtype=torch.int64)
+        self.data_ptrs = torch.tensor([a + L.SIGNAL_WORDS * 8 for a in sig_addrs], dtype=torch.int64)
+        self.device = torch.device("cpu")
+
+    def read(self, r: int, lo: int, count: int) -> np.ndarray:
+        return self.signals[r][lo : lo + count].copy()
+
+    def write(self, r: int, word: int, value: int) -> None:
+        self.signals[r][word] = value
+
+    def sync(self) -> None:
+        pass  # the interpreter ran the kernel to its end before the launch returned
+
+    def capturing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        self.signals = self._bytes = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with it
+        self._map = None
+
+
+class _CudaRegions:
+    """One cudaMalloc region per rank, opened by the peers through CUDA IPC handles.
+
+    Written for the GPU machines (CUDA 13, cupy-cuda13x); it has not run yet.
+    Signal words are read and written with async copies on a non-blocking stream of our own, so
+    the watchdog can read peers' states and set our ABORT word while a kernel spins.
+    """
+
+    def __init__(self, group: GroupInfo, region_bytes: int):
+        import cupy
+        from cupy.cuda import runtime
+
+        self._rt = runtime
+        self.region_bytes = region_bytes
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        n, me = group.size, group.rank
+        self._own = runtime.malloc(region_bytes)
+        runtime.memset(self._own, 0, region_bytes)
+        runtime.deviceSynchronize()
+        self._opened: list[int] = []
+        err = ""
+        try:
+            handle = runtime.ipcGetMemHandle(self._own)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            handle, err = b"", f"rank {group.global_ranks[me]}: cudaIpcGetMemHandle failed: {e}"
+        handles = group.rendezvous.allgather_bytes(b"E" + err.encode() if err else b"H" + bytes(handle))
+        errors = [h[1:].decode() for h in handles if h[:1] == b"E"]
+        addrs = []
+        if not errors:
+            for r, h in enumerate(handles):
+                if r == me:
+                    addrs.append(self._own)
+                    continue
+                try:  # a peer on the same GPU works across processes (not for our own handle)
+                    p = runtime.ipcOpenMemHandle(h[1:], runtime.cudaIpcMemLazyEnablePeerAccess)
+                    self._opened.append(p)
+                    addrs.append(p)
+                except Exception as e:  # noqa: BLE001 - reported to every rank below
+                    err = f"rank {group.global_ranks[me]} could not open rank {group.global_ranks[r]}'s handle: {e}"
+                    break
+        status = group.rendezvous.allgather_bytes(err.encode())
+        errors += [s.decode() for s in status if s]
+        if errors:
+            self.close()
+            raise RuntimeError("ipc cuda provider unavailable: " + "; ".join(errors))
+        self._addrs = addrs
+        self.sig_ptrs = torch.tensor(addrs, dtype=torch.int64, device=self.device)
+        self.data_ptrs = torch.tensor([a + L.SIGNAL_WORDS * 8 for a in addrs], dtype=torch.int64, device=self.device)
+        self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._host = np.zeros(L.SIGNAL_WORDS, dtype=np.int64)
+
+    def read(self, r: int, lo: int, count: int) -> np.ndarray:
+        out = np.empty(count, dtype=np.int64)
+        self._rt.memcpyAsync(out.ctypes.data, self._addrs[r] + lo * 8, count * 8,
+                             self._rt.memcpyDeviceToHost, self._stream.ptr)
+        self._stream.synchronize()
+        return out
+
+    def write(self, r: int, word: int, value: int) -> None:
+        v = np.array([value], dtype=np.int64)
+        self._rt.memcpyAsync(self._addrs[r] + word * 8, v.ctypes.data, 8, self._rt.memcpyHostToDevice,
+                             self._stream.ptr)
+        self._stream.synchronize()
+
+    def sync(self) -> None:
+        torch.cuda.current_stream().synchronize()
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def close(self) -> None:
+        for p in getattr(self, "_opened", []):
+            try:
+                self._rt.ipcCloseMemHandle(p)
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+        self._opened = []
+        if getattr(self, "_own", None):
+            try:
+                self._rt.free(self._own)
+            except Exception:  # noqa: BLE001
+                pass
+            self._own = 0
+
+
+# ---- the transport ----------------------------------------------------------------------------
+_ACC = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float32", torch.bfloat16: "float32",
+        torch.int64: "int64", torch.int32: "int32", torch.uint8: "int32", torch.bool: "int32"}
+_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+class IPCTransport(Transport):
+    """Collectives by Triton kernels over peer-mapped buffers (see the module docstring)."""
+
+    name = "ipc"
+    devices: tuple[str, ...] = ("cuda",)
+
+    def __init__(self, group: GroupInfo, *, buffer_bytes: int | None = None, emulate: bool | None = None,
+                 programs: int | None = None, block: int | None = None,
+                 one_shot_max_bytes: int | None = None):
+        """Map every rank's region (collective over ``group``).
+
+        Args:
+            group: the group; every rank on one node, at most ``layout.MAX_RANKS`` ranks.
+            buffer_bytes: data buffer per rank (default: setting ``ipc_buffer_bytes``), rounded up to 4 KiB.
+            emulate: host provider + Triton interpreter for CPU tensors (default: setting ``ipc_emulate``).
+            programs, block: launch shape (programs per kernel, elements per tile); for tests.
+            one_shot_max_bytes: largest one-shot all_reduce (default: :data:`ONE_SHOT_MAX_BYTES`).
+        """
+        super().__init__(group)
+        settings = group_settings(group)
+        n = self.size
+        if not group.single_node:
+            raise RuntimeError("the ipc transport needs every rank of the group on one node")
+        if n > L.MAX_RANKS:
+            raise RuntimeError(f"the ipc transport serves at most {L.MAX_RANKS} ranks, not {n}")
+        self.emulate = bool(settings["ipc_emulate"]) if emulate is None else bool(emulate)
+        if self.emulate:
+            self.devices = ("cpu",)
+        elif not torch.cuda.is_available():
+            raise RuntimeError("the ipc transport serves CUDA tensors and CUDA is not available "
+                               "(MOECOMM_IPC_EMULATE=1 emulates it on the CPU)")
+        self._k = load_kernels(self.emulate)
+        self.buffer_bytes = _align(int(buffer_bytes or settings["ipc_buffer_bytes"]), _REGION_ALIGN)
+        self.programs = int(programs or (EMULATED_PROGRAMS if self.emulate else CUDA_PROGRAMS))
+        if not 1 <= self.programs <= L.MAX_PROGRAMS:
+            raise ValueError(f"programs must be in 1..{L.MAX_PROGRAMS}, got {self.programs}")
+        self.block = int(block or (EMULATED_BLOCK if self.emulate else CUDA_BLOCK))
+        self.one_shot_max = one_shot_max_bytes if one_shot_max_bytes is not None else ONE_SHOT_MAX_BYTES.get(
+            n, ONE_SHOT_MAX_BYTES_DEFAULT)
+        self.timeout = group.timeout
+        self._ranks = list(group.global_ranks)
+        self._pids = list(group.pids)
+        self._max_spins = min(int(self.timeout * _SPINS_PER_SECOND) + 1, 1 << 62)
+        region = L.SIGNAL_WORDS * 8 + self.buffer_bytes
+        provider = _HostRegions if self.emulate else _CudaRegions
+        self._regions = provider(group, region)
+        self._device = self._regions.device
+        self._meta_cache: dict[bytes, torch.Tensor] = {}
+        self._broken: str | None = None
+        self._pending: tuple[type, str, list[int]] | None = None  # a failure seen after a call completed
+        # watchdog state: a call is in flight while _deadline is set
+        self._deadline: float | None = None
+        self._reason: tuple[type, str, list[int]] | None = None
+        self._watch_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name=f"moecomm-ipc-watchdog-{self._ranks[self.rank]}",
+                                          daemon=True)
+        self._watchdog.start()
+        log.debug("ipc transport up: %s provider, %d ranks, buffer %d B, %d programs x %d",
+                  "host" if self.emulate else "cuda", n, self.buffer_bytes, self.programs, self.block)
+
+    # ---- failure detection ---------------------------------------------------------------------
+    def _watch(self) -> None:
+        """While a call runs: abort our kernels when a peer dies, closes or aborts, or at the timeout."""
+        me = self.rank
+        while not self._stop.wait(_WATCH_PERIOD):
+            with self._watch_lock:
+                deadline = self._deadline
+                if deadline is None or self._reason is not None:
+                    continue
+                reason = None
+                try:
+                    for r in range(self.size):
+                        if r == me:
+                            continue
+                        state = int(self._regions.read(r, L.STATE, 1)[0])
+                        if state in (L.STATE_ABORTED, L.STATE_CLOSED):
+                            why = "aborted after a failure" if state == L.STATE_ABORTED else "closed its communicator"
+                            reason = (PeerFailedError, f"rank {self._ranks[r]} {why}", [self._ranks[r]])
+                        elif r < len(self._pids) and not pid_alive(self._pids[r]):
+                            reason = (PeerFailedError, f"rank {self._ranks[r]} (pid {self._pids[r]}) died",
+                                      [self._ranks[r]])
+                        if reason:
+                            break
+                    if reason is None and time.monotonic() >= deadline:
+                        reason = (CollectiveTimeoutError, f"timed out after {self.timeout:.1f}s", [])
+                    if reason is not None:
+                        self._reason = reason
+                        self._regions.write(me, L.ABORT, 1)
+                except Exception:  # noqa: BLE001 - the provider is closing; nothing to watch
+                    log.debug("ipc watchdog stopped", exc_info=True)
+                    return
+
+    def _fail(self, cls: type, message: str, missing: list[int]) -> None:
+        self._broken = message
+        try:
+            self._regions.write(self.rank, L.STATE, L.STATE_ABORTED)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+        raise cls(message, missing)
+
+    def _raise_broken(self) -> None:
+        if self._broken == "closed":
+            raise CommunicatorBrokenError("the ipc transport of this communicator is closed; create a new communicator")
+        raise CommunicatorBrokenError(
+            f"ipc communicator is unusable after an earlier failure ({self._broken}); create a new one")
+
+    # ---- launching -----------------------------------------------------------------------------
+    def _meta(self, sig: Signature) -> torch.Tensor:
+        key = sig.meta.tobytes()
+        t = self._meta_cache.get(key)
+        if t is None:
+            if len(self._meta_cache) > 256:
+                self._meta_cache.clear()
+            t = self._meta_cache[key] = torch.from_numpy(sig.meta.copy()).to(self._device)
+        return t
+
+    def _launch(self, kernel: Any, *args: Any, **constants: Any) -> None:
+        """Launch one kernel on our programs and check what it left in our signal area.
+
+        Emulated: the kernel ran to its end when the launch returns. On a GPU the check waits for
+        the stream (skipped under CUDA-graph capture; a failure then shows at the next check).
+        """
+        if self._broken:
+            self._raise_broken()
+        if self._pending:
+            cls, msg, missing = self._pending
+            self._fail(cls, f"{msg} (seen by rank {self._ranks[self.rank]} during an earlier call)", missing)
+        with self._watch_lock:
+            self._deadline = time.monotonic() + self.timeout
+        try:
+            kernel[(self.programs,)](*args, **constants)
+            if self._regions.capturing():
+                return
+            self._regions.sync()
+        finally:
+            with self._watch_lock:
+                self._deadline = None
+                reason, self._reason = self._reason, None
+        error, mismatch = (int(v) for v in self._regions.read(self.rank, L.ERROR, 2))
+        me = self._ranks[self.rank]
+        if error:
+            if error > self.size:  # stopped before it waited for anyone (ABORT was already set)
+                cls, msg, missing = reason or (CommunicatorBrokenError, "its abort flag was set", [])
+                self._fail(cls, f"{msg}; rank {me} abandoned its ipc collective", missing)
+            peer = self._ranks[error - 1]
+            if reason is None or reason[0] is CollectiveTimeoutError:
+                why = f"timed out after {self.timeout:.1f}s" if reason else "gave up after its bounded wait"
+                self._fail(CollectiveTimeoutError,
+                           f"ipc collective {why} on rank {me}: rank {peer} never arrived "
+                           "(stuck, deadlocked, or calling a different collective)", [peer])
+            cls, msg, missing = reason
+            self._fail(cls, f"{msg} while rank {me} waited for rank {peer} in an ipc collective", missing)
+        if reason is not None:  # the call completed, but a peer is gone: the next call raises
+            self._pending = reason
+            self._regions.write(self.rank, L.ABORT, 0)
+        if mismatch and not constants.get("COPY_META"):
+            self._regions.write(self.rank, L.MISMATCH, 0)
+            metas = self._peer_metas()
+            check_agreement(metas, self._ranks)
+            raise ValueError("ipc: call signatures differ across ranks")  # digests differ, words equal
+
+    def _peer_metas(self) -> np.ndarray:
+        return self._regions.read(self.rank, L.PEER_META, self.size * META_LEN).reshape(self.size, META_LEN)
+
+    def _common(self, sig: Signature) -> tuple:
+        r = self._regions
+        return r.data_ptrs, r.sig_ptrs, self.rank, self.size, sig.value, self._meta(sig), self._max_spins
+
+    def _chunks(self, count: int, itemsize: int, parts: int = 1) -> list[tuple[int, int]]:
+        return windows(count, max(1, self.buffer_bytes // itemsize // parts))
+
+    @staticmethod
+    def _flat(t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(-1)
+        return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+    def _reduce_constants(self, dtype: torch.dtype, op: ReduceOp) -> dict:
+        import triton.language as tl
+
+        if dtype not in _ACC:
+            raise TypeError(f"ipc cannot reduce {dtype}")
+        if dtype == torch.bool and op in (ReduceOp.SUM, ReduceOp.AVG):
+            op = ReduceOp.MAX  # any
+        return dict(ACC=getattr(tl, _ACC[dtype]), OP=int(op), IS_FLOAT=dtype in _FLOATS,
+                    OUT_BF16=dtype == torch.bfloat16, BLOCK=self.block)
+
+    # ---- capabilities --------------------------------------------------------------------------
+    def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
+        if opcode == OpCode.ALL_REDUCE:
+            return "one_shot" if nbytes <= self.one_shot_max else "two_shot"
+        return {OpCode.ALL_GATHER: "pull", OpCode.REDUCE_SCATTER: "pull_reduce", OpCode.ALL_TO_ALL: "pull",
+                OpCode.BROADCAST: "pull", OpCode.BARRIER: "flags"}.get(opcode, "flags")
+
+    # ---- collectives ---------------------------------------------------------------------------
+    def exchange_meta(self, sig: Signature) -> np.ndarray:
+        self._launch(self._k.barrier_kernel, *self._common(sig)[1:], COPY_META=True)
+        self._regions.write(self.rank, L.MISMATCH, 0)
+        return self._peer_metas()
+
+    def barrier(self, sig: Signature) -> None:
+        self._launch(self._k.barrier_kernel, *self._common(sig)[1:], COPY_META=False)
+
+    def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
+        x, y = self._flat(send), self._flat(out)
+        const = self._reduce_constants(send.dtype, op)
+        common = self._common(sig)
+        if send.numel() * send.element_size() <= self.one_shot_max:
+            kernel = self._k.all_reduce_one_shot
+        else:
+            kernel, const["ALIGN"] = self._k.all_reduce_two_shot, TWO_SHOT_ALIGN
+        for lo, hi in self._chunks(x.numel(), x.element_size()):
+            self._launch(kernel, x[lo:hi], y[lo:hi], hi - lo, *common, **const)
+
+    def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
+        x, y = self._flat(send), self._flat(out)
+        const = self._reduce_constants(send.dtype, op)
+        common = self._common(sig)
+        m = y.numel()
+        for lo, hi in self._chunks(m, x.element_size(), self.size):
+            self._launch(self._k.reduce_scatter, x, y, m, lo, hi - lo, *common, **const)
+
+    def all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature) -> None:
+        x, y = send.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)
+        common = self._common(sig)
+        m = x.numel()
+        for lo, hi in self._chunks(m, 1):
+            self._launch(self._k.all_gather, x, y, m, lo, hi - lo, *common, BLOCK=self.block)
+
+    def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, sig: Signature) -> None:
+        x, y = send.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)
+        common = self._common(sig)
+        for lo, hi in self._chunks(x.numel(), 1):
+            self._launch(self._k.broadcast, x[lo:hi], y[lo:hi], hi - lo, src, *common, BLOCK=self.block)
+
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator,
+                   sig: Signature) -> torch.Tensor:
+        n, me, S = self.size, self.rank, self.buffer_bytes
+        x = send.reshape(-1).view(torch.uint8)
+        row_bytes = row_numel * send.element_size()
+        own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
+        counts_t = torch.tensor(list(send_counts), dtype=torch.int64, device=self._device)
+        common = self._common(sig)
+
+        def stage(j: int) -> None:
+            pieces = staged_segments(own_start, own_len, x.numel(), j * S, (j + 1) * S)
+            table = torch.tensor(pieces or [[0, 0, 0]], dtype=torch.int64, device=self._device)
+            self._launch(self._k.all_to_all_stage, x, table, len(pieces), counts_t, *common, BLOCK=self.block)
+
+        stage(0)
+        try:
+            counts = [self._regions.read(r, L.COUNTS, n).tolist() for r in range(n)]  # counts[src][dst]
+            recv = [row[me] for row in counts]
+            out = alloc(recv)
+            y = out.reshape(-1).view(torch.uint8)
+            at = sum(recv[:me]) * row_bytes
+            y[at : at + own_len].copy_(x[own_start : own_start + own_len])  # our block to ourselves
+            for j, copies in enumerate(all_to_all_pulls(counts, me, row_bytes, S)):
+                if j > 0:
+                    stage(j)
+                table = torch.tensor(copies or [[0, 0, 0, 0]], dtype=torch.int64, device=self._device)
+                self._launch(self._k.all_to_all_pull, y, table, len(copies), *common[:4], self._max_spins,
+                             BLOCK=self.block)
+        except BaseException as e:
+            if not isinstance(e, (CollectiveTimeoutError, CommunicatorBrokenError)) and not self._broken:
+                # the peers are inside this round's pull kernel: make them raise instead of waiting
+                self._broken = f"{type(e).__name__} during all_to_all: {e}"
+                self._regions.write(self.rank, L.STATE, L.STATE_ABORTED)
+            raise
+        return out
+
+    # ---- teardown ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Announce the close in our STATE word (peers waiting for us raise at once), stop the
+        watchdog, and unmap every region. Later calls raise CommunicatorBrokenError."""
+        if self._broken == "closed":
+            return
+        try:
+            if not self._broken:
+                self._regions.write(self.rank, L.STATE, L.STATE_CLOSED)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+        self._broken = "closed"
+        self._stop.set()
+        self._watchdog.join(timeout=1.0)
+        self._regions.close()
+        self._meta_cache.clear()

@@ -1,0 +1,179 @@
+"""The ipc collective kernels. One launch moves one chunk (at most a buffer's worth) of a call.
+
+Common arguments: ``data_ptrs``/``sig_ptrs`` int64 [world] tensors of every rank's data-buffer and
+signal-area addresses; ``rank``/``world``; ``digest`` the call signature's 63-bit digest and
+``meta`` its [META_LEN] int64 words; ``max_spins`` the bound of every wait. Every kernel starts
+with :func:`sync.begin` (publishes its staged input and its signature) and ends with
+:func:`sync.finish` (no rank rewrites its buffer while a peer still reads it); on a signature
+difference it moves no data but still passes both barriers, so every rank stays in step.
+Element kernels take the element type from their input pointer (DT), accumulate in ACC and
+reduce ranks in the order 0..world-1, so every rank computes bitwise the same result.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .sync import _COUNTS, _EPOCH, begin, copy_tiles, finish, may_start, rank_ptr, reduce_ranks, store_rounded
+
+
+@triton.jit
+def barrier_kernel(sig_ptrs, rank, world, digest, meta, max_spins, COPY_META: tl.constexpr):
+    """A barrier that agrees on the signature (COPY_META: gathers every rank's full signature)."""
+    my_sig, e0, ok, go = begin(sig_ptrs, rank, world, digest, meta, max_spins, COPY_META)
+    finish(sig_ptrs, my_sig, rank, world, e0 + 2, max_spins, ok)
+
+
+@triton.jit
+def all_reduce_one_shot(X, OUT, n, data_ptrs, sig_ptrs, rank, world, digest, meta, max_spins,
+                        ACC: tl.constexpr, OP: tl.constexpr, IS_FLOAT: tl.constexpr, OUT_BF16: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """OUT[:n] = op over ranks of X[:n]: stage X in our buffer, then every rank reduces all of it."""
+    DT = X.dtype.element_ty
+    copy_tiles(rank_ptr(data_ptrs, rank, DT), X, n, BLOCK)
+    my_sig, e0, ok, go = begin(sig_ptrs, rank, world, digest, meta, max_spins, False)
+    if go:
+        offs = tl.arange(0, BLOCK)
+        for t in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+            m = t + offs < n
+            acc = reduce_ranks(data_ptrs, world, t + offs, m, DT, ACC, OP, IS_FLOAT)
+            store_rounded(OUT + t + offs, acc, m, OUT_BF16)
+    finish(sig_ptrs, my_sig, rank, world, e0 + 2, max_spins, ok)
+
+
+@triton.jit
+def _part(n, world, q, ALIGN: tl.constexpr):
+    """[lo, hi) of rank q's part of n elements (transports._schedule.part_bounds)."""
+    per = ((n + world - 1) // world + ALIGN - 1) // ALIGN * ALIGN
+    return tl.minimum(q * per, n), tl.minimum((q + 1) * per, n)
+
+
+@triton.jit
+def all_reduce_two_shot(X, OUT, n, data_ptrs, sig_ptrs, rank, world, digest, meta, max_spins,
+                        ACC: tl.constexpr, OP: tl.constexpr, IS_FLOAT: tl.constexpr, OUT_BF16: tl.constexpr,
+                        BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    """Reduce-scatter then all-gather through the buffers: rank q reduces part q of every buffer
+    into part q of its own buffer (and OUT); after a barrier every rank copies the other parts.
+
+    Tiles are numbered from each part's start in both phases, so the program that reads a tile
+    is the one that synchronised with the program that wrote it.
+    """
+    DT = X.dtype.element_ty
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    offs = tl.arange(0, BLOCK)
+    mine = rank_ptr(data_ptrs, rank, DT)
+    for q in range(0, world):
+        lo, hi = _part(n, world, q, ALIGN)
+        copy_tiles(mine + lo, X + lo, hi - lo, BLOCK)
+    my_sig, e0, ok, go = begin(sig_ptrs, rank, world, digest, meta, max_spins, False)
+    last = e0 + 2
+    if go:
+        lo, hi = _part(n, world, rank, ALIGN)
+        for t in range(lo + pid * BLOCK, hi, step):
+            m = t + offs < hi
+            acc = reduce_ranks(data_ptrs, world, t + offs, m, DT, ACC, OP, IS_FLOAT)
+            store_rounded(OUT + t + offs, acc, m, OUT_BF16)
+            tl.store(mine + t + offs, tl.load(OUT + t + offs, mask=m), mask=m)
+        ok = finish(sig_ptrs, my_sig, rank, world, e0 + 2, max_spins, ok)
+        last = e0 + 3
+        if ok:
+            for q in range(0, world):
+                if q != rank:
+                    qlo, qhi = _part(n, world, q, ALIGN)
+                    copy_tiles(OUT + qlo, rank_ptr(data_ptrs, q, DT) + qlo, qhi - qlo, BLOCK)
+    finish(sig_ptrs, my_sig, rank, world, last, max_spins, ok)
+
+
+@triton.jit
+def reduce_scatter(X, OUT, m_block, lo, w, data_ptrs, sig_ptrs, rank, world, digest, meta, max_spins,
+                   ACC: tl.constexpr, OP: tl.constexpr, IS_FLOAT: tl.constexpr, OUT_BF16: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """OUT[lo:lo+w] = op over ranks of their X[rank*m_block + lo :][:w]: each rank stages window
+    [lo, lo+w) of every destination's block d at d*w of its buffer; rank q reduces slot q."""
+    DT = X.dtype.element_ty
+    mine = rank_ptr(data_ptrs, rank, DT)
+    for d in range(0, world):
+        copy_tiles(mine + d * w, X + d * m_block + lo, w, BLOCK)
+    my_sig, e0, ok, go = begin(sig_ptrs, rank, world, digest, meta, max_spins, False)
+    if go:
+        offs = tl.arange(0, BLOCK)
+        for t in range(tl.program_id(0) * BLOCK, w, tl.num_programs(0) * BLOCK):
+            m = t + offs < w
+            acc = reduce_ranks(data_ptrs, world, rank * w + t + offs, m, DT, ACC, OP, IS_FLOAT)
+            store_rounded(OUT + lo + t + offs, acc, m, OUT_BF16)
+    finish(sig_ptrs, my_sig, rank, world, e0 + 2, max_spins, ok)
+
+
+@triton.jit
+def all_gather(X, OUT, m_block, lo, w, data_ptrs, sig_ptrs, rank, world, digest, meta, max_spins,
+               BLOCK: tl.constexpr):
+    """OUT[r*m_block + lo :][:w] = rank r's X[lo:][:w] for every r (bytes or any element type)."""
+    DT = X.dtype.element_ty
+    copy_tiles(rank_ptr(data_ptrs, rank, DT), X + lo, w, BLOCK)
+    my_sig, e0, ok, go = begin(sig_ptrs, rank, world, digest, meta, max_spins, False)
+    if go:
+        for r in range(0, world):
+            copy_tiles(OUT + r * m_block + lo, rank_ptr(data_ptrs, r, DT), w, BLOCK)
+    finish(sig_ptrs, my_sig, rank, world, e0 + 2, max_spins, ok)
+
+
+@triton.jit
+def broadcast(X, OUT, w, root, data_ptrs, sig_ptrs, rank, world, digest, meta, max_spins,
+              BLOCK: tl.constexpr):
+    """OUT[:w] = root's X[:w]: the root stages it, the others copy it out of the root's buffer."""
+    DT = X.dtype.element_ty
+    if rank == root:
+        copy_tiles(rank_ptr(data_ptrs, rank, DT), X, w, BLOCK)
+    my_sig, e0, ok, go = begin(sig_ptrs, rank, world, digest, meta, max_spins, False)
+    if go:
+        copy_tiles(OUT, rank_ptr(data_ptrs, root, DT), w, BLOCK)
+    finish(sig_ptrs, my_sig, rank, world, e0 + 2, max_spins, ok)
+
+
+@triton.jit
+def all_to_all_stage(X, pieces, n_pieces, counts, data_ptrs, sig_ptrs, rank, world, digest, meta, max_spins,
+                     BLOCK: tl.constexpr):
+    """First half of an all_to_all round: stage pieces of our send stream (bytes) in our buffer,
+    publish our send counts (round 0) and the signature.
+
+    pieces: int64 [n_pieces, 3] (offset in the buffer, offset in X, nbytes); counts: int64 [world]
+    rows this rank sends to each rank (written every round; the host reads them after round 0).
+    The pull kernel ends the round; on a signature difference this kernel ends it itself.
+    """
+    mine = rank_ptr(data_ptrs, rank, tl.uint8)
+    for i in range(0, n_pieces):
+        off = tl.load(pieces + i * 3)
+        src = tl.load(pieces + i * 3 + 1)
+        nb = tl.load(pieces + i * 3 + 2)
+        copy_tiles(mine + off, X + src, nb, BLOCK)
+    if tl.program_id(0) == 0:
+        my_counts = rank_ptr(sig_ptrs, rank, tl.int64) + _COUNTS
+        for d in range(0, world):
+            tl.store(my_counts + d, tl.load(counts + d))
+    my_sig, e0, ok, go = begin(sig_ptrs, rank, world, digest, meta, max_spins, False)
+    if go:
+        tl.store(my_sig + _EPOCH + tl.program_id(0), e0 + 1)  # the pull kernel goes on from here
+    else:
+        finish(sig_ptrs, my_sig, rank, world, e0 + 2, max_spins, ok)
+
+
+@triton.jit
+def all_to_all_pull(OUT, copies, n_copies, data_ptrs, sig_ptrs, rank, world, max_spins, BLOCK: tl.constexpr):
+    """Second half of an all_to_all round: copy our blocks out of the peers' staged windows.
+
+    copies: int64 [n_copies, 4] (source rank, offset in its buffer, offset in OUT, nbytes).
+    """
+    pid = tl.program_id(0)
+    my_sig = rank_ptr(sig_ptrs, rank, tl.int64)
+    e = tl.load(my_sig + _EPOCH + pid)
+    ok = may_start(my_sig, world)
+    if ok:
+        for i in range(0, n_copies):
+            src = tl.load(copies + i * 4)
+            off = tl.load(copies + i * 4 + 1)
+            dst = tl.load(copies + i * 4 + 2)
+            nb = tl.load(copies + i * 4 + 3)
+            copy_tiles(OUT + dst, rank_ptr(data_ptrs, src, tl.uint8) + off, nb, BLOCK)
+    finish(sig_ptrs, my_sig, rank, world, e + 1, max_spins, ok)

@@ -1,0 +1,42 @@
+"""Layout of a rank's signal area: int64 words at the start of its region, before its data buffer.
+
+Plain Python numbers for the host; :mod:`transports.kernels.sync` wraps them as ``tl.constexpr``.
+
+Words written by the host (own area only):
+    STATE    0 running, 1 aborted after a failure, 2 closed (peers' watchdogs read it)
+    ABORT    nonzero: every wait of this rank's kernels gives up at its next turn
+Words written by the kernels:
+    ERROR    (peer group rank + 1) of the first wait that gave up; 0 when none did (sticky)
+    MISMATCH 1 when a peer's call signature digest differed from ours (reset by the host)
+    COUNTS   all_to_all: rows this rank sends to each rank (MAX_RANKS words)
+    META     this call's full signature (META_LEN words), for the host's error message
+    DIGEST   per program: this call's signature digest, written before the first barrier
+    EPOCH    per program: barriers passed so far (read and advanced by the kernels only, so
+             CUDA-graph replays stay in step)
+    FLAGS    per program, per source rank: the epoch that source last signalled to us
+    PEER_META per rank: peers' META copied by program 0 after the first barrier when the
+             digests differ (or for exchange_meta), so the host reads them from its own area
+             after peers may have moved on
+"""
+
+from __future__ import annotations
+
+MAX_RANKS = 16  # ranks of one node that a group may have
+MAX_PROGRAMS = 64  # programs (thread blocks) a kernel may be launched with
+META_WORDS = 16  # == transports.base.META_LEN (checked by the transport)
+
+STATE = 0
+ABORT = 1
+ERROR = 2
+MISMATCH = 3
+COUNTS = 16
+META = COUNTS + MAX_RANKS  # 32
+DIGEST = 64
+EPOCH = DIGEST + MAX_PROGRAMS  # 128
+FLAGS = 256
+PEER_META = FLAGS + MAX_PROGRAMS * MAX_RANKS  # 1280
+SIGNAL_WORDS = 2048  # 16 KiB: keeps the data buffer 4 KiB-aligned after it
+assert PEER_META + MAX_RANKS * META_WORDS <= SIGNAL_WORDS
+assert META + META_WORDS <= DIGEST and EPOCH + MAX_PROGRAMS <= FLAGS
+
+STATE_RUNNING, STATE_ABORTED, STATE_CLOSED = 0, 1, 2
