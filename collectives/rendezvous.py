@@ -137,6 +137,10 @@ class StoreRendezvous(Rendezvous):
                                [self.global_ranks[r] for r in ranks])
 
 
+# Requests and buffers of exchanges abandoned at a timeout (see MPIRendezvous._wait): never freed.
+_ABANDONED: list = []
+
+
 class MPIRendezvous(Rendezvous):
     """Exchange through mpi4py, posted non-blocking and polled so it is bounded by the timeout.
 
@@ -151,11 +155,15 @@ class MPIRendezvous(Rendezvous):
         self.rank, self.size, self.timeout = comm.Get_rank(), comm.Get_size(), timeout
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(self.size))
 
-    def _wait(self, req: Any, what: str) -> None:
+    def _wait(self, req: Any, what: str, *buffers: Any) -> None:
+        """Poll ``req`` until done or the timeout. On a timeout the request stays posted (MPI cannot
+        cancel a collective) and a late peer may still complete it, writing into ``buffers``: they are
+        kept alive for good instead of being freed under MPI."""
         deadline = time.monotonic() + self.timeout
         sleep = 1e-5
         while not req.Test():
             if time.monotonic() >= deadline:
+                _ABANDONED.append((req, buffers))
                 raise CollectiveTimeoutError(
                     f"MPI rendezvous ({what}) timed out after {self.timeout:.1f}s on rank "
                     f"{self.global_ranks[self.rank]}")
@@ -169,14 +177,15 @@ class MPIRendezvous(Rendezvous):
             [size] every rank's bytes in rank order (CollectiveTimeoutError after the timeout).
         """
         lens = np.zeros(self.size, dtype=np.int64)
-        self._wait(self.comm.Iallgather(np.array([len(data)], dtype=np.int64), lens), "lengths")
+        mine = np.array([len(data)], dtype=np.int64)
+        self._wait(self.comm.Iallgather(mine, lens), "lengths", mine, lens)
         buf = np.empty(int(lens.sum()), dtype=np.uint8)
         displs = np.concatenate([[0], np.cumsum(lens)[:-1]])
         from mpi4py import MPI
 
         send = np.frombuffer(data, dtype=np.uint8) if data else np.empty(0, dtype=np.uint8)
         self._wait(self.comm.Iallgatherv([send, MPI.BYTE], [buf, (lens.tolist(), displs.tolist()), MPI.BYTE]),
-                   "data")
+                   "data", send, buf, data)
         return [buf[d : d + n].tobytes() for d, n in zip(displs, lens)]
 
     def split(self, color: int, key: int, new_rank: int, new_size: int,
