@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import array
 import logging
-import mmap
 import os
 import platform
-import re
-import secrets
 import threading
 import time
 
@@ -37,6 +34,7 @@ import numpy as np
 import torch
 
 from ._host import as_numpy, group_settings, pid_alive, reduce_into
+from ._segment import SEGMENT_PREFIX, SHM_DIR, create_and_map, remove_stale_segments  # noqa: F401 - re-exported
 from ._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
 from .base import (
     META_LEN,
@@ -54,8 +52,6 @@ from .base import (
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "moecomm"
 
 # Control block layout (int64 words).
 _EPOCH, _STATE = 0, 1
@@ -108,33 +104,6 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-_SEGMENT_RE = re.compile(rf"^{SEGMENT_PREFIX}-(\d+)-(\d+)-[0-9a-f]+$")
-
-
-def remove_stale_segments() -> list[str]:
-    """Unlink this user's segments whose creating process is gone (left by a crash)."""
-    removed = []
-    uid = os.getuid()
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    for name in names:
-        m = _SEGMENT_RE.match(name)
-        if not m or int(m.group(1)) != uid or pid_alive(int(m.group(2))):
-            continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            if os.lstat(path).st_uid == uid:
-                os.unlink(path)
-                removed.append(name)
-        except OSError:
-            pass
-    if removed:
-        log.info("removed %d stale shared-memory segment(s) left by crashed runs: %s", len(removed), removed)
-    return removed
-
-
 class SharedMemoryTransport(Transport):
     name = "shm"
     devices = ("cpu",)
@@ -153,7 +122,7 @@ class SharedMemoryTransport(Transport):
         self._counts0 = _META0 + 2 * META_LEN
         ctrl_bytes = _align(n * self._ctrl_words * 8, 4096)
         total = ctrl_bytes + n * 2 * self.slot_bytes
-        self._map, self.segment_name = self._create_and_map(total)
+        self._map, self.segment_name = create_and_map(group, total)
         self._ctrl = np.frombuffer(self._map, dtype=np.int64, count=n * self._ctrl_words).reshape(n, self._ctrl_words)
         self._q = memoryview(self._map)[: n * self._ctrl_words * 8].cast("q")  # fast scalar access
         self._slots = [
@@ -181,54 +150,6 @@ class SharedMemoryTransport(Transport):
             n, ONE_SHOT_MAX_BYTES_DEFAULT)
         log.debug("shm transport up: segment %s, %d ranks, slot %d B, oversubscribed=%s",
                   self.segment_name, n, self.slot_bytes, oversubscribed)
-
-    # ---- segment setup --------------------------------------------------------------------
-    def _create_and_map(self, total: int) -> tuple[mmap.mmap, str]:
-        rdv = self.group.rendezvous
-        name, path, err = "", "", ""
-        if self.rank == 0:
-            remove_stale_segments()
-            name = f"{SEGMENT_PREFIX}-{os.getuid()}-{os.getpid()}-{secrets.token_hex(16)}"
-            path = os.path.join(SHM_DIR, name)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                try:
-                    os.fchmod(fd, 0o600)
-                    os.ftruncate(fd, total)
-                    mm = mmap.mmap(fd, total)
-                finally:
-                    os.close(fd)
-            except OSError as e:
-                err = f"rank {self._ranks[0]} could not create {path}: {e}"
-        names = rdv.allgather_bytes((err or name).encode() if self.rank == 0 else b"")
-        leader = names[0].decode()
-        if not leader.startswith(SEGMENT_PREFIX):
-            raise RuntimeError(f"shared memory unavailable: {leader}")
-        if self.rank != 0:
-            name, path = leader, os.path.join(SHM_DIR, leader)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-                try:
-                    st = os.fstat(fd)
-                    if st.st_uid != os.getuid() or (st.st_mode & 0o077):
-                        raise PermissionError(f"{path} is not private to this user (mode {oct(st.st_mode)})")
-                    if st.st_size != total:
-                        raise OSError(f"{path} has size {st.st_size}, expected {total}")
-                    mm = mmap.mmap(fd, total)
-                finally:
-                    os.close(fd)
-            except OSError as e:
-                err = f"rank {self.group.global_ranks[self.rank]} could not map {path}: {e}"
-        status = rdv.allgather_bytes(err.encode())
-        if self.rank == 0:
-            try:
-                os.unlink(path)  # every rank holds a mapping now; the name is no longer needed
-            except OSError:
-                pass
-        errors = [s.decode() for s in status if s]
-        if errors:
-            raise RuntimeError("shared memory unavailable: " + "; ".join(errors))
-        return mm, name
 
     # ---- synchronisation ------------------------------------------------------------------
     def _begin_round(self) -> int:
