@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import enum
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Sequence
 
@@ -108,8 +109,17 @@ META_LEN = 16
 MAX_META_DIMS = 8
 F_OPCODE, F_DTYPE, F_REDOP, F_ROOT, F_NDIM = 0, 1, 2, 3, 4
 F_DIMS = 5  # F_DIMS .. F_DIMS + MAX_META_DIMS - 1
-F_ROWS = F_DIMS + MAX_META_DIMS  # all_to_all: this rank's row count (may differ across ranks)
+# Shapes of more than MAX_META_DIMS dims: the last dim slot holds the product of the trailing
+# dims and F_TAIL a digest of them, so (.., 2, 3) and (.., 3, 2) still differ. 0 otherwise.
+F_TAIL = F_DIMS + MAX_META_DIMS
+F_ROWS = F_TAIL + 1  # all_to_all: this rank's row count (may differ across ranks); not compared
 _FIELD_NAMES = {F_OPCODE: "collective", F_DTYPE: "dtype", F_REDOP: "op", F_ROOT: "src", F_NDIM: "ndim"}
+
+
+def _tail_digest(dims: Sequence[int]) -> int:
+    """A positive 48-bit digest of ``dims`` that is the same in every process."""
+    raw = np.asarray(dims, dtype=np.int64).tobytes()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=6).digest(), "little") or 1
 
 
 def make_meta(
@@ -122,20 +132,27 @@ def make_meta(
     compare_first_dim: bool = True,
     rows: int = 0,
 ) -> np.ndarray:
-    """Build the call signature; fields that may legitimately differ across ranks are left 0."""
+    """Build the call signature; fields that may legitimately differ across ranks are left 0.
+
+    shape: any number of dims; past ``MAX_META_DIMS`` the trailing ones are folded into their
+    product plus a digest (see ``F_TAIL``), so every difference in any dim still shows.
+    Returns [META_LEN] int64.
+    """
     meta = np.zeros(META_LEN, dtype=np.int64)
     meta[F_OPCODE] = int(opcode)
     meta[F_DTYPE] = DTYPE_CODES.get(dtype, -1) if dtype is not None else 0
     meta[F_REDOP] = int(op) if op is not None else 0
     meta[F_ROOT] = root
-    dims = list(shape)
+    dims = [int(d) for d in shape]
     meta[F_NDIM] = len(dims)
-    if len(dims) > MAX_META_DIMS:  # fold trailing dims; the product still has to agree
-        dims = dims[: MAX_META_DIMS - 1] + [int(np.prod(dims[MAX_META_DIMS - 1 :]))]
+    if not compare_first_dim and dims:
+        dims[0] = 0
+    if len(dims) > MAX_META_DIMS:
+        tail = dims[MAX_META_DIMS - 1 :]
+        meta[F_TAIL] = _tail_digest(tail)
+        dims = dims[: MAX_META_DIMS - 1] + [math.prod(tail)]
     for i, d in enumerate(dims):
         meta[F_DIMS + i] = d
-    if not compare_first_dim and dims:
-        meta[F_DIMS] = 0
     meta[F_ROWS] = rows
     return meta
 
@@ -188,8 +205,11 @@ def _describe(meta: np.ndarray, field_idx: int) -> str:
 def _shape_of(meta: np.ndarray) -> str:
     ndim = int(meta[F_NDIM])
     dims = [int(d) for d in meta[F_DIMS : F_DIMS + min(ndim, MAX_META_DIMS)]]
-    return "(" + ", ".join("*" if (i == 0 and d == 0 and meta[F_OPCODE] == OpCode.ALL_TO_ALL) else str(d)
-                           for i, d in enumerate(dims)) + ")"
+    shown = ["*" if (i == 0 and d == 0 and meta[F_OPCODE] == OpCode.ALL_TO_ALL) else str(d)
+             for i, d in enumerate(dims)]
+    if ndim > MAX_META_DIMS:  # the folded trailing dims: how many, their product, their digest
+        shown[-1] = f"<last {ndim - MAX_META_DIMS + 1} dims: {dims[-1]} elements, id {int(meta[F_TAIL]):012x}>"
+    return "(" + ", ".join(shown) + ")"
 
 
 def check_agreement(metas: np.ndarray, ranks: Sequence[int] | None = None) -> None:
