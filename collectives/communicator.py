@@ -6,15 +6,16 @@ import atexit
 import json
 import logging
 import math
+import threading
+import time
+import warnings
 import weakref
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, NoReturn, Sequence
 
 import numpy as np
 import torch
 
 from transports import transport_class
-from transports.settings import SETTINGS, agreed_items
-from transports.settings import resolve as resolve_settings
 from transports.base import (
     SUPPORTED_DTYPES,
     CommunicatorBrokenError,
@@ -26,6 +27,8 @@ from transports.base import (
     Transport,
     error_meta,
 )
+from transports.settings import SETTINGS, agreed_items, check_timeout
+from transports.settings import resolve as resolve_settings
 
 from .selection import Plan, choose_transport
 from .topology import Topology
@@ -44,9 +47,43 @@ def _close_all() -> None:
     # Tell peers we are gone so they raise at once instead of waiting for their timeout.
     for comm in list(_live):
         try:
-            comm.close()
+            comm._close(wait=False)  # a thread still inside a call keeps its communicator
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
+
+
+class _Shared:
+    """What a communicator shares with its :meth:`Communicator.using` views: they move data
+    through the same transports, so one call at a time among all of them, and one closed state."""
+
+    __slots__ = ("busy", "conflict", "closed", "members", "transports", "rdv")
+
+    def __init__(self, transports: dict, rdv: Rendezvous):
+        self.busy = threading.Lock()  # held by the thread inside a call
+        self.conflict: str | None = None  # set by a thread that found ``busy`` held (see _refuse)
+        self.closed: str | None = None  # why the communicator is closed; None while it is open
+        self.members: "weakref.WeakSet[Communicator]" = weakref.WeakSet()  # it and its views
+        self.transports = transports
+        self.rdv = rdv
+
+    def shut(self, why: str) -> None:
+        """Close the transports (peers waiting on this rank raise) and forget every cached call,
+        so that no fast path reaches a closed transport. The caller holds ``busy``."""
+        if self.closed is not None:
+            return
+        self.closed = why
+        self.conflict = None
+        for comm in list(self.members):
+            comm._cache.clear()
+            comm._barrier_entry = None
+            _live.discard(comm)
+        for t in self.transports.values():
+            try:
+                t.close()
+            except Exception as e:  # noqa: BLE001
+                log.debug("closing %s: %s", t.name, e)
+        self.transports.clear()
+        self.rdv.close()
 
 
 class _Entry(NamedTuple):
@@ -62,41 +99,75 @@ class Communicator:
 
     Create one with :func:`collectives.init` (or receive one from :func:`collectives.launch`);
     sub-groups come from :meth:`split`. Every collective is called by all ranks of the group in
-    the same order, takes a torch tensor (CPU) or NumPy array, returns a new tensor (NumPy in,
-    NumPy out) or writes ``out=``, and raises instead of hanging: ``ValueError`` when ranks pass
-    different shapes/dtypes/ops, ``TimeoutError`` naming the ranks that never arrived.
+    the same order, takes a torch tensor (any device with a transport, else staged through host
+    memory) or NumPy array, returns a new tensor (NumPy in, NumPy out) or writes ``out=``, and
+    raises instead of hanging: ``ValueError`` when ranks pass different shapes/dtypes/ops or a
+    rank rejects its input (the bad rank raises the specific ``TypeError``/``ValueError``),
+    ``TimeoutError`` naming the ranks that never arrived, ``PeerFailedError`` when a peer died
+    or closed its communicator.
+
+    Threads: a communicator (with its :meth:`using` views) serves one thread at a time. A call
+    made while another thread is inside a call of the same communicator raises ``RuntimeError``,
+    the call in flight raises it too instead of returning, and the communicator closes so that
+    its peers raise instead of waiting (their calls can no longer be matched reliably). For
+    collectives from several threads give each thread its own communicator (every rank calls
+    ``comm.split(0)`` once per thread, in the same order), or serialize the calls with a lock
+    and issue them in the same order on every rank.
+
+    Args:
+        rendezvous: the group's out-of-band exchange (built by ``init``/``launch``/``split``).
+        topology: where every rank runs (node, local rank, GPUs).
+        timeout: seconds any wait may take before it raises; positive and finite.
+        transport: "auto" (pick per call) or a transport name every call must use; overrides
+            ``settings["transport"]``.
+        global_ranks: [size] world rank of each group rank, for messages (default 0..size-1).
+        mpi_comm: the mpi4py communicator of this group when launched by MPI, else None.
+        settings: resolved :mod:`transports.settings` values (default: from the environment).
+            Every rank must agree on the shared ones; otherwise every rank raises ``ValueError``
+            naming each rank's value.
     """
 
     def __init__(self, rendezvous: Rendezvous, topology: Topology, *, timeout: float, transport: str = "auto",
-                 global_ranks: Sequence[int] | None = None, mpi_comm=None,
+                 global_ranks: Sequence[int] | None = None, mpi_comm: Any = None,
                  settings: Mapping[str, Any] | None = None):
         self._rdv = rendezvous
         self.topology = topology
-        self.timeout = float(timeout)
         self.rank = topology.rank
         self.size = topology.size
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(self.size))
         self._mpi_comm = mpi_comm
-        # resolved transports.settings values; transport= overrides MOECOMM_TRANSPORT
-        self.settings: dict[str, Any] = dict(settings) if settings is not None else resolve_settings()
-        if transport not in (None, "auto"):
-            self.settings["transport"] = SETTINGS["transport"].parse(transport, source="transport=")
-        forced = self.settings["transport"]
-        self._forced = None if forced == "auto" else forced
-        self._closed = False
+        self._forced: str | None = None
         self._warned_staging = False
         self._cache: dict = {}
-        self._barrier_entry = None
+        self._barrier_entry: tuple[Transport, Signature] | None = None
         self.transports: dict[str, Transport] = {}
-        self._make_transports()
+        self._state = _Shared(self.transports, rendezvous)
+        self._state.members.add(self)
+        # Argument errors are exchanged with the peers before anything else, so that a bad value
+        # on one rank makes every rank raise instead of leaving the others in the exchange.
+        local_error: Exception | None = None
+        self.timeout = 0.0  # set below once checked
+        self.settings: dict[str, Any] = {}
+        try:
+            self.timeout = check_timeout(timeout, source="Communicator: timeout")
+            # resolved transports.settings values; transport= overrides MOECOMM_TRANSPORT
+            self.settings = dict(settings) if settings is not None else resolve_settings(source="Communicator")
+            if transport not in (None, "auto"):
+                self.settings["transport"] = SETTINGS["transport"].parse(transport, source="transport=")
+        except (TypeError, ValueError) as e:
+            local_error = e
+        forced = self.settings.get("transport", "auto")
+        self._forced = None if forced == "auto" else forced
+        self._make_transports(local_error)
         if self._forced and self._forced not in self.transports:
-            self.close()
+            available = sorted(self.transports)
+            self._state.shut("its creation failed")
             raise ValueError(
-                f"transport {self._forced!r} is not available here (available: {sorted(self.transports)}): "
+                f"transport {self._forced!r} is not available here (available: {available}): "
                 "shm needs all ranks on one node; mpi needs a launch by mpirun/mpiexec")
         _live.add(self)
 
-    def _make_transports(self) -> None:
+    def _make_transports(self, local_error: Exception | None) -> None:
         group = GroupInfo(rank=self.rank, size=self.size, timeout=self.timeout, rendezvous=self._rdv,
                           global_ranks=self.global_ranks, pids=list(self.topology.pids),
                           hosts=list(self.topology.node_ids), mpi_comm=self._mpi_comm,
@@ -108,11 +179,23 @@ class Communicator:
             wanted.append("mpi")
         from transports.nccl import nccl_module
 
-        # One exchange: the settings every rank must share, and whether NCCL is there (its creation
-        # is collective, so only if every rank has it).
-        mine = {"settings": agreed_items(self.settings), "nccl": nccl_module() is not None}
+        # One exchange: this rank's argument error if any, the settings every rank must share, and
+        # whether NCCL is there (its creation is collective, so only if every rank has it).
+        mine = {"error": None if local_error is None else f"{type(local_error).__name__}: {local_error}",
+                "settings": agreed_items(self.settings) if local_error is None else {},
+                "nccl": local_error is None and nccl_module() is not None}
         facts = [json.loads(b) for b in self._rdv.allgather_bytes(json.dumps(mine, sort_keys=True).encode())]
-        _check_settings_agree([f["settings"] for f in facts], self.global_ranks)
+        failed = [(self.global_ranks[r], f["error"]) for r, f in enumerate(facts) if f["error"]]
+        try:
+            if local_error is not None:
+                raise local_error
+            if failed:
+                raise ValueError(f"rank(s) {[r for r, _ in failed]} could not create their communicator "
+                                 f"(rank {failed[0][0]}: {failed[0][1]}); every rank aborted the creation")
+            _check_settings_agree([f["settings"] for f in facts], self.global_ranks)
+        except (TypeError, ValueError):
+            self._state.shut("its creation failed")
+            raise
         if all(f["nccl"] for f in facts):
             wanted.append("nccl")
         for name in wanted:
@@ -132,21 +215,84 @@ class Communicator:
     # ---- properties -------------------------------------------------------------------------
     @property
     def local_rank(self) -> int:
+        """This rank's index among the ranks of its node."""
         return self.topology.local_rank
 
     @property
     def local_size(self) -> int:
+        """How many ranks of the group run on this rank's node."""
         return self.topology.local_size
+
+    @property
+    def closed(self) -> bool:
+        """Whether this communicator (or, for a :meth:`using` view, its parent) is closed."""
+        return self._state.closed is not None
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, size={self.size}, transports={sorted(self.transports)}, "
                 f"forced={self._forced})")
 
+    # ---- one thread at a time -----------------------------------------------------------------
+    def _raise_closed(self) -> NoReturn:
+        raise CommunicatorBrokenError(f"this communicator is closed ({self._state.closed}); create a new one")
+
+    def _refuse(self, what: str) -> NoReturn:
+        """Another thread is inside a call of this communicator: refuse, and break the communicator.
+
+        The two threads' calls cannot be matched with the peers' reliably any more, so the thread
+        inside raises too when its call ends (instead of returning possibly mixed data), and the
+        communicator closes, which makes the peers raise instead of waiting for calls that will
+        not come. Whoever holds the lock closes it: the thread inside, or this one once it ends.
+        """
+        state = self._state
+        if state.closed is not None:
+            self._raise_closed()
+        msg = (f"rank {self.global_ranks[self.rank]}: {what} was called from thread "
+               f"{threading.current_thread().name!r} while another thread was inside a call of this "
+               "communicator (or of a using() view of it). A communicator serves one thread at a time: give "
+               "each thread its own communicator (every rank calls comm.split(0) once per thread, in the same "
+               "order) or hold a lock around every call and issue the calls in the same order on every rank. "
+               "This communicator is now closed, so its peers raise too; create a new one")
+        if state.conflict is None:
+            state.conflict = msg
+        deadline = time.monotonic() + self.timeout + 1.0
+        while state.closed is None and time.monotonic() < deadline:
+            if state.busy.acquire(timeout=0.05):
+                try:
+                    state.shut("it was used from two threads at once")
+                finally:
+                    state.busy.release()
+        raise RuntimeError(msg)
+
+    def _end_after_conflict(self) -> NoReturn:
+        """Called with the lock held by the thread whose call overlapped another thread's attempt."""
+        state = self._state
+        msg = state.conflict or "this communicator was used from two threads at once"
+        try:
+            state.shut("it was used from two threads at once")
+        finally:
+            state.busy.release()
+        raise RuntimeError(msg)
+
+    def _guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` as the only call in flight on this communicator (see the class docstring)."""
+        state = self._state
+        if not state.busy.acquire(False):
+            self._refuse(what)
+        try:
+            if state.closed is not None:
+                self._raise_closed()
+            return fn(*args)
+        finally:
+            if state.conflict is not None:
+                self._end_after_conflict()
+            state.busy.release()
+
     # ---- selection ----------------------------------------------------------------------------
     def _select(self, opcode: OpCode, device: str, nbytes: int, dtype: torch.dtype, name: str
                 ) -> tuple[Transport, Plan]:
-        if self._closed:
-            raise CommunicatorBrokenError("this communicator is closed")
+        if self._state.closed is not None:
+            self._raise_closed()
         tname, reason = choose_transport(opcode, device, self.topology.single_node, self.transports, self._forced)
         t = self.transports[tname]
         staged = device not in t.devices
@@ -161,7 +307,18 @@ class Communicator:
 
     def plan(self, collective: str, x: Array, *, op: str = "sum", send_counts: Sequence[int] | None = None,
              src: int = 0) -> Plan:
-        """Which transport and algorithm ``getattr(comm, collective)(x, ...)`` would use on this rank."""
+        """Which transport and algorithm ``getattr(comm, collective)(x, ...)`` would use on this rank.
+
+        Local: no communication.
+
+        Args:
+            collective: "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast" or
+                "barrier".
+            x: [*] the tensor or array that call would get (a supported dtype).
+            op, send_counts, src: as for that call (they do not change the choice today).
+        Returns:
+            A :class:`Plan`: transport, algorithm, bytes and the reason for the choice.
+        """
         opcode = _OPCODE_BY_NAME.get(collective)
         if opcode is None:
             raise ValueError(f"unknown collective {collective!r}; one of {sorted(_OPCODE_BY_NAME)}")
@@ -169,7 +326,7 @@ class Communicator:
         return self._select(opcode, t.device.type, t.numel() * t.element_size(), t.dtype, collective)[1]
 
     # ---- shared call machinery --------------------------------------------------------------
-    def _fail_locally(self, opcode: OpCode, device: str, err: Exception) -> None:
+    def _fail_locally(self, opcode: OpCode, device: str, err: Exception) -> NoReturn:
         """Tell the peers this rank rejected its input (so they raise too), then raise ``err``."""
         try:
             t, _ = self._select(opcode, device, 0, torch.float32, opcode.name.lower())
@@ -178,16 +335,24 @@ class Communicator:
             pass
         raise err
 
-    def reject(self, error: Exception, *, device: str = "cpu") -> None:
+    def reject(self, error: Exception, *, device: str = "cpu") -> NoReturn:
         """Raise ``error`` here and make the peers' matching collective raise ``ValueError`` at once.
 
         For libraries that validate their own arguments on one rank while the other ranks go
         on into the next collective (on tensors of ``device``): instead of leaving them to wait
-        for the timeout, they learn that this rank rejected its input. Never returns.
-        """
-        self._fail_locally(OpCode.ALL_TO_ALL, device, error)
+        for the timeout, they learn that this rank rejected its input.
 
-    def _entry(self, opcode: OpCode, t: torch.Tensor, op, src: int) -> _Entry:
+        Args:
+            error: the exception to raise on this rank.
+            device: device type of the tensors the peers' next collective moves ("cpu", "cuda"),
+                so that this rank meets them in the same transport.
+        Returns:
+            Never; raises ``error``.
+        """
+        self._guarded("reject", self._fail_locally, OpCode.ALL_TO_ALL, device, error)
+        raise AssertionError("unreachable")  # pragma: no cover - _fail_locally always raises
+
+    def _entry(self, opcode: OpCode, t: torch.Tensor, op: Any, src: int) -> _Entry:
         """Validated, cached description of a call (transport, signature, output shape)."""
         shape = t.shape[1:] if opcode == OpCode.ALL_TO_ALL else t.shape
         key = (opcode, shape, t.dtype, t.device, op, src)
@@ -212,8 +377,8 @@ class Communicator:
             if opcode == OpCode.REDUCE_SCATTER and t.shape[0] % self.size:
                 raise ValueError(f"reduce_scatter: x.shape[0] must be divisible by the group size {self.size}; "
                                  f"rank {me} passed shape {tuple(t.shape)}")
-            if opcode == OpCode.BROADCAST and not (isinstance(src, (int, np.integer)) and 0 <= src < self.size):
-                raise ValueError(f"broadcast: src={src!r} is not a rank of this group of size {self.size}")
+            if opcode == OpCode.BROADCAST and not 0 <= src < self.size:
+                raise ValueError(f"broadcast: src={src} is not a rank of this group of size {self.size}")
         except (TypeError, ValueError) as e:
             self._fail_locally(opcode, device, e)
         nbytes = t.numel() * t.element_size()
@@ -225,7 +390,7 @@ class Communicator:
         else:
             out_shape = t.shape
         sig = Signature.of(opcode, dtype=t.dtype, shape=t.shape if t.dim() or opcode != OpCode.ALL_GATHER else (1,),
-                           op=rop, root=int(src) if opcode == OpCode.BROADCAST else 0,
+                           op=rop, root=src if opcode == OpCode.BROADCAST else 0,
                            compare_first_dim=opcode != OpCode.ALL_TO_ALL)
         ent = _Entry(tr, sig, rop, out_shape, device not in tr.devices)
         if len(self._cache) > 512:
@@ -237,39 +402,56 @@ class Communicator:
         try:
             return _as_tensor(x)
         except TypeError as e:
-            self._fail_locally(opcode, "cpu", TypeError(f"{opcode.name.lower()}: {e}"))
+            self._fail_locally(opcode, _device_of(x), TypeError(f"{opcode.name.lower()}: {e}"))
 
-    def _check_out(self, opcode: OpCode, out: Array, t: torch.Tensor, shape) -> torch.Tensor:
-        out_t = out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out))
+    def _out_view(self, opcode: OpCode, out: Array, t: torch.Tensor) -> torch.Tensor | None:
+        """A tensor view of ``out=`` for the transport to write (None: a NumPy array torch cannot
+        view, e.g. with negative strides; the result is copied into it), or a collective TypeError."""
+        try:
+            return _writable_view(out, f"{opcode.name.lower()}: out")
+        except TypeError as e:
+            self._fail_locally(opcode, t.device.type, e)
+
+    def _check_out(self, opcode: OpCode, out: Array, t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor | None:
+        """:meth:`_out_view` after checking ``out``'s shape, dtype and device (collective errors)."""
+        out_t = self._out_view(opcode, out, t)
         name = opcode.name.lower()
-        if tuple(out_t.shape) != tuple(shape) or out_t.dtype != t.dtype:
+        dtype = out_t.dtype if out_t is not None else _torch_dtype(out.dtype)
+        device = out_t.device if out_t is not None else torch.device("cpu")
+        if tuple(out.shape) != tuple(shape) or dtype != t.dtype:
             self._fail_locally(opcode, t.device.type, ValueError(
-                f"{name}: out has shape {tuple(out_t.shape)} and dtype {out_t.dtype}; "
+                f"{name}: out has shape {tuple(out.shape)} and dtype {dtype}; "
                 f"expected shape {tuple(shape)} and dtype {t.dtype}"))
-        if out_t.device != t.device:
+        if device != t.device:
             self._fail_locally(opcode, t.device.type, ValueError(
-                f"{name}: out is on {out_t.device} but the input is on {t.device}; put both on one device"))
+                f"{name}: out is on {device} but the input is on {t.device}; put both on one device"))
         return out_t
 
-    def _hot(self, opcode: OpCode, x, op, out, *, in_place_ok: bool) -> tuple[_Entry, torch.Tensor] | None:
+    def _hot(self, opcode: OpCode, x: Array, op: Any, out: Array | None, *, in_place_ok: bool
+             ) -> tuple[_Entry, torch.Tensor] | None:
         """(entry, tensor to write) for a repeated call on a plain contiguous tensor, else None.
 
         The latency path: a cache hit skips validation (done when the entry was made) and every
-        conversion; anything unusual (NumPy, strides, grads, odd ``out``) takes :meth:`_run`.
+        conversion; anything unusual (NumPy, strides, grads, sparse, odd ``out``) takes :meth:`_run`.
         """
-        if type(x) is not torch.Tensor or x.requires_grad or not x.is_contiguous():
-            return None
-        ent = self._cache.get((opcode, x.shape, x.dtype, x.device, op, 0))
-        if ent is None or ent.staged:
-            return None
-        if out is None:
-            return ent, torch.empty(ent.out_shape, dtype=x.dtype, device=x.device)
-        if _direct_out(out, x, ent.out_shape, in_place_ok=in_place_ok):
-            return ent, out
+        try:
+            if type(x) is not torch.Tensor or x.requires_grad or not x.is_contiguous():
+                return None
+            ent = self._cache.get((opcode, x.shape, x.dtype, x.device, op, 0))
+            if ent is None or ent.staged:
+                return None
+            if out is None:
+                return ent, torch.empty(ent.out_shape, dtype=x.dtype, device=x.device)
+            if _direct_out(out, x, ent.out_shape, in_place_ok=in_place_ok):
+                return ent, out
+        except RuntimeError:  # e.g. is_contiguous() of a sparse CSR tensor; _run says what is wrong
+            pass
         return None
 
-    def _run(self, opcode: OpCode, x: Array, out: Array | None, op=None, src: int = 0) -> Array:
+    def _run(self, opcode: OpCode, x: Array, out: Array | None, op: Any = None, src: int = 0) -> Array:
         """General path: any input kind, out= of any layout, host staging. Same semantics as the fast paths."""
+        if self._state.closed is not None:
+            self._raise_closed()
         t, was_numpy, orig = self._input(opcode, x)
         ent = self._entry(opcode, t, op, src)
         out_t = self._check_out(opcode, out, t, ent.out_shape) if out is not None else None
@@ -291,72 +473,134 @@ class Communicator:
         elif opcode == OpCode.REDUCE_SCATTER:
             tr.reduce_scatter(s, res, ent.rop, ent.sig)
         elif opcode == OpCode.BROADCAST:
-            tr.broadcast(s, res, int(src), ent.sig)
+            tr.broadcast(s, res, src, ent.sig)
         if res.device != t.device:
             res = res.to(t.device)
         if out is not None:
-            if res.data_ptr() != out_t.data_ptr():
-                out_t.copy_(res)
+            _write_out(out, out_t, res)
             return out
         return res.numpy() if was_numpy else res
 
     # ---- collectives --------------------------------------------------------------------------
+    # all_reduce, all_gather and reduce_scatter inline _guarded: they are the latency path.
     def all_reduce(self, x: Array, op: str = "sum", *, out: Array | None = None) -> Array:
-        """Reduce ``x`` over all ranks; every rank gets the result.
+        """Reduce ``x`` elementwise over all ranks; every rank gets the result.
 
-        x: any shape, any supported dtype (sum/avg/prod need a numeric dtype, avg a floating one;
-        bool only with max/min). Returns a new tensor of x's shape and dtype (or ``out``, which may
-        be x itself). 16-bit floats accumulate in float32; all ranks get bitwise-identical results.
+        16-bit floats accumulate in float32; every rank gets bitwise-identical results.
+
+        Args:
+            x: [*] any shape, same shape and dtype on every rank; float64/32/16, bfloat16, int64/32,
+                uint8 or bool (a torch tensor or NumPy array).
+            op: "sum", "avg" (floating dtypes), "prod", "max" or "min" (bool: max = any, min = all).
+            out: optional tensor/array of x's shape and dtype to write (may be x itself).
+        Returns:
+            [*] x's shape and dtype: a new tensor (NumPy for NumPy input), or ``out``.
         """
-        hot = self._hot(OpCode.ALL_REDUCE, x, op, out, in_place_ok=True)
-        if hot is not None:
-            hot[0].transport.all_reduce(x, hot[1], hot[0].rop, hot[0].sig)
-            return hot[1]
-        return self._run(OpCode.ALL_REDUCE, x, out, op)
+        state = self._state
+        if not state.busy.acquire(False):
+            self._refuse("all_reduce")
+        try:
+            hot = self._hot(OpCode.ALL_REDUCE, x, op, out, in_place_ok=True)
+            if hot is not None:
+                hot[0].transport.all_reduce(x, hot[1], hot[0].rop, hot[0].sig)
+                return hot[1]
+            return self._run(OpCode.ALL_REDUCE, x, out, op)
+        finally:
+            if state.conflict is not None:
+                self._end_after_conflict()
+            state.busy.release()
 
     def all_gather(self, x: Array, *, out: Array | None = None) -> Array:
         """Concatenate every rank's ``x`` along dim 0 in rank order.
 
-        x: [n, *rest] (a 0-d x counts as [1]), same shape and dtype on every rank.
-        Returns [size * n, *rest].
+        Args:
+            x: [n, *rest] (a 0-d x counts as [1]), same shape and dtype on every rank; any
+                supported dtype.
+            out: optional [size * n, *rest] tensor/array of x's dtype to write.
+        Returns:
+            [size * n, *rest] x's dtype: rows [r * n, (r + 1) * n) are rank r's x.
         """
-        hot = self._hot(OpCode.ALL_GATHER, x, None, out, in_place_ok=False)
-        if hot is not None:
-            hot[0].transport.all_gather(x, hot[1], hot[0].sig)
-            return hot[1]
-        return self._run(OpCode.ALL_GATHER, x, out)
+        state = self._state
+        if not state.busy.acquire(False):
+            self._refuse("all_gather")
+        try:
+            hot = self._hot(OpCode.ALL_GATHER, x, None, out, in_place_ok=False)
+            if hot is not None:
+                hot[0].transport.all_gather(x, hot[1], hot[0].sig)
+                return hot[1]
+            return self._run(OpCode.ALL_GATHER, x, out)
+        finally:
+            if state.conflict is not None:
+                self._end_after_conflict()
+            state.busy.release()
 
     def reduce_scatter(self, x: Array, op: str = "sum", *, out: Array | None = None) -> Array:
         """Reduce ``x`` over all ranks and keep this rank's block of dim 0.
 
-        x: [size * n, *rest], same on every rank. Returns [n, *rest]: rows
-        [rank * n, (rank + 1) * n) of the reduction.
+        Args:
+            x: [size * n, *rest], same shape and dtype on every rank (dtypes and ops as
+                :meth:`all_reduce`).
+            op: "sum", "avg", "prod", "max" or "min".
+            out: optional [n, *rest] tensor/array of x's dtype to write.
+        Returns:
+            [n, *rest] x's dtype: rows [rank * n, (rank + 1) * n) of the reduction.
         """
-        hot = self._hot(OpCode.REDUCE_SCATTER, x, op, out, in_place_ok=False)
-        if hot is not None:
-            hot[0].transport.reduce_scatter(x, hot[1], hot[0].rop, hot[0].sig)
-            return hot[1]
-        return self._run(OpCode.REDUCE_SCATTER, x, out, op)
+        state = self._state
+        if not state.busy.acquire(False):
+            self._refuse("reduce_scatter")
+        try:
+            hot = self._hot(OpCode.REDUCE_SCATTER, x, op, out, in_place_ok=False)
+            if hot is not None:
+                hot[0].transport.reduce_scatter(x, hot[1], hot[0].rop, hot[0].sig)
+                return hot[1]
+            return self._run(OpCode.REDUCE_SCATTER, x, out, op)
+        finally:
+            if state.conflict is not None:
+                self._end_after_conflict()
+            state.busy.release()
 
     def broadcast(self, x: Array, src: int = 0, *, out: Array | None = None) -> Array:
         """Every rank gets rank ``src``'s ``x``.
 
-        x: same shape and dtype on every rank (its values matter only on ``src``). Returns a new
-        tensor (or ``out``, which may be x itself).
+        Args:
+            x: [*] same shape and dtype on every rank (its values matter only on ``src``).
+            src: the group rank whose x is sent: an int (or NumPy integer) in [0, size).
+            out: optional tensor/array of x's shape and dtype to write (may be x itself).
+        Returns:
+            [*] x's shape and dtype holding src's x: a new tensor (NumPy for NumPy input), or ``out``.
         """
+        return self._guarded("broadcast", self._broadcast, x, src, out)
+
+    def _broadcast(self, x: Array, src: Any, out: Array | None) -> Array:
+        # checked before the call cache: True == 1 and 1.0 == 1 would find the entry of src=1
+        if type(src) is not int:
+            try:
+                src = _as_int(src, "broadcast: src")
+            except TypeError as e:
+                self._fail_locally(OpCode.BROADCAST, _device_of(x), e)
         return self._run(OpCode.BROADCAST, x, out, None, src)
 
     def all_to_all(self, x: Array, send_counts: Sequence[int] | None = None, *, out: Array | None = None,
-                   return_counts: bool = False) -> Array:
+                   return_counts: bool = False) -> Array | tuple[Array, Array]:
         """Exchange rows: ``send_counts[i]`` rows of ``x`` (in rank order) go to rank i.
 
-        x: [sum(send_counts), *rest]; rest and dtype agree across ranks, row counts need not.
-        send_counts: [size] ints or int tensor (None = x.shape[0] split evenly). The receiver needs
-        no prior knowledge: counts are exchanged here. Returns [sum(recv_counts), *rest], rows in
-        source-rank order; with ``return_counts=True`` returns ``(result, recv_counts)``
-        (recv_counts: [size] int64, a tensor, or NumPy for NumPy input). ``out=`` must have the
-        received row count.
+        The receiver needs no prior knowledge: counts are exchanged here.
+
+        Args:
+            x: [sum(send_counts), *rest]; rest and dtype agree across ranks, row counts need not.
+            send_counts: [size] ints (a list/tuple of int or NumPy integers, or an integer tensor
+                or array); None splits x.shape[0] evenly.
+            out: optional [sum(recv_counts), *rest] tensor/array of x's dtype to write; its dtype
+                and trailing dims are checked before the exchange, its row count after.
+            return_counts: also return the received counts.
+        Returns:
+            [sum(recv_counts), *rest] x's dtype, rows in source-rank order (or ``out``); with
+            ``return_counts=True`` a tuple ``(result, recv_counts)``, recv_counts: [size] int64
+            (a tensor, or NumPy for NumPy input).
         """
+        return self._guarded("all_to_all", self._all_to_all, x, send_counts, out, return_counts)
+
+    def _all_to_all(self, x: Array, send_counts: Any, out: Array | None, return_counts: bool) -> Any:
         opcode = OpCode.ALL_TO_ALL
         t, was_numpy, orig = self._input(opcode, x)
         ent = self._entry(opcode, t, None, 0)
@@ -369,6 +613,15 @@ class Communicator:
         else:
             counts = self._checked_counts(t, send_counts)
         rest = tuple(t.shape[1:])
+        out_t = None
+        if out is not None:
+            out_t = self._out_view(opcode, out, t)
+            dtype = out_t.dtype if out_t is not None else _torch_dtype(out.dtype)
+            device = out_t.device if out_t is not None else torch.device("cpu")
+            if tuple(out.shape[1:]) != rest or len(out.shape) != t.dim() or dtype != t.dtype or device != t.device:
+                self._fail_locally(opcode, t.device.type, ValueError(
+                    f"all_to_all: out has shape {tuple(out.shape)}, dtype {dtype} on {device}; expected "
+                    f"(rows, {', '.join(map(str, rest))}) {t.dtype} on {t.device}".replace(", )", ")")))
         row_numel = math.prod(rest)
         s = t.cpu() if ent.staged else t
         holder: list[list[int]] = []
@@ -376,9 +629,9 @@ class Communicator:
         def alloc(recv_counts: list[int]) -> torch.Tensor:
             holder.append(recv_counts)
             rows = sum(recv_counts)
-            if out is not None and type(out) is torch.Tensor and out.shape == (rows, *rest) and \
-                    out.dtype == t.dtype and out.is_contiguous() and out.device == s.device and not _overlaps(out, orig):
-                return out.view(-1)
+            if out_t is not None and out_t.shape == (rows, *rest) and out_t.is_contiguous() and \
+                    out_t.device == s.device and not _overlaps(out_t, orig):
+                return out_t.view(-1)
             return torch.empty(rows * row_numel, dtype=t.dtype, device=s.device)
 
         flat = ent.transport.all_to_all(s.view(-1), counts, row_numel, alloc, ent.sig)
@@ -388,12 +641,10 @@ class Communicator:
         if res.device != t.device:
             res = res.to(t.device)
         if out is not None:
-            out_t = out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out))
-            if tuple(out_t.shape) != (rows, *rest) or out_t.dtype != t.dtype:
-                raise ValueError(f"all_to_all: out has shape {tuple(out_t.shape)} and dtype {out_t.dtype} but rank "
-                                 f"{self.global_ranks[self.rank]} received {rows} rows of {rest} {t.dtype}")
-            if out_t.data_ptr() != res.data_ptr():
-                out_t.copy_(res)
+            if tuple(out.shape) != (rows, *rest):  # known only now; the peers have their data
+                raise ValueError(f"all_to_all: out has {out.shape[0]} rows but rank "
+                                 f"{self.global_ranks[self.rank]} received {rows} (recv_counts {recv_counts})")
+            _write_out(out, out_t, res)
             result = out
         else:
             result = res.numpy() if was_numpy else res
@@ -402,8 +653,8 @@ class Communicator:
             return result, (rc if was_numpy else torch.from_numpy(rc))
         return result
 
-    def _checked_counts(self, t: torch.Tensor, send_counts) -> list[int]:
-        """send_counts of any accepted kind as a list of ints, or a collective ValueError."""
+    def _checked_counts(self, t: torch.Tensor, send_counts: Any) -> list[int]:
+        """send_counts of any accepted kind as a list of ints, or a collective TypeError/ValueError."""
         me = self.global_ranks[self.rank]
         try:
             if t.dim() == 0:
@@ -411,35 +662,62 @@ class Communicator:
             if send_counts is None:
                 raise ValueError(f"all_to_all: rank {me} has {t.shape[0]} rows, not divisible by the group "
                                  f"size {self.size}; pass send_counts for an uneven split")
-            if isinstance(send_counts, torch.Tensor):
-                send_counts = send_counts.cpu().numpy()
-            arr = np.asarray(send_counts).reshape(-1)
-            if arr.shape != (self.size,) or not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"all_to_all: rank {me} passed send_counts {arr.tolist()}; need {self.size} "
+            if isinstance(send_counts, (torch.Tensor, np.ndarray)):
+                if isinstance(send_counts, torch.Tensor):
+                    if send_counts.layout is not torch.strided or send_counts.is_floating_point() or \
+                            send_counts.is_complex() or send_counts.dtype == torch.bool:
+                        raise TypeError(f"all_to_all: rank {me} passed send_counts of dtype {send_counts.dtype} "
+                                        f"({send_counts.layout}); need a dense integer tensor")
+                    arr = send_counts.detach().cpu().numpy()
+                else:
+                    arr = send_counts
+                if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+                    raise TypeError(f"all_to_all: rank {me} passed send_counts of dtype {arr.dtype}; need integers")
+                counts = [int(c) for c in arr.reshape(-1)]
+            elif isinstance(send_counts, (list, tuple)):
+                counts = [_as_int(c, f"all_to_all: send_counts[{i}] on rank {me}") for i, c in enumerate(send_counts)]
+            else:
+                raise TypeError(f"all_to_all: send_counts must be a list/tuple of ints or an integer tensor/array, "
+                                f"got {type(send_counts).__name__} on rank {me}")
+            if len(counts) != self.size:
+                raise ValueError(f"all_to_all: rank {me} passed send_counts {counts}; need {self.size} "
                                  "integers, one per rank")
-            counts = [int(c) for c in arr]
             if min(counts) < 0 or sum(counts) != t.shape[0]:
                 raise ValueError(f"all_to_all: rank {me} send_counts {counts} must be >= 0 and sum to "
                                  f"x.shape[0] = {t.shape[0]}")
-        except ValueError as e:
+        except (TypeError, ValueError) as e:
             self._fail_locally(OpCode.ALL_TO_ALL, t.device.type, e)
         return counts
 
-
     def barrier(self) -> None:
-        """Return once every rank of the group has called barrier (bounded by the timeout)."""
+        """Return once every rank of the group has called barrier (bounded by the timeout).
+
+        Returns:
+            None.
+        """
+        self._guarded("barrier", self._barrier)
+
+    def _barrier(self) -> None:
         ent = self._barrier_entry
-        if ent is None or self._closed:
+        if ent is None:
             tr, _ = self._select(OpCode.BARRIER, "cpu", 0, torch.uint8, "barrier")
             ent = self._barrier_entry = (tr, Signature.of(OpCode.BARRIER))
         ent[0].barrier(ent[1])
 
     def using(self, transport: str) -> "Communicator":
-        """A view of this communicator that routes every call to ``transport`` ("shm", "mpi", ...).
+        """A view of this communicator that routes every call to ``transport``.
 
-        Shares this communicator's transports and state; closing the view does nothing. Collective
-        calls on a view and on its parent interleave like calls on one communicator.
+        Local (no communication). The view shares this communicator's transports, its closed
+        state and its one-call-at-a-time rule; closing the view does nothing. Collective calls on
+        a view and on its parent interleave like calls on one communicator.
+
+        Args:
+            transport: "auto" or the name of one of ``comm.transports`` ("shm", "mpi", "nccl").
+        Returns:
+            A :class:`Communicator` view.
         """
+        if self._state.closed is not None:
+            self._raise_closed()
         if transport != "auto" and transport not in self.transports:
             raise ValueError(f"transport {transport!r} is not available here (available: {sorted(self.transports)})")
         view = object.__new__(Communicator)
@@ -448,50 +726,100 @@ class Communicator:
         view._is_view = True
         view._cache = {}
         view._barrier_entry = None
+        self._state.members.add(view)
         return view
 
     # ---- groups -------------------------------------------------------------------------------
-    def split(self, color: int | None, key: int | None = None) -> "Communicator | None":
+    def split(self, color: int | None, key: int | None = None, *,
+              options: Mapping[str, Any] | None = None) -> "Communicator | None":
         """Sub-communicator of the ranks that pass the same ``color`` (MPI_Comm_split semantics).
 
-        Collective over this group. Ranks are ordered by ``key`` (default: current rank), then by
-        current rank. ``color`` None or negative: this rank joins no group and gets None.
+        Collective over this group; a bad color, key or option on one rank makes every rank raise.
+
+        Args:
+            color: an int (or NumPy integer) of any size; None or negative: this rank joins no group.
+            key: an int ordering the ranks inside the new group (default: the current rank); ties
+                keep the current order.
+            options: settings of the new communicator that differ from this one's, by option
+                name of :mod:`transports.settings` (``{"shm_slot_bytes": 1 << 16}``); the ranks of
+                a new group must agree on them.
+        Returns:
+            The new :class:`Communicator` (its own transports; close it when done), or None for
+            a rank that joined no group.
         """
-        if self._closed:
-            raise CommunicatorBrokenError("this communicator is closed")
-        c = -1 if color is None else int(color)
-        k = self.rank if key is None else int(key)
-        entries = [json.loads(b) for b in self._rdv.allgather_bytes(json.dumps([c, k]).encode())]
+        return self._guarded("split", self._split, color, key, options)
+
+    def _split(self, color: Any, key: Any, options: Mapping[str, Any] | None) -> "Communicator | None":
+        me = self.global_ranks[self.rank]
+        c, k, err = -1, self.rank, None
+        settings = self.settings
+        try:
+            if color is not None:
+                c = _as_int(color, f"split: color on rank {me}")
+            if key is not None:
+                k = _as_int(key, f"split: key on rank {me}")
+            if options:
+                settings = {**self.settings, **_parse_options(options, f"split on rank {me}")}
+        except (TypeError, ValueError) as e:
+            err = e
+        # the validation is part of the exchange, so a bad argument on one rank stops every rank
+        mine = [-1, 0, str(err)] if err is not None else [max(c, -1), k, None]
+        entries = [json.loads(b) for b in self._rdv.allgather_bytes(json.dumps(mine).encode())]
+        bad = [(self.global_ranks[r], e[2]) for r, e in enumerate(entries) if e[2] is not None]
+        if err is not None:
+            raise err
+        if bad:
+            raise ValueError(f"split: rank(s) {[r for r, _ in bad]} passed an invalid color, key or option "
+                             f"({bad[0][1]}); every rank aborted the split")
+        c = max(c, -1)
         members = sorted((r for r in range(self.size) if entries[r][0] == c and c >= 0),
                          key=lambda r: (entries[r][1], r))
         new_rank = members.index(self.rank) if c >= 0 else -1
-        rdv = self._rdv.split(c, k, new_rank, len(members), members)
+        # MPI takes colors and keys as C ints: pass the group's index among the agreed colors, and
+        # the agreed order as the key, so any Python int works on every path.
+        colors = sorted({e[0] for e in entries if e[0] >= 0})
+        rdv = self._rdv.split(colors.index(c) if c >= 0 else -1, max(new_rank, 0), new_rank, len(members), members)
         mpi_sub = getattr(rdv, "comm", None) if self._mpi_comm is not None else None
         if c < 0:
             return None
         topo = self.topology.subset(members, new_rank)
         return Communicator(rdv, topo, timeout=self.timeout, transport=self._forced or "auto",
                             global_ranks=[self.global_ranks[m] for m in members], mpi_comm=mpi_sub,
-                            settings=self.settings)
+                            settings=settings)
 
     def close(self) -> None:
-        """Release transports and shared memory; peers still waiting on this rank raise at once."""
-        if self._closed or getattr(self, "_is_view", False):
+        """Release transports and shared memory; peers still waiting on this rank raise at once.
+
+        Waits for a call in flight in another thread to end. Later calls on this communicator and
+        its views raise ``CommunicatorBrokenError``; closing a view or a closed communicator does
+        nothing.
+
+        Returns:
+            None.
+        """
+        if getattr(self, "_is_view", False):
             return
-        self._closed = True
-        for t in self.transports.values():
-            try:
-                t.close()
-            except Exception as e:  # noqa: BLE001
-                log.debug("closing %s: %s", t.name, e)
-        self.transports.clear()
-        self._rdv.close()
-        _live.discard(self)
+        self._close(wait=True)
+
+    def _close(self, *, wait: bool) -> None:
+        state = self._state
+        if state.closed is not None:
+            return
+        # a call in flight in another thread ends within the timeout; its transport must outlive it
+        acquired = state.busy.acquire(True, self.timeout + 1.0) if wait else state.busy.acquire(False)
+        if not acquired:
+            if wait:
+                raise RuntimeError("close(): a call in another thread did not end within the timeout")
+            return
+        try:
+            state.shut("close() was called")
+        finally:
+            state.busy.release()
 
     def __enter__(self) -> "Communicator":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
@@ -514,20 +842,95 @@ _OPCODE_BY_NAME = {"all_reduce": OpCode.ALL_REDUCE, "all_gather": OpCode.ALL_GAT
 
 
 def _as_tensor(x: Array) -> tuple[torch.Tensor, bool, torch.Tensor]:
-    """(contiguous tensor, input was NumPy, tensor view of the original input)."""
+    """(contiguous tensor, input was NumPy, tensor view of the original input), or TypeError."""
     if isinstance(x, torch.Tensor):
+        _check_dense(x, "x")
         orig = x.detach() if x.requires_grad else x  # collectives are not differentiable themselves
         was_numpy = False
     elif isinstance(x, np.ndarray):
         was_numpy = True
+        _torch_dtype(x.dtype, "x")
         arr = x if x.flags.c_contiguous or all(s >= 0 for s in x.strides) else np.ascontiguousarray(x)
-        try:
+        if arr.flags.writeable:
             orig = torch.from_numpy(arr)
-        except TypeError as e:
-            raise TypeError(f"NumPy dtype {x.dtype} is not supported; use one of {_SUPPORTED}") from e
+        else:  # collectives only read x; torch's warning about writing read-only memory does not apply
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                orig = torch.from_numpy(arr)
     else:
         raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
     return (orig if orig.is_contiguous() else orig.contiguous()), was_numpy, orig
+
+
+def _check_dense(t: torch.Tensor, what: str) -> None:
+    """TypeError unless ``t`` is a strided tensor with storage (not sparse, not meta)."""
+    if t.layout is not torch.strided:
+        raise TypeError(f"{what} is a {str(t.layout).replace('torch.', '')} tensor; collectives move dense "
+                        f"(strided) tensors: pass {what}.to_dense()")
+    if t.device.type == "meta":
+        raise TypeError(f"{what} is a meta tensor, which has no data to send; pass a tensor with storage "
+                        "(e.g. torch.empty_like(t, device='cpu'))")
+
+
+def _torch_dtype(dtype: np.dtype, what: str = "out") -> torch.dtype:
+    """The torch dtype of a NumPy dtype, or TypeError (non-native byte order, no torch equivalent)."""
+    if not dtype.isnative:
+        raise TypeError(f"{what} has non-native byte order (NumPy dtype {dtype.str!r}); convert it first: "
+                        f"{what}.astype({what}.dtype.newbyteorder('='))")
+    try:
+        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    except TypeError:
+        raise TypeError(f"{what}: NumPy dtype {dtype} is not supported; use one of {_SUPPORTED}") from None
+
+
+def _writable_view(out: Array, what: str) -> torch.Tensor | None:
+    """A tensor aliasing ``out`` for writing (None for a NumPy array with negative strides, which
+    torch cannot view: the result is copied into it); TypeError for anything that cannot be written."""
+    if isinstance(out, torch.Tensor):
+        _check_dense(out, what)
+        if out.requires_grad:
+            raise TypeError(f"{what} requires grad; collectives write out= outside autograd. Pass a tensor "
+                            "that does not require grad, or leave out= unset and use the returned tensor")
+        return out
+    if isinstance(out, np.ndarray):
+        if not out.flags.writeable:
+            raise TypeError(f"{what} is a read-only NumPy array")
+        _torch_dtype(out.dtype, what)
+        return torch.from_numpy(out) if all(s >= 0 for s in out.strides) else None
+    raise TypeError(f"{what} must be a torch.Tensor or numpy.ndarray to write the result into, "
+                    f"got {type(out).__name__}")
+
+
+def _write_out(out: Array, out_t: torch.Tensor | None, res: torch.Tensor) -> None:
+    """Put the result ``res`` into ``out`` unless the transport wrote it there already."""
+    if out_t is None:
+        np.copyto(out, res.numpy())
+    elif res.numel() and res.data_ptr() != out_t.data_ptr():
+        out_t.copy_(res)
+
+
+def _device_of(x: Any) -> str:
+    """The device type whose transport a rejected call of ``x`` meets its peers in."""
+    if isinstance(x, torch.Tensor) and x.device.type != "meta":
+        return x.device.type
+    return "cpu"
+
+
+def _parse_options(options: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Checked values of ``options`` (option names of transports.settings); ValueError names unknown ones."""
+    if not isinstance(options, Mapping):
+        raise TypeError(f"{source}: options must be a mapping of setting names to values, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"{source}: unknown option(s) {unknown}; known: {sorted(SETTINGS)}")
+    return {name: SETTINGS[name].parse(value, source=f"{source} option {name}") for name, value in options.items()}
+
+
+def _as_int(value: Any, what: str) -> int:
+    """``value`` as an int if it is a Python or NumPy integer (bool and float are refused), else TypeError."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -544,10 +947,10 @@ def _span(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
-def _direct_out(out, x: torch.Tensor, shape, *, in_place_ok: bool) -> bool:
+def _direct_out(out: Any, x: torch.Tensor, shape: torch.Size, *, in_place_ok: bool) -> bool:
     """Whether the transport can write straight into ``out`` (hot-path check, no validation errors)."""
     if type(out) is not torch.Tensor or out.shape != shape or out.dtype != x.dtype or out.device != x.device \
-            or not out.is_contiguous():
+            or out.requires_grad or not out.is_contiguous():
         return False
     if in_place_ok and out.data_ptr() == x.data_ptr():
         return True

@@ -269,3 +269,215 @@ def test_signature_digest_is_the_same_in_every_process():
     values = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
     assert len(values) == 1
+
+
+# ---- local errors reach the peers (adversarial findings 5, 6, 8, 12, 14) --------------------------
+def _local_error_cases(comm) -> dict:
+    """Cases where rank 1 alone passes something wrong; name -> (call, words rank 1's error must name)."""
+    r, n = comm.rank, comm.size
+    bad = r == 1
+    g = torch.Generator().manual_seed(7 + r)
+    x = torch.rand(4, generator=g) + 0.5
+    x2 = torch.rand(2, 2, generator=g) + 0.5
+    rows = torch.rand(2 * n, 3, generator=g)
+    ro = np.random.default_rng(r).random(4).astype(np.float32)
+    ro.flags.writeable = False
+    return {
+        # out= that cannot hold the result
+        "out_list_all_reduce": (lambda: comm.all_reduce(x, out=[0, 0, 0, 0] if bad else None), ["out", "list"]),
+        "out_list_all_gather": (lambda: comm.all_gather(x, out=[0] * 4 * n if bad else None), ["out", "list"]),
+        "out_list_reduce_scatter": (lambda: comm.reduce_scatter(rows, out=[[0.0] * 3] * 2 if bad else None),
+                                    ["out", "list"]),
+        "out_list_broadcast": (lambda: comm.broadcast(x, out=[0] * 4 if bad else None), ["out", "list"]),
+        "out_list_all_to_all": (lambda: comm.all_to_all(rows, out=[[0.0] * 3] * 2 if bad else None),
+                                ["out", "list"]),
+        "out_requires_grad": (lambda: comm.all_reduce(x, out=torch.empty(4, requires_grad=True) if bad else None),
+                              ["out", "requires grad"]),
+        "out_requires_grad_a2a": (lambda: comm.all_to_all(
+            rows, out=torch.empty(2, 3, requires_grad=True) if bad else None), ["out", "requires grad"]),
+        "out_read_only_numpy": (lambda: comm.all_reduce(ro, out=ro if bad else None), ["out", "read-only"]),
+        "out_sparse": (lambda: comm.all_reduce(x, out=torch.zeros(4).to_sparse() if bad else None),
+                       ["out", "sparse"]),
+        # inputs without a dense native-endian layout
+        "big_endian": (lambda: comm.all_reduce(x.numpy().astype(">f4") if bad else x.numpy()), ["byte order"]),
+        "sparse_coo": (lambda: comm.all_reduce(x.to_sparse() if bad else x), ["sparse", "to_dense"]),
+        "sparse_csr": (lambda: comm.all_reduce(x2.to_sparse_csr() if bad else x2), ["sparse_csr", "to_dense"]),
+        "meta": (lambda: comm.all_reduce(torch.empty(4, device="meta") if bad else x), ["meta"]),
+        # integers: int and NumPy integers only, the same rule on every path
+        "src_bool": (lambda: comm.broadcast(x, src=True if bad else 1), ["src", "integer", "True"]),
+        "src_float": (lambda: comm.broadcast(x, src=1.0 if bad else 1), ["src", "integer", "1.0"]),
+        "counts_bool": (lambda: comm.all_to_all(rows, [True] * n if bad else [2] * n), ["send_counts", "True"]),
+        "counts_float": (lambda: comm.all_to_all(rows, [2.0] * n if bad else [2] * n), ["send_counts", "2.0"]),
+        "counts_float_tensor": (lambda: comm.all_to_all(rows, torch.full((n,), 2.0) if bad else [2] * n),
+                                ["send_counts", "float32"]),
+        "split_str": (lambda: comm.split("a" if bad else 0), ["color", "'a'"]),
+        "split_float": (lambda: comm.split(0.5 if bad else 0), ["color", "0.5"]),
+        "split_key_float": (lambda: comm.split(0, key=1.5 if bad else None), ["key", "1.5"]),
+    }
+
+
+def _body_local_errors(comm):
+    """Each case is wrong on rank 1 only: rank 1 raises a TypeError naming the problem, the others a
+    ValueError naming rank 1, at once; then the communicator still works."""
+    r = comm.rank
+    comm.all_reduce(torch.rand(4))  # shapes seen before take the hot path: it must check as well
+    comm.all_reduce(torch.rand(2, 2))
+    results = {name: _catch(call) for name, (call, _) in _local_error_cases(comm).items()}
+    # shapes past 8 dims that differ only in the folded trailing dims (finding 6)
+    results["dims_past_8"] = _catch(lambda: comm.all_reduce(torch.rand((1,) * 7 + ((2, 3) if r == 0 else (3, 2)))))
+    results["split_bad_option"] = _catch(lambda: comm.split(0, options={"shm_slot_bytes": "lots"} if r == 1 else None))
+    # float colors are refused on every rank, not truncated into one group
+    results["split_float_everywhere"] = _catch(lambda: comm.split(0.5 if r == 0 else 0.4))
+
+    def big_color():  # any Python int is a color, on every path (MPI colors are C ints)
+        sub = comm.split(2**40, key=-(2**40) * r)
+        try:
+            return sub.size, sub.rank, sub.all_reduce(torch.full((2,), float(r + 1))).tolist()
+        finally:
+            sub.close()
+
+    def neg_stride_out():  # a NumPy out= with negative strides is written, not refused
+        neg = np.zeros(4, dtype=np.float32)[::-1]
+        vals = np.random.default_rng(3).random(4).astype(np.float32)
+        return comm.all_reduce(vals, out=neg) is neg and np.allclose(neg, vals * comm.size)
+
+    def after():
+        return comm.all_reduce(torch.ones(3) * (r + 1)).tolist()
+
+    for name, fn in (("big_color", big_color), ("neg_stride_out", neg_stride_out), ("after", after)):
+        try:
+            results[name] = fn()
+        except Exception as e:  # noqa: BLE001 - reported with the other cases
+            results[name] = (type(e).__name__, str(e))
+    results["rank"] = r
+    return results
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+def test_local_errors_reach_every_rank(transport):
+    res = run(_body_local_errors, 2, transport=transport, timeout=10.0)
+    n = len(res) if not UNDER_MPI else 2
+    failures = []
+    for results in res:
+        r = results["rank"]
+        for name, (_, words) in _local_error_cases(_NameOnly(r, n)).items():
+            got = results[name]
+            if r == 1:
+                ok = got is not None and got[0] == "TypeError" and all(w in got[1] for w in words)
+            else:
+                ok = got is not None and got[0] == "ValueError" and "rank(s) [1]" in got[1]
+            if not ok:
+                failures.append(f"rank {r} {name}: {got}")
+        dims = results["dims_past_8"]
+        if not (dims and dims[0] == "ValueError" and "shape differs" in dims[1] and "last 2 dims" in dims[1]):
+            failures.append(f"rank {r} dims_past_8: {dims}")
+        opt = results["split_bad_option"]
+        if not (opt and opt[0] == "ValueError" and ("MOECOMM_SHM_SLOT_BYTES" in opt[1] if r == 1 else
+                                                     "rank(s) [1] passed an invalid" in opt[1])):
+            failures.append(f"rank {r} split_bad_option: {opt}")
+        sfe = results["split_float_everywhere"]
+        if not (sfe and sfe[0] == "TypeError" and "color" in sfe[1]):
+            failures.append(f"rank {r} split_float_everywhere: {sfe}")
+        if results["big_color"] != (2, 1 - r, [3.0, 3.0]):
+            failures.append(f"rank {r} big_color: {results['big_color']}")
+        if results["neg_stride_out"] is not True:
+            failures.append(f"rank {r} neg_stride_out: {results['neg_stride_out']}")
+        if results["after"] != [3.0] * 3:
+            failures.append(f"rank {r} after: {results['after']}")
+    assert not failures, "\n".join(failures)
+
+
+class _NameOnly:
+    """Stands in for a communicator when only the case names and expected words are needed."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+
+def _body_closed(comm):
+    """After close(), every call (also of a view, also of a shape used before) raises CommunicatorBrokenError."""
+    sub = comm.split(0)
+    view = sub.using("auto")
+    x = torch.rand(4)
+    sub.all_reduce(x), view.all_reduce(x), sub.all_gather(x), sub.barrier(), view.barrier()
+    sub.close()
+    calls = {
+        "all_reduce": lambda c: c.all_reduce(x),
+        "all_gather": lambda c: c.all_gather(x),
+        "reduce_scatter": lambda c: c.reduce_scatter(torch.rand(2 * comm.size)),
+        "broadcast": lambda c: c.broadcast(x),
+        "all_to_all": lambda c: c.all_to_all(torch.rand(2 * comm.size)),
+        "barrier": lambda c: c.barrier(),
+        "split": lambda c: c.split(0),
+        "using": lambda c: c.using("auto"),
+    }
+    got = {f"{who}.{name}": _catch(lambda: call(c)) for who, c in (("sub", sub), ("view", view))
+           for name, call in calls.items()}
+    got["closed"] = (getattr(sub, "closed", None), getattr(view, "closed", None))
+    return got
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+def test_calls_after_close_raise_communicator_broken(transport):
+    for got in run(_body_closed, 2, transport=transport):
+        closed = got.pop("closed")
+        wrong = {k: v for k, v in got.items() if v is None or v[0] != "CommunicatorBrokenError" or "closed" not in v[1]}
+        assert not wrong and closed == (True, True), (wrong, closed)
+
+
+def _body_creation_errors(comm):
+    """Communicator creation: a bad argument or setting on one rank makes every rank raise ValueError."""
+    from collectives.communicator import Communicator
+    from transports.settings import resolve
+
+    r = comm.rank
+
+    def fresh(**kw):
+        # a new communicator over the same ranks, built the way init()/launch() build theirs
+        rdv = comm._rdv.split(0, r, r, comm.size, list(range(comm.size)))
+        return Communicator(rdv, comm.topology, **{"timeout": 10.0, **kw}).close()
+
+    def with_env(name, value, **kw):
+        old = os.environ.get(name)
+        if r == 1:
+            os.environ[name] = value
+        try:
+            return fresh(**kw)
+        finally:
+            if r == 1:
+                if old is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = old
+
+    return {
+        "rank": r,
+        "timeout_nan": _catch(lambda: fresh(timeout=float("nan") if r == 1 else 10.0)),
+        "timeout_str": _catch(lambda: fresh(timeout="10" if r == 1 else 10.0)),
+        "env_one_shot": _catch(lambda: with_env("MOECOMM_SHM_ONE_SHOT_MAX", "1000")),
+        "env_transport": _catch(lambda: with_env("MOECOMM_TRANSPORT", "shm")),
+        "env_bad_value": _catch(lambda: with_env("MOECOMM_SHM_SLOT_BYTES", "lots")),
+        "options_slot": _catch(lambda: fresh(settings=resolve({"shm_slot_bytes": 8192} if r == 1 else {}))),
+        "after": comm.all_reduce(torch.ones(2)).tolist(),
+    }
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+def test_creation_errors_and_differing_settings_raise_on_every_rank(transport):
+    failures = []
+    for got in run(_body_creation_errors, 2, transport=transport):
+        r = got.pop("rank")
+        assert got.pop("after") == [2.0, 2.0]
+        expect = {
+            "timeout_nan": ("ValueError", ["timeout", "nan"] if r == 1 else ["rank(s) [1]", "timeout"]),
+            "timeout_str": ("TypeError" if r == 1 else "ValueError", ["timeout", "'10'"]),
+            "env_one_shot": ("ValueError", ["MOECOMM_SHM_ONE_SHOT_MAX", "rank 0: None", "rank 1: 1000"]),
+            "env_transport": ("ValueError", ["MOECOMM_TRANSPORT", "rank 0: 'auto'", "rank 1: 'shm'"]),
+            "env_bad_value": ("ValueError", ["MOECOMM_SHM_SLOT_BYTES", "lots"]),
+            "options_slot": ("ValueError", ["MOECOMM_SHM_SLOT_BYTES", "rank 0: 1048576", "rank 1: 8192"]),
+        }
+        for name, (kind, words) in expect.items():
+            e = got[name]
+            if e is None or e[0] != kind or not all(w in e[1] for w in words):
+                failures.append(f"rank {r} {name}: {e}")
+    assert not failures, "\n".join(failures)
