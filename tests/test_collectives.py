@@ -1,8 +1,11 @@
-"""Every collective x transport x dtype x op against a NumPy reference, on 2, 3 and 4 ranks."""
+"""Every collective x transport x dtype x op against a NumPy reference, on 2, 3 and 4 ranks.
+
+Each grid cell (collective, dtype, op, shape) is checked on its own and failures are collected:
+a test reports every failing cell, not just the first one.
+"""
 
 from __future__ import annotations
 
-import os
 import zlib
 
 import numpy as np
@@ -32,23 +35,53 @@ def _digest(t: torch.Tensor) -> int:
 
 def _small_slot(comm):
     """A sub-communicator over the same ranks whose shm slots are small, so messages take many rounds."""
-    os.environ["MOECOMM_SHM_SLOT_BYTES"] = str(SMALL_SLOT)
-    try:
-        return comm.split(0)
-    finally:
-        del os.environ["MOECOMM_SHM_SLOT_BYTES"]
+    sub = comm.split(0, options={"shm_slot_bytes": SMALL_SLOT})
+    assert "shm" not in sub.transports or sub.transports["shm"].slot_bytes == SMALL_SLOT
+    return sub
 
 
-def _assert_same_on_all_ranks(comm, digests: list[int], what: str) -> None:
-    mine = torch.tensor(digests, dtype=torch.int64)
-    everyone = comm.all_gather(mine.reshape(1, -1))
-    assert (everyone == mine).all(), f"{what}: ranks got different bits"
+class Cells:
+    """The grid cells one rank checked, and the failures among them (cell name: what went wrong)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.names: list[str] = []
+        self.digests: list[int] = []
+        self.failures: list[str] = []
+
+    def check(self, name: str, fn, result: torch.Tensor | None = None) -> None:
+        """Run the assertions of one cell; a failure is recorded and the next cell runs."""
+        self.names.append(name)
+        self.digests.append(_digest(result) if result is not None else 0)
+        try:
+            fn()
+        except AssertionError as e:
+            detail = str(e).split("\nassert")[0]  # drop pytest's rewritten-expression tail
+            detail = detail[len(name):].lstrip(": ") if detail.startswith(name) else detail
+            self.failures.append(f"rank {self.comm.rank}: {name}: {detail}")
+
+    def report(self) -> tuple[int, list[str]]:
+        """(cells checked, failures), including cells whose result bits differ across ranks."""
+        mine = torch.tensor(self.digests, dtype=torch.int64)
+        everyone = self.comm.all_gather(mine.reshape(1, -1))
+        for i in torch.nonzero((everyone != mine).any(dim=0)).flatten().tolist():
+            self.failures.append(f"rank {self.comm.rank}: {self.names[i]}: ranks got different bits")
+        return len(self.names), self.failures
+
+
+def assert_cells_pass(results: list[tuple[int, list[str]]], min_cells: int = 1) -> None:
+    """Fail with every failing cell of every rank listed."""
+    checked = results[0][0]
+    failures = [f for _, fs in results for f in fs]
+    assert checked >= min_cells, f"only {checked} cells checked"
+    assert not failures, f"{len(failures)} failures in {checked} cells x {len(results)} ranks:\n" + "\n".join(
+        failures[:200])
 
 
 def _body_all_reduce(comm, seed: int, small_slot: bool):
     c = _small_slot(comm) if small_slot else comm
     n, r = c.size, c.rank
-    digests = []
+    cells = Cells(c)
     for dtype in DTYPES:
         for op in ops_for(dtype):
             for numel in SIZES:
@@ -57,57 +90,65 @@ def _body_all_reduce(comm, seed: int, small_slot: bool):
                 if op == "prod" and dtype.is_floating_point:
                     xs = [(x.double() * 0.25 + 1).to(dtype) for x in xs]  # keep products finite
                 y = c.all_reduce(xs[r].clone(), op=op)
-                assert_reduced(y, xs, op, f"all_reduce {dtype} {op} {shape} on {n} ranks")
-                digests.append(_digest(y))
-    _assert_same_on_all_ranks(c, digests, "all_reduce")
-    return len(digests)
+                what = f"all_reduce {dtype} {op} {shape} on {n} ranks"
+                cells.check(what, lambda: assert_reduced(y, xs, op, what), y)
+    return cells.report()
 
 
 @pytest.mark.parametrize("transport", transports_under_test())
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
 def test_all_reduce(nprocs, transport):
-    cases = run(_body_all_reduce, nprocs, 11, False, transport=transport)
-    assert cases[0] > 100
+    assert_cells_pass(run(_body_all_reduce, nprocs, 11, False, transport=transport), min_cells=100)
 
 
 @pytest.mark.parametrize("transport", transports_under_test())
 def test_all_reduce_many_rounds(transport):
-    run(_body_all_reduce, 2, 12, True, transport=transport)
+    assert_cells_pass(run(_body_all_reduce, 2, 12, True, transport=transport), min_cells=100)
 
 
 def _body_gather_scatter(comm, seed: int, small_slot: bool):
     c = _small_slot(comm) if small_slot else comm
     n, r = c.size, c.rank
+    cells = Cells(c)
     for dtype in DTYPES:
         for rows in [0, 1, 5, 2003]:
             for rest in [(), (3,)]:
                 shape = (rows, *rest)
                 xs = [rank_input("ag", i, shape, dtype, seed) for i in range(n)]
                 y = c.all_gather(xs[r])
-                assert torch.equal(y, torch.cat(xs)), f"all_gather {dtype} {shape}"
+                cells.check(f"all_gather {dtype} {shape}", lambda: _assert_equal(y, torch.cat(xs)), y)
                 # broadcast from every source
                 for src in range(n):
                     b = c.broadcast(xs[r], src=src)
-                    assert torch.equal(b, xs[src]), f"broadcast {dtype} {shape} src {src}"
+                    cells.check(f"broadcast {dtype} {shape} src {src}", lambda: _assert_equal(b, xs[src]), b)
                 # reduce_scatter of [n * rows, *rest]
                 big = (n * rows, *rest)
                 xs2 = [rank_input("rs", i, big, dtype, seed) for i in range(n)]
                 for op in ops_for(dtype)[:3]:
                     z = c.reduce_scatter(xs2[r], op=op)
                     blocks = [x[r * rows : (r + 1) * rows] for x in xs2]
-                    assert_reduced(z, blocks, op, f"reduce_scatter {dtype} {op} {big}")
-    return True
+                    what = f"reduce_scatter {dtype} {op} {big}"
+                    cells.check(what, lambda: assert_reduced(z, blocks, op, what))  # blocks differ per rank
+    return cells.report()
+
+
+def _assert_equal(got: torch.Tensor, expect: torch.Tensor) -> None:
+    assert got.dtype == expect.dtype and got.shape == expect.shape, \
+        f"got {got.dtype} {tuple(got.shape)}, expected {expect.dtype} {tuple(expect.shape)}"
+    if not torch.equal(got, expect):
+        wrong = (got != expect).reshape(-1).nonzero().flatten()
+        assert False, f"{wrong.numel()} of {got.numel()} elements differ, first at flat index {wrong[0].item()}"
 
 
 @pytest.mark.parametrize("transport", transports_under_test())
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
 def test_all_gather_broadcast_reduce_scatter(nprocs, transport):
-    run(_body_gather_scatter, nprocs, 21, False, transport=transport)
+    assert_cells_pass(run(_body_gather_scatter, nprocs, 21, False, transport=transport), min_cells=100)
 
 
 @pytest.mark.parametrize("transport", transports_under_test())
 def test_gather_scatter_many_rounds(transport):
-    run(_body_gather_scatter, 3, 22, True, transport=transport)
+    assert_cells_pass(run(_body_gather_scatter, 3, 22, True, transport=transport), min_cells=100)
 
 
 def _send_counts(n: int, src: int, case: int, seed: int) -> list[int]:
@@ -127,6 +168,7 @@ def _send_counts(n: int, src: int, case: int, seed: int) -> list[int]:
 def _body_all_to_all(comm, seed: int, small_slot: bool):
     c = _small_slot(comm) if small_slot else comm
     n, r = c.size, c.rank
+    cells = Cells(c)
     for dtype in DTYPES:
         for case in range(8):
             rest = (3, 2) if case % 2 else ()
@@ -135,25 +177,26 @@ def _body_all_to_all(comm, seed: int, small_slot: bool):
             y, rc = c.all_to_all(xs[r], counts[r], return_counts=True)
             offs = [np.concatenate([[0], np.cumsum(counts[i])]) for i in range(n)]
             expect = torch.cat([xs[i][offs[i][r] : offs[i][r + 1]] for i in range(n)])
-            assert torch.equal(y, expect), f"all_to_all {dtype} case {case}"
-            assert rc.tolist() == [counts[i][r] for i in range(n)]
+            cells.check(f"all_to_all {dtype} case {case} counts {counts[r]}", lambda: _assert_equal(y, expect))
+            cells.check(f"all_to_all {dtype} case {case} recv_counts",
+                        lambda: _assert_equal(rc, torch.tensor([counts[i][r] for i in range(n)])))
         # equal split with send_counts=None
         x = rank_input("a2a-even", r, (2 * n, 4), dtype, seed)
         y = c.all_to_all(x)
         expect = torch.cat([rank_input("a2a-even", i, (2 * n, 4), dtype, seed)[2 * r : 2 * r + 2] for i in range(n)])
-        assert torch.equal(y, expect)
-    return True
+        cells.check(f"all_to_all {dtype} even split", lambda: _assert_equal(y, expect))
+    return cells.report()
 
 
 @pytest.mark.parametrize("transport", transports_under_test())
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
 def test_all_to_all_uneven(nprocs, transport):
-    run(_body_all_to_all, nprocs, 31, False, transport=transport)
+    assert_cells_pass(run(_body_all_to_all, nprocs, 31, False, transport=transport), min_cells=100)
 
 
 @pytest.mark.parametrize("transport", transports_under_test())
 def test_all_to_all_many_rounds(transport):
-    run(_body_all_to_all, 2, 32, True, transport=transport)
+    assert_cells_pass(run(_body_all_to_all, 2, 32, True, transport=transport), min_cells=100)
 
 
 def _body_large(comm, seed: int):
