@@ -46,6 +46,13 @@ def rank_ptr(table, r, DT: tl.constexpr):
 
 
 @triton.jit
+def record_error(my_sig, code):
+    """ERROR = code unless an earlier failure is recorded there (int64 compare-and-swap)."""
+    zero = tl.load(my_sig + _ERROR, volatile=True) * 0  # an int64 0: the CAS operands match the word
+    tl.atomic_cas(my_sig + _ERROR, zero, zero + code, sem="relaxed", scope="sys")
+
+
+@triton.jit
 def wait_flag(flag, e, my_sig, peer, max_spins):
     """Spin until ``*flag >= e``; 1 if it got there, else 0 with ERROR = peer + 1."""
     v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
@@ -57,7 +64,7 @@ def wait_flag(flag, e, my_sig, peer, max_spins):
         left -= 1
     arrived = v >= e
     if v < e:
-        tl.atomic_cas(my_sig + _ERROR, 0, peer + 1, sem="relaxed", scope="sys")
+        record_error(my_sig, peer + 1)
     return arrived
 
 
@@ -84,7 +91,7 @@ def may_start(my_sig, world):
     ERROR = world + 1 (no peer to name), so the host never takes a skipped call for a done one."""
     ok = (tl.load(my_sig + _ERROR, volatile=True) == 0) & (tl.load(my_sig + _ABORT, volatile=True) == 0)
     if ok == 0:
-        tl.atomic_cas(my_sig + _ERROR, 0, world + 1, sem="relaxed", scope="sys")
+        record_error(my_sig, world + 1)
     return ok
 
 

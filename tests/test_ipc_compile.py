@@ -1,0 +1,92 @@
+"""The ipc kernels compile for a GPU (sm_90 target) without one: Triton's frontend, its NVIDIA
+backend and the ptxas it ships run on the CPU. Catches what the interpreter accepts and the
+compiler does not (operand types of atomics, loop-carried types), and checks the barrier's PTX:
+system-scope release exchanges, acquire loads, and block-wide bar.sync around them.
+
+Runs in a subprocess: this pytest process defines the kernels under the interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def _compile_all() -> dict:
+    os.environ.pop("TRITON_INTERPRET", None)
+    import re
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from transports.kernels import collectives as K
+
+    common = {"data_ptrs": "*i64", "sig_ptrs": "*i64", "rank": "i32", "world": "i32", "digest": "i64",
+              "meta": "*i64", "max_spins": "i64"}
+    red = {"ACC": "constexpr", "OP": "constexpr", "IS_FLOAT": "constexpr", "OUT_BF16": "constexpr",
+           "BLOCK": "constexpr"}
+    bf16 = {"ACC": tl.float32, "OP": 1, "IS_FLOAT": True, "OUT_BF16": True, "BLOCK": 1024}
+    i64max = {"ACC": tl.int64, "OP": 3, "IS_FLOAT": False, "OUT_BF16": False, "BLOCK": 1024}
+    copy = {"BLOCK": 1024}
+    jobs = [
+        ("barrier_kernel", {k: v for k, v in common.items() if k != "data_ptrs"} | {"COPY_META": "constexpr"},
+         {"COPY_META": True}),
+        ("all_reduce_one_shot", {"X": "*bf16", "OUT": "*bf16", "n": "i32", **common, **red}, bf16),
+        ("all_reduce_two_shot", {"X": "*i64", "OUT": "*i64", "n": "i32", **common, **red, "ALIGN": "constexpr"},
+         {**i64max, "ALIGN": 16}),
+        ("reduce_scatter", {"X": "*fp16", "OUT": "*fp16", "m_block": "i32", "lo": "i32", "w": "i32", **common, **red},
+         {**bf16, "OUT_BF16": False, "OP": 4}),
+        ("all_gather", {"X": "*u8", "OUT": "*u8", "m_block": "i32", "lo": "i32", "w": "i32", **common,
+                        "BLOCK": "constexpr"}, copy),
+        ("broadcast", {"X": "*u8", "OUT": "*u8", "w": "i32", "root": "i32", **common, "BLOCK": "constexpr"}, copy),
+        ("all_to_all_stage", {"X": "*u8", "pieces": "*i64", "n_pieces": "i32", "counts": "*i64", **common,
+                              "BLOCK": "constexpr"}, copy),
+        ("all_to_all_pull", {"OUT": "*u8", "copies": "*i64", "n_copies": "i32", "data_ptrs": "*i64",
+                             "sig_ptrs": "*i64", "rank": "i32", "world": "i32", "max_spins": "i64",
+                             "BLOCK": "constexpr"}, copy),
+    ]
+    report = {}
+    for name, signature, constexprs in jobs:
+        fn = getattr(K, name)
+        try:
+            src = ASTSource(fn, signature=signature,
+                            constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+            ptx = compiled.asm["ptx"]
+            report[name] = {"ok": True, "cubin": "cubin" in compiled.asm,
+                            "ops": sorted(set(re.findall(r"(atom\.global\.[\w.]+|ld\.global\.sys\.acquire|bar\.sync)",
+                                                         ptx)))}
+        except Exception as e:  # noqa: BLE001 - reported together
+            report[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    return report
+
+
+def test_every_kernel_compiles_for_sm90_with_system_scope_barriers(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    failed = {k: v["error"] for k, v in report.items() if not v["ok"]}
+    assert not failed, failed
+    assert all(v["cubin"] for v in report.values())
+    for name in ("barrier_kernel", "all_reduce_one_shot", "all_to_all_pull"):
+        ops = report[name]["ops"]
+        assert "atom.global.sys.release.exch.b64" in ops, (name, ops)  # the signal
+        assert "ld.global.sys.acquire" in ops, (name, ops)  # the wait
+        assert "bar.sync" in ops, (name, ops)  # all threads' stores before the signal
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))
