@@ -139,6 +139,9 @@ class _HostRegions:
     def write(self, r: int, word: int, value: int) -> None:
         self.signals[r][word] = value
 
+    def bind_thread(self) -> None:
+        pass
+
     def sync(self) -> None:
         pass  # the interpreter ran the kernel to its end before the launch returned
 
@@ -220,8 +223,12 @@ class _CudaRegions:
                              self._stream.ptr)
         self._stream.synchronize()
 
+    def bind_thread(self) -> None:
+        """Make our device current in the calling thread (the watchdog's copies use our stream)."""
+        self._rt.setDevice(self.device.index)
+
     def sync(self) -> None:
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
 
     def capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
@@ -312,6 +319,7 @@ class IPCTransport(Transport):
     def _watch(self) -> None:
         """While a call runs: abort our kernels when a peer dies, closes or aborts, or at the timeout."""
         me = self.rank
+        self._regions.bind_thread()
         while not self._stop.wait(_WATCH_PERIOD):
             with self._watch_lock:
                 deadline = self._deadline
@@ -322,13 +330,18 @@ class IPCTransport(Transport):
                     for r in range(self.size):
                         if r == me:
                             continue
-                        state = int(self._regions.read(r, L.STATE, 1)[0])
+                        dead = r < len(self._pids) and not pid_alive(self._pids[r])
+                        try:  # a dead exporter's GPU memory may be gone with it
+                            state = int(self._regions.read(r, L.STATE, 1)[0])
+                        except Exception:  # noqa: BLE001 - then the pid says enough
+                            state = L.STATE_RUNNING
+                        if dead and state != L.STATE_CLOSED:
+                            reason = (PeerFailedError, f"rank {self._ranks[r]} (pid {self._pids[r]}) died",
+                                      [self._ranks[r]])
+                            break
                         if state in (L.STATE_ABORTED, L.STATE_CLOSED):
                             why = "aborted after a failure" if state == L.STATE_ABORTED else "closed its communicator"
                             reason = (PeerFailedError, f"rank {self._ranks[r]} {why}", [self._ranks[r]])
-                        elif r < len(self._pids) and not pid_alive(self._pids[r]):
-                            reason = (PeerFailedError, f"rank {self._ranks[r]} (pid {self._pids[r]}) died",
-                                      [self._ranks[r]])
                         if reason:
                             break
                     if reason is None and time.monotonic() >= deadline:
