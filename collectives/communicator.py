@@ -829,7 +829,8 @@ def _check_settings_agree(per_rank: list[dict], global_ranks: Sequence[int]) -> 
     for name in sorted(set().union(*per_rank)):
         vals = [d.get(name) for d in per_rank]
         if any(v != vals[0] for v in vals):
-            shown = ", ".join(f"rank {global_ranks[r]}: {v!r}" for r, v in enumerate(vals))
+            shown = ", ".join(f"rank {global_ranks[r]}: {'unset' if v is None else repr(v)}"
+                              for r, v in enumerate(vals))
             diffs.append(f"{SETTINGS[name].env} ({shown})")
     if diffs:
         raise ValueError("ranks disagree on settings that must be equal on every rank: " + "; ".join(diffs)

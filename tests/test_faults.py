@@ -471,7 +471,7 @@ def test_creation_errors_and_differing_settings_raise_on_every_rank(transport):
         expect = {
             "timeout_nan": ("ValueError", ["timeout", "nan"] if r == 1 else ["rank(s) [1]", "timeout"]),
             "timeout_str": ("TypeError" if r == 1 else "ValueError", ["timeout", "'10'"]),
-            "env_one_shot": ("ValueError", ["MOECOMM_SHM_ONE_SHOT_MAX", "rank 0: None", "rank 1: 1000"]),
+            "env_one_shot": ("ValueError", ["MOECOMM_SHM_ONE_SHOT_MAX", "rank 0: unset", "rank 1: 1000"]),
             "env_transport": ("ValueError", ["MOECOMM_TRANSPORT", "rank 0: 'auto'", "rank 1: 'shm'"]),
             "env_bad_value": ("ValueError", ["MOECOMM_SHM_SLOT_BYTES", "lots"]),
             "options_slot": ("ValueError", ["MOECOMM_SHM_SLOT_BYTES", "rank 0: 1048576", "rank 1: 8192"]),

@@ -1,0 +1,57 @@
+"""Settings that must agree across ranks, set differently per rank by the launcher's environment.
+
+`mpiexec -n 1 -env VAR a python job.py : -n 1 -env VAR b python job.py` gives each rank its own
+environment, as a careless job script or a heterogeneous cluster would: every rank must stop at
+creation with a ValueError naming the variable and each rank's value, not compute with different
+tunables or wait in different transports until the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spmd import UNDER_MPI
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+JOB = str(HERE / "jobs" / "collective_job.py")
+
+
+def _mpiexec() -> str | None:
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else shutil.which("mpiexec")
+
+
+pytestmark = [pytest.mark.skipif(UNDER_MPI, reason="starts its own mpiexec"),
+              pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec (install the test extra)")]
+
+
+def _run_mpmd(var: str, values: tuple[str | None, str | None]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOECOMM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [_mpiexec()]
+    for i, value in enumerate(values):
+        if i:
+            cmd.append(":")
+        cmd += ["-n", "1"] + (["-env", var, value] if value is not None else []) + [sys.executable, JOB]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("var,values,shown", [
+    ("MOECOMM_SHM_ONE_SHOT_MAX", ("1000", None), ("rank 0: 1000", "rank 1: unset")),
+    ("MOECOMM_TRANSPORT", ("mpi", "shm"), ("rank 0: 'mpi'", "rank 1: 'shm'")),
+    ("MOECOMM_SHM_SLOT_BYTES", (None, "65536"), ("rank 0: 1048576", "rank 1: 65536")),
+])
+def test_setting_that_differs_across_ranks_stops_every_rank_at_creation(var, values, shown):
+    p = _run_mpmd(var, values)
+    assert p.returncode != 0, p.stdout + p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("ValueError: ranks disagree")]
+    assert len(errors) == 2, p.stderr[-3000:]  # each rank says it, naming the variable and both values
+    assert all(var in e and all(s in e for s in shown) for e in errors), errors
+    assert '"ok": true' not in p.stdout
