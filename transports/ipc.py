@@ -110,6 +110,21 @@ def load_kernels(emulate: bool) -> Any:
         return kernels
 
 
+def ipc_available(settings: dict) -> bool:
+    """Whether this process could create an ipc transport (cheap; no CUDA context, no triton import).
+
+    settings: resolved transports.settings values. Emulation needs triton; the GPU path needs
+    triton, cupy and a CUDA device. The communicator creates ipc only where every rank says yes.
+    """
+    from importlib.util import find_spec
+
+    if find_spec("triton") is None:
+        return False
+    if settings.get("ipc_emulate"):
+        return True
+    return find_spec("cupy") is not None and torch.cuda.is_available()
+
+
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -277,6 +292,10 @@ class IPCTransport(Transport):
         n = self.size
         if not group.single_node:
             raise RuntimeError("the ipc transport needs every rank of the group on one node")
+        if group.pids and len(set(group.pids)) < n:
+            # CUDA cannot open a process's own IPC handle, and Triton's interpreter keeps the program
+            # index of a launch in global state, so ranks that are threads of one process cannot share it
+            raise RuntimeError("the ipc transport needs one process per rank (these ranks share a process)")
         if n > L.MAX_RANKS:
             raise RuntimeError(f"the ipc transport serves at most {L.MAX_RANKS} ranks, not {n}")
         self.emulate = bool(settings["ipc_emulate"]) if emulate is None else bool(emulate)
