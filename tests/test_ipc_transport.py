@@ -299,3 +299,45 @@ def test_signature_mismatch_raises_value_error_on_every_rank():
         assert "shape differs" in shape_msg and "rank 0: (8)" in shape_msg and "rank 1: (3000)" in shape_msg
         assert "collective differs" in op_msg and "all_gather" in op_msg and "broadcast" in op_msg
         assert after == [6.0] * 5
+
+
+def _other_dtypes(group):
+    """float64, uint8, bool and prod: the dtypes and op the communicator also hands to transports."""
+    from transports.ipc import IPCTransport
+
+    t = IPCTransport(group, buffer_bytes=BUF)
+    n, me = group.size, group.rank
+    fails = []
+    cases = [(torch.float64, "sum"), (torch.float64, "prod"), (torch.float64, "max"), (torch.float32, "prod"),
+             (torch.int64, "prod"), (torch.uint8, "sum"), (torch.uint8, "max"), (torch.bool, "max"),
+             (torch.bool, "min")]
+    try:
+        for i, (dtype, op) in enumerate(cases):
+            g = [torch.Generator().manual_seed(i * 10 + r) for r in range(n)]
+            if dtype == torch.bool:
+                xs = [torch.rand(700, generator=g[r]) < 0.5 for r in range(n)]
+            elif dtype == torch.uint8:
+                xs = [torch.randint(0, 256, (700,), generator=g[r], dtype=dtype) for r in range(n)]
+            elif dtype.is_floating_point:
+                xs = [torch.rand(700, generator=g[r], dtype=dtype) + 0.5 for r in range(n)]
+            else:
+                xs = [torch.randint(-3, 4, (700,), generator=g[r], dtype=dtype) for r in range(n)]
+            fn = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
+            acc = xs[0].to(torch.float32 if dtype == torch.float32 else xs[0].dtype)
+            for x in xs[1:]:
+                acc = fn(acc, x)
+            want = acc.to(dtype)
+            out = torch.empty_like(xs[me])
+            rop = ReduceOp.parse(op)
+            t.all_reduce(xs[me], out, rop, Signature.of(OpCode.ALL_REDUCE, dtype=dtype, shape=(700,), op=rop))
+            if not torch.equal(out, want):
+                fails.append(f"{dtype} {op}")
+    finally:
+        t.close()
+    return fails
+
+
+def test_float64_uint8_bool_and_prod():
+    results = run_ranks(_other_dtypes, 2, timeout=60.0)
+    assert all(r[0] == "ok" for r in results), results
+    assert [f for r in results for f in r[1]] == []
