@@ -422,7 +422,7 @@ class IPCTransport(Transport):
         me = self._ranks[self.rank]
         if error:
             if error > self.size:  # stopped before it waited for anyone (ABORT was already set)
-                cls, msg, missing = reason or (CommunicatorBrokenError, "its abort flag was set", [])
+                cls, msg, missing = reason or (CollectiveTimeoutError, "its abort flag was set", [])
                 self._fail(cls, f"{msg}; rank {me} abandoned its ipc collective", missing)
             peer = self._ranks[error - 1]
             if reason is None or reason[0] is CollectiveTimeoutError:
@@ -432,8 +432,9 @@ class IPCTransport(Transport):
                            "(stuck, deadlocked, or calling a different collective)", [peer])
             cls, msg, missing = reason
             self._fail(cls, f"{msg} while rank {me} waited for rank {peer} in an ipc collective", missing)
-        if reason is not None:  # the call completed, but a peer is gone: the next call raises
-            self._pending = reason
+        if reason is not None:  # the call completed all the same
+            if reason[0] is not CollectiveTimeoutError:
+                self._pending = reason  # but a peer is gone: the next call raises
             self._regions.write(self.rank, L.ABORT, 0)
         if mismatch and not constants.get("COPY_META"):
             self._regions.write(self.rank, L.MISMATCH, 0)
