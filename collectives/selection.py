@@ -18,6 +18,7 @@ all_to_all sizes differ by design. A single-copy shm path is the fix (see the is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 from transports.base import OpCode
 
@@ -33,7 +34,11 @@ FALLBACK_CHAINS: dict[tuple[str, bool], tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Plan:
-    """How one call will run: transport, its algorithm, and why."""
+    """How one call will run: transport, its algorithm, and why.
+
+    op: the collective's name; transport, algorithm: what serves it; nbytes: bytes of this rank's
+    input; reason: why that transport; staged_through_host: device tensors copied via host memory.
+    """
 
     op: str
     transport: str
@@ -48,12 +53,31 @@ class Plan:
 
 
 def candidate_chain(device: str, single_node: bool) -> tuple[str, ...]:
+    """The transports that may serve tensors of ``device``, best first.
+
+    Args:
+        device: a torch device type ("cpu", "cuda", ...); others use the cpu chain (staged).
+        single_node: whether every rank of the group runs on one node.
+    Returns:
+        Transport names in order of preference.
+    """
     return FALLBACK_CHAINS.get((device, single_node), FALLBACK_CHAINS[("cpu", single_node)])
 
 
-def choose_transport(opcode: OpCode, device: str, single_node: bool, available: dict, forced: str | None
-                     ) -> tuple[str, str]:
-    """(transport name, reason). ``available`` maps names to live transports of this communicator."""
+def choose_transport(opcode: OpCode, device: str, single_node: bool, available: Mapping[str, Any],
+                     forced: str | None) -> tuple[str, str]:
+    """The transport that serves one call, from what every rank agrees on (never from sizes).
+
+    Args:
+        opcode: the collective.
+        device: device type of the call's tensors.
+        single_node: whether every rank of the group runs on one node.
+        available: transport name -> live transport of this communicator.
+        forced: a transport every call must use (``transport=``/MOECOMM_TRANSPORT), or None.
+    Returns:
+        (transport name, reason for the choice). Raises ValueError if ``forced`` is not
+        available, RuntimeError if no transport can serve ``device``.
+    """
     if forced:
         if forced not in available:
             raise ValueError(
