@@ -114,9 +114,8 @@ def _body_second_thread_refused(comm):
     t = threading.Thread(target=worker, name="worker")
     t.start()
     time.sleep(0.5)  # the worker is inside all_reduce now, waiting for rank 1
-    t0 = time.monotonic()
     try:
-        comm.barrier()
+        comm.using("auto").barrier()  # a view shares its parent's transports, so it counts as the same
         main = None
     except RuntimeError as e:
         main = str(e)
@@ -126,16 +125,15 @@ def _body_second_thread_refused(comm):
         comm.all_gather(x)
     except CommunicatorBrokenError as e:
         late = str(e)
-    return outcome["worker"], main, late, time.monotonic() - t0
+    return outcome["worker"], main, late
 
 
 def test_call_from_second_thread_is_refused_and_breaks_the_communicator():
-    (worker, main, late, waited), (first, peer_error) = collectives.launch(
+    (worker, main, late), (first, peer_error) = collectives.launch(
         _body_second_thread_refused, 2, timeout=20.0)
     assert main is not None and "barrier was called from thread 'MainThread'" in main and "split" in main
     assert worker[0] == "RuntimeError" and "another thread" in worker[1]  # it does not return its result
     assert late is not None and "two threads" in late
     assert first == [3.0, 3.0, 3.0] and peer_error == "PeerFailedError"  # rank 1 is told, does not time out
-    assert waited < 20.0
 
 
