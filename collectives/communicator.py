@@ -416,8 +416,7 @@ class Communicator:
         """:meth:`_out_view` after checking ``out``'s shape, dtype and device (collective errors)."""
         out_t = self._out_view(opcode, out, t)
         name = opcode.name.lower()
-        dtype = out_t.dtype if out_t is not None else _torch_dtype(out.dtype)
-        device = out_t.device if out_t is not None else torch.device("cpu")
+        dtype, device = _dtype_device(out, out_t)
         if tuple(out.shape) != tuple(shape) or dtype != t.dtype:
             self._fail_locally(opcode, t.device.type, ValueError(
                 f"{name}: out has shape {tuple(out.shape)} and dtype {dtype}; "
@@ -616,8 +615,7 @@ class Communicator:
         out_t = None
         if out is not None:
             out_t = self._out_view(opcode, out, t)
-            dtype = out_t.dtype if out_t is not None else _torch_dtype(out.dtype)
-            device = out_t.device if out_t is not None else torch.device("cpu")
+            dtype, device = _dtype_device(out, out_t)
             if tuple(out.shape[1:]) != rest or len(out.shape) != t.dim() or dtype != t.dtype or device != t.device:
                 self._fail_locally(opcode, t.device.type, ValueError(
                     f"all_to_all: out has shape {tuple(out.shape)}, dtype {dtype} on {device}; expected "
@@ -900,6 +898,13 @@ def _writable_view(out: Array, what: str) -> torch.Tensor | None:
         return torch.from_numpy(out) if all(s >= 0 for s in out.strides) else None
     raise TypeError(f"{what} must be a torch.Tensor or numpy.ndarray to write the result into, "
                     f"got {type(out).__name__}")
+
+
+def _dtype_device(out: Array, out_t: torch.Tensor | None) -> tuple[torch.dtype, torch.device]:
+    """The torch dtype and device of ``out=`` (``out_t``: its view from :func:`_writable_view`)."""
+    if out_t is not None:
+        return out_t.dtype, out_t.device
+    return _torch_dtype(out.dtype), torch.device("cpu")
 
 
 def _write_out(out: Array, out_t: torch.Tensor | None, res: torch.Tensor) -> None:
