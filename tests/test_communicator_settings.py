@@ -9,6 +9,7 @@ tunables or wait in different transports until the timeout.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,7 +36,8 @@ pytestmark = [pytest.mark.skipif(UNDER_MPI, reason="starts its own mpiexec"),
 def _run_mpmd(var: str, values: tuple[str | None, str | None]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOECOMM_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [_mpiexec()]
+    # -disable-auto-cleanup: a rank that fails first must not get the others killed before they report
+    cmd = [_mpiexec(), "-disable-auto-cleanup"]
     for i, value in enumerate(values):
         if i:
             cmd.append(":")
@@ -51,7 +53,9 @@ def _run_mpmd(var: str, values: tuple[str | None, str | None]) -> subprocess.Com
 def test_setting_that_differs_across_ranks_stops_every_rank_at_creation(var, values, shown):
     p = _run_mpmd(var, values)
     assert p.returncode != 0, p.stdout + p.stderr
-    errors = [line for line in p.stderr.splitlines() if line.startswith("ValueError: ranks disagree")]
-    assert len(errors) == 2, p.stderr[-3000:]  # each rank says it, naming the variable and both values
+    # the ranks share one stderr and Python writes "ValueError" and ": message" separately, so the
+    # two tracebacks can interleave between them: find the messages themselves
+    errors = re.findall(r"ranks disagree on settings that must be equal on every rank: MOECOMM_[^\n]*", p.stderr)
+    assert len(errors) == 2 and "ValueError" in p.stderr, p.stderr[-3000:]  # each rank says it
     assert all(var in e and all(s in e for s in shown) for e in errors), errors
     assert '"ok": true' not in p.stdout
