@@ -3,6 +3,8 @@
 - ``shm``  (:mod:`transports.shm`): POSIX shared memory between the processes of one node (CPU tensors).
 - ``mpi``  (:mod:`transports.mpi`): mpi4py, zero-copy through the buffer protocol; spans nodes.
 - ``nccl`` (:mod:`transports.nccl`): CUDA tensors through libnccl via cupy.cuda.nccl.
+- ``ipc``  (:mod:`transports.ipc`): our Triton kernels over peer-mapped buffers of one node (CUDA IPC);
+  with ``MOECOMM_IPC_EMULATE=1`` CPU tensors through POSIX shared memory and Triton's interpreter.
 """
 
 from .base import (
@@ -21,7 +23,7 @@ __all__ = [
     "ReduceOp", "Rendezvous", "Transport", "transport_class", "TRANSPORT_NAMES",
 ]
 
-TRANSPORT_NAMES = ("shm", "mpi", "nccl")
+TRANSPORT_NAMES = ("shm", "mpi", "nccl", "ipc")
 
 
 def transport_class(name: str) -> type[Transport]:
@@ -38,4 +40,8 @@ def transport_class(name: str) -> type[Transport]:
         from .nccl import NCCLTransport
 
         return NCCLTransport
+    if name == "ipc":
+        from .ipc import IPCTransport
+
+        return IPCTransport
     raise ValueError(f"unknown transport {name!r}; available: {', '.join(TRANSPORT_NAMES)}")
