@@ -24,6 +24,10 @@ from transports.base import OpCode
 
 # (device, single_node) -> transports in order of preference. A host transport serving CUDA
 # tensors stages them through host memory (the communicator warns once when that happens).
+# ``ipc`` is in no chain yet: it serves a call only when forced (transport="ipc", comm.using("ipc")).
+# Emulated ipc (CPU tensors through Triton's interpreter) proves the kernels and is never fast; on
+# GPUs, ipc joins the ("cuda", True) chain below per-op size thresholds once a GPU run has measured
+# them against NCCL and a real P2P probe exists (issue 11; transports/ipc.py ONE_SHOT_MAX_BYTES).
 FALLBACK_CHAINS: dict[tuple[str, bool], tuple[str, ...]] = {
     ("cpu", True): ("shm", "mpi"),
     ("cpu", False): ("mpi",),
@@ -82,7 +86,8 @@ def choose_transport(opcode: OpCode, device: str, single_node: bool, available: 
         if forced not in available:
             raise ValueError(
                 f"transport {forced!r} was requested but is not available in this communicator "
-                f"(available: {sorted(available)}); shm needs all ranks on one node, mpi needs an mpirun launch")
+                f"(available: {sorted(available)}); shm needs all ranks on one node, mpi needs an mpirun launch, "
+                "ipc needs one node and CUDA (or MOECOMM_IPC_EMULATE=1 and triton for CPU tensors)")
         return forced, "forced by transport=/MOECOMM_TRANSPORT"
     chain = candidate_chain(device, single_node)
     for name in chain:
