@@ -6,10 +6,6 @@ import atexit
 import json
 import logging
 import math
-import threading
-import time
-import warnings
-import weakref
 from typing import Any, Callable, Mapping, NamedTuple, NoReturn, Sequence
 
 import numpy as np
@@ -18,7 +14,6 @@ import torch
 from transports import transport_class
 from transports.base import (
     SUPPORTED_DTYPES,
-    CommunicatorBrokenError,
     GroupInfo,
     OpCode,
     ReduceOp,
@@ -27,63 +22,38 @@ from transports.base import (
     Transport,
     error_meta,
 )
-from transports.settings import SETTINGS, agreed_items, check_timeout
+from transports.settings import SETTINGS, agreed_items, check_settings_agree, check_timeout, parse_options
 from transports.settings import resolve as resolve_settings
 
+from ._arrays import (
+    SUPPORTED_NAMES,
+    Array,
+    as_int,
+    as_tensor,
+    device_of,
+    direct_out,
+    dtype_device,
+    overlaps,
+    write_out,
+    writable_view,
+)
+from ._shared import SharedState, live
 from .selection import Plan, choose_transport
 from .topology import Topology
 
 log = logging.getLogger("collectives")
 
-Array = Any  # torch.Tensor | numpy.ndarray
-
-_SUPPORTED = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
 
 @atexit.register
 def _close_all() -> None:
     # Tell peers we are gone so they raise at once instead of waiting for their timeout.
-    for comm in list(_live):
+    for comm in list(live):
         try:
             comm._close(wait=False)  # a thread still inside a call keeps its communicator
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
-
-
-class _Shared:
-    """What a communicator shares with its :meth:`Communicator.using` views: they move data
-    through the same transports, so one call at a time among all of them, and one closed state."""
-
-    __slots__ = ("busy", "conflict", "closed", "members", "transports", "rdv")
-
-    def __init__(self, transports: dict, rdv: Rendezvous):
-        self.busy = threading.Lock()  # held by the thread inside a call
-        self.conflict: str | None = None  # set by a thread that found ``busy`` held (see _refuse)
-        self.closed: str | None = None  # why the communicator is closed; None while it is open
-        self.members: "weakref.WeakSet[Communicator]" = weakref.WeakSet()  # it and its views
-        self.transports = transports
-        self.rdv = rdv
-
-    def shut(self, why: str) -> None:
-        """Close the transports (peers waiting on this rank raise) and forget every cached call,
-        so that no fast path reaches a closed transport. The caller holds ``busy``."""
-        if self.closed is not None:
-            return
-        self.closed = why
-        self.conflict = None
-        for comm in list(self.members):
-            comm._cache.clear()
-            comm._barrier_entry = None
-            _live.discard(comm)
-        for t in self.transports.values():
-            try:
-                t.close()
-            except Exception as e:  # noqa: BLE001
-                log.debug("closing %s: %s", t.name, e)
-        self.transports.clear()
-        self.rdv.close()
 
 
 class _Entry(NamedTuple):
@@ -141,7 +111,7 @@ class Communicator:
         self._cache: dict = {}
         self._barrier_entry: tuple[Transport, Signature] | None = None
         self.transports: dict[str, Transport] = {}
-        self._state = _Shared(self.transports, rendezvous)
+        self._state = SharedState(self.transports, rendezvous)
         self._state.members.add(self)
         # Argument errors are exchanged with the peers before anything else, so that a bad value
         # on one rank makes every rank raise instead of leaving the others in the exchange.
@@ -165,7 +135,7 @@ class Communicator:
             raise ValueError(
                 f"transport {self._forced!r} is not available here (available: {available}): "
                 "shm needs all ranks on one node; mpi needs a launch by mpirun/mpiexec")
-        _live.add(self)
+        live.add(self)
 
     def _make_transports(self, local_error: Exception | None) -> None:
         group = GroupInfo(rank=self.rank, size=self.size, timeout=self.timeout, rendezvous=self._rdv,
@@ -192,7 +162,7 @@ class Communicator:
             if failed:
                 raise ValueError(f"rank(s) {[r for r, _ in failed]} could not create their communicator "
                                  f"(rank {failed[0][0]}: {failed[0][1]}); every rank aborted the creation")
-            _check_settings_agree([f["settings"] for f in facts], self.global_ranks)
+            check_settings_agree([f["settings"] for f in facts], self.global_ranks)
         except (TypeError, ValueError):
             self._state.shut("its creation failed")
             raise
@@ -233,66 +203,25 @@ class Communicator:
                 f"forced={self._forced})")
 
     # ---- one thread at a time -----------------------------------------------------------------
-    def _raise_closed(self) -> NoReturn:
-        raise CommunicatorBrokenError(f"this communicator is closed ({self._state.closed}); create a new one")
-
-    def _refuse(self, what: str) -> NoReturn:
-        """Another thread is inside a call of this communicator: refuse, and break the communicator.
-
-        The two threads' calls cannot be matched with the peers' reliably any more, so the thread
-        inside raises too when its call ends (instead of returning possibly mixed data), and the
-        communicator closes, which makes the peers raise instead of waiting for calls that will
-        not come. Whoever holds the lock closes it: the thread inside, or this one once it ends.
-        """
-        state = self._state
-        if state.closed is not None:
-            self._raise_closed()
-        msg = (f"rank {self.global_ranks[self.rank]}: {what} was called from thread "
-               f"{threading.current_thread().name!r} while another thread was inside a call of this "
-               "communicator (or of a using() view of it). A communicator serves one thread at a time: give "
-               "each thread its own communicator (every rank calls comm.split(0) once per thread, in the same "
-               "order) or hold a lock around every call and issue the calls in the same order on every rank. "
-               "This communicator is now closed, so its peers raise too; create a new one")
-        if state.conflict is None:
-            state.conflict = msg
-        deadline = time.monotonic() + self.timeout + 1.0
-        while state.closed is None and time.monotonic() < deadline:
-            if state.busy.acquire(timeout=0.05):
-                try:
-                    state.shut("it was used from two threads at once")
-                finally:
-                    state.busy.release()
-        raise RuntimeError(msg)
-
-    def _end_after_conflict(self) -> NoReturn:
-        """Called with the lock held by the thread whose call overlapped another thread's attempt."""
-        state = self._state
-        msg = state.conflict or "this communicator was used from two threads at once"
-        try:
-            state.shut("it was used from two threads at once")
-        finally:
-            state.busy.release()
-        raise RuntimeError(msg)
-
     def _guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` as the only call in flight on this communicator (see the class docstring)."""
         state = self._state
         if not state.busy.acquire(False):
-            self._refuse(what)
+            self._state.refuse(self.global_ranks[self.rank], self.timeout, what)
         try:
             if state.closed is not None:
-                self._raise_closed()
+                self._state.raise_closed()
             return fn(*args)
         finally:
             if state.conflict is not None:
-                self._end_after_conflict()
+                self._state.end_after_conflict()
             state.busy.release()
 
     # ---- selection ----------------------------------------------------------------------------
     def _select(self, opcode: OpCode, device: str, nbytes: int, dtype: torch.dtype, name: str
                 ) -> tuple[Transport, Plan]:
         if self._state.closed is not None:
-            self._raise_closed()
+            self._state.raise_closed()
         tname, reason = choose_transport(opcode, device, self.topology.single_node, self.transports, self._forced)
         t = self.transports[tname]
         staged = device not in t.devices
@@ -322,7 +251,7 @@ class Communicator:
         opcode = _OPCODE_BY_NAME.get(collective)
         if opcode is None:
             raise ValueError(f"unknown collective {collective!r}; one of {sorted(_OPCODE_BY_NAME)}")
-        t, _, _ = _as_tensor(x)
+        t, _, _ = as_tensor(x)
         return self._select(opcode, t.device.type, t.numel() * t.element_size(), t.dtype, collective)[1]
 
     # ---- shared call machinery --------------------------------------------------------------
@@ -365,7 +294,7 @@ class Communicator:
         rop = None
         try:
             if t.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(f"{name}: dtype {t.dtype} is not supported; use one of {_SUPPORTED}")
+                raise TypeError(f"{name}: dtype {t.dtype} is not supported; use one of {SUPPORTED_NAMES}")
             if opcode in (OpCode.ALL_REDUCE, OpCode.REDUCE_SCATTER):
                 rop = ReduceOp.parse(op)
                 if t.dtype == torch.bool and rop not in (ReduceOp.MAX, ReduceOp.MIN):
@@ -400,15 +329,15 @@ class Communicator:
 
     def _input(self, opcode: OpCode, x: Array) -> tuple[torch.Tensor, bool, torch.Tensor]:
         try:
-            return _as_tensor(x)
+            return as_tensor(x)
         except TypeError as e:
-            self._fail_locally(opcode, _device_of(x), TypeError(f"{opcode.name.lower()}: {e}"))
+            self._fail_locally(opcode, device_of(x), TypeError(f"{opcode.name.lower()}: {e}"))
 
     def _out_view(self, opcode: OpCode, out: Array, t: torch.Tensor) -> torch.Tensor | None:
         """A tensor view of ``out=`` for the transport to write (None: a NumPy array torch cannot
         view, e.g. with negative strides; the result is copied into it), or a collective TypeError."""
         try:
-            return _writable_view(out, f"{opcode.name.lower()}: out")
+            return writable_view(out, f"{opcode.name.lower()}: out")
         except TypeError as e:
             self._fail_locally(opcode, t.device.type, e)
 
@@ -416,7 +345,7 @@ class Communicator:
         """:meth:`_out_view` after checking ``out``'s shape, dtype and device (collective errors)."""
         out_t = self._out_view(opcode, out, t)
         name = opcode.name.lower()
-        dtype, device = _dtype_device(out, out_t)
+        dtype, device = dtype_device(out, out_t)
         if tuple(out.shape) != tuple(shape) or dtype != t.dtype:
             self._fail_locally(opcode, t.device.type, ValueError(
                 f"{name}: out has shape {tuple(out.shape)} and dtype {dtype}; "
@@ -441,7 +370,7 @@ class Communicator:
                 return None
             if out is None:
                 return ent, torch.empty(ent.out_shape, dtype=x.dtype, device=x.device)
-            if _direct_out(out, x, ent.out_shape, in_place_ok=in_place_ok):
+            if direct_out(out, x, ent.out_shape, in_place_ok=in_place_ok):
                 return ent, out
         except RuntimeError:  # e.g. is_contiguous() of a sparse CSR tensor; _run says what is wrong
             pass
@@ -450,7 +379,7 @@ class Communicator:
     def _run(self, opcode: OpCode, x: Array, out: Array | None, op: Any = None, src: int = 0) -> Array:
         """General path: any input kind, out= of any layout, host staging. Same semantics as the fast paths."""
         if self._state.closed is not None:
-            self._raise_closed()
+            self._state.raise_closed()
         t, was_numpy, orig = self._input(opcode, x)
         ent = self._entry(opcode, t, op, src)
         out_t = self._check_out(opcode, out, t, ent.out_shape) if out is not None else None
@@ -459,7 +388,7 @@ class Communicator:
             s = s.reshape(1)
         in_place_ok = opcode in (OpCode.ALL_REDUCE, OpCode.BROADCAST)
         if out_t is not None and not ent.staged and out_t.is_contiguous() and (
-                not _overlaps(out_t, orig) or (in_place_ok and out_t.data_ptr() == s.data_ptr()
+                not overlaps(out_t, orig) or (in_place_ok and out_t.data_ptr() == s.data_ptr()
                                                and out_t.shape == s.shape)):
             res = out_t
         else:
@@ -476,7 +405,7 @@ class Communicator:
         if res.device != t.device:
             res = res.to(t.device)
         if out is not None:
-            _write_out(out, out_t, res)
+            write_out(out, out_t, res)
             return out
         return res.numpy() if was_numpy else res
 
@@ -497,7 +426,7 @@ class Communicator:
         """
         state = self._state
         if not state.busy.acquire(False):
-            self._refuse("all_reduce")
+            self._state.refuse(self.global_ranks[self.rank], self.timeout, "all_reduce")
         try:
             hot = self._hot(OpCode.ALL_REDUCE, x, op, out, in_place_ok=True)
             if hot is not None:
@@ -506,7 +435,7 @@ class Communicator:
             return self._run(OpCode.ALL_REDUCE, x, out, op)
         finally:
             if state.conflict is not None:
-                self._end_after_conflict()
+                self._state.end_after_conflict()
             state.busy.release()
 
     def all_gather(self, x: Array, *, out: Array | None = None) -> Array:
@@ -521,7 +450,7 @@ class Communicator:
         """
         state = self._state
         if not state.busy.acquire(False):
-            self._refuse("all_gather")
+            self._state.refuse(self.global_ranks[self.rank], self.timeout, "all_gather")
         try:
             hot = self._hot(OpCode.ALL_GATHER, x, None, out, in_place_ok=False)
             if hot is not None:
@@ -530,7 +459,7 @@ class Communicator:
             return self._run(OpCode.ALL_GATHER, x, out)
         finally:
             if state.conflict is not None:
-                self._end_after_conflict()
+                self._state.end_after_conflict()
             state.busy.release()
 
     def reduce_scatter(self, x: Array, op: str = "sum", *, out: Array | None = None) -> Array:
@@ -546,7 +475,7 @@ class Communicator:
         """
         state = self._state
         if not state.busy.acquire(False):
-            self._refuse("reduce_scatter")
+            self._state.refuse(self.global_ranks[self.rank], self.timeout, "reduce_scatter")
         try:
             hot = self._hot(OpCode.REDUCE_SCATTER, x, op, out, in_place_ok=False)
             if hot is not None:
@@ -555,7 +484,7 @@ class Communicator:
             return self._run(OpCode.REDUCE_SCATTER, x, out, op)
         finally:
             if state.conflict is not None:
-                self._end_after_conflict()
+                self._state.end_after_conflict()
             state.busy.release()
 
     def broadcast(self, x: Array, src: int = 0, *, out: Array | None = None) -> Array:
@@ -574,9 +503,9 @@ class Communicator:
         # checked before the call cache: True == 1 and 1.0 == 1 would find the entry of src=1
         if type(src) is not int:
             try:
-                src = _as_int(src, "broadcast: src")
+                src = as_int(src, "broadcast: src")
             except TypeError as e:
-                self._fail_locally(OpCode.BROADCAST, _device_of(x), e)
+                self._fail_locally(OpCode.BROADCAST, device_of(x), e)
         return self._run(OpCode.BROADCAST, x, out, None, src)
 
     def all_to_all(self, x: Array, send_counts: Sequence[int] | None = None, *, out: Array | None = None,
@@ -615,7 +544,7 @@ class Communicator:
         out_t = None
         if out is not None:
             out_t = self._out_view(opcode, out, t)
-            dtype, device = _dtype_device(out, out_t)
+            dtype, device = dtype_device(out, out_t)
             if tuple(out.shape[1:]) != rest or len(out.shape) != t.dim() or dtype != t.dtype or device != t.device:
                 self._fail_locally(opcode, t.device.type, ValueError(
                     f"all_to_all: out has shape {tuple(out.shape)}, dtype {dtype} on {device}; expected "
@@ -628,7 +557,7 @@ class Communicator:
             holder.append(recv_counts)
             rows = sum(recv_counts)
             if out_t is not None and out_t.shape == (rows, *rest) and out_t.is_contiguous() and \
-                    out_t.device == s.device and not _overlaps(out_t, orig):
+                    out_t.device == s.device and not overlaps(out_t, orig):
                 return out_t.view(-1)
             return torch.empty(rows * row_numel, dtype=t.dtype, device=s.device)
 
@@ -642,7 +571,7 @@ class Communicator:
             if tuple(out.shape) != (rows, *rest):  # known only now; the peers have their data
                 raise ValueError(f"all_to_all: out has {out.shape[0]} rows but rank "
                                  f"{self.global_ranks[self.rank]} received {rows} (recv_counts {recv_counts})")
-            _write_out(out, out_t, res)
+            write_out(out, out_t, res)
             result = out
         else:
             result = res.numpy() if was_numpy else res
@@ -673,7 +602,7 @@ class Communicator:
                     raise TypeError(f"all_to_all: rank {me} passed send_counts of dtype {arr.dtype}; need integers")
                 counts = [int(c) for c in arr.reshape(-1)]
             elif isinstance(send_counts, (list, tuple)):
-                counts = [_as_int(c, f"all_to_all: send_counts[{i}] on rank {me}") for i, c in enumerate(send_counts)]
+                counts = [as_int(c, f"all_to_all: send_counts[{i}] on rank {me}") for i, c in enumerate(send_counts)]
             else:
                 raise TypeError(f"all_to_all: send_counts must be a list/tuple of ints or an integer tensor/array, "
                                 f"got {type(send_counts).__name__} on rank {me}")
@@ -715,7 +644,7 @@ class Communicator:
             A :class:`Communicator` view.
         """
         if self._state.closed is not None:
-            self._raise_closed()
+            self._state.raise_closed()
         if transport != "auto" and transport not in self.transports:
             raise ValueError(f"transport {transport!r} is not available here (available: {sorted(self.transports)})")
         view = object.__new__(Communicator)
@@ -753,11 +682,11 @@ class Communicator:
         settings = self.settings
         try:
             if color is not None:
-                c = _as_int(color, f"split: color on rank {me}")
+                c = as_int(color, f"split: color on rank {me}")
             if key is not None:
-                k = _as_int(key, f"split: key on rank {me}")
+                k = as_int(key, f"split: key on rank {me}")
             if options:
-                settings = {**self.settings, **_parse_options(options, f"split on rank {me}")}
+                settings = {**self.settings, **parse_options(options, source=f"split on rank {me}")}
         except (TypeError, ValueError) as e:
             err = e
         # the validation is part of the exchange, so a bad argument on one rank stops every rank
@@ -821,144 +750,8 @@ class Communicator:
         self.close()
 
 
-def _check_settings_agree(per_rank: list[dict], global_ranks: Sequence[int]) -> None:
-    """ValueError naming each rank's value of every agreed setting that differs across ranks."""
-    diffs = []
-    for name in sorted(set().union(*per_rank)):
-        vals = [d.get(name) for d in per_rank]
-        if any(v != vals[0] for v in vals):
-            shown = ", ".join(f"rank {global_ranks[r]}: {'unset' if v is None else repr(v)}"
-                              for r, v in enumerate(vals))
-            diffs.append(f"{SETTINGS[name].env} ({shown})")
-    if diffs:
-        raise ValueError("ranks disagree on settings that must be equal on every rank: " + "; ".join(diffs)
-                         + ". Set them the same way on every rank (environment or init(options=...)).")
-
-
 _OPCODE_BY_NAME = {"all_reduce": OpCode.ALL_REDUCE, "all_gather": OpCode.ALL_GATHER,
                    "reduce_scatter": OpCode.REDUCE_SCATTER, "all_to_all": OpCode.ALL_TO_ALL,
                    "broadcast": OpCode.BROADCAST, "barrier": OpCode.BARRIER}
 
 
-def _as_tensor(x: Array) -> tuple[torch.Tensor, bool, torch.Tensor]:
-    """(contiguous tensor, input was NumPy, tensor view of the original input), or TypeError."""
-    if isinstance(x, torch.Tensor):
-        _check_dense(x, "x")
-        orig = x.detach() if x.requires_grad else x  # collectives are not differentiable themselves
-        was_numpy = False
-    elif isinstance(x, np.ndarray):
-        was_numpy = True
-        _torch_dtype(x.dtype, "x")
-        arr = x if x.flags.c_contiguous or all(s >= 0 for s in x.strides) else np.ascontiguousarray(x)
-        if arr.flags.writeable:
-            orig = torch.from_numpy(arr)
-        else:  # collectives only read x; torch's warning about writing read-only memory does not apply
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                orig = torch.from_numpy(arr)
-    else:
-        raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
-    return (orig if orig.is_contiguous() else orig.contiguous()), was_numpy, orig
-
-
-def _check_dense(t: torch.Tensor, what: str) -> None:
-    """TypeError unless ``t`` is a strided tensor with storage (not sparse, not meta)."""
-    if t.layout is not torch.strided:
-        raise TypeError(f"{what} is a {str(t.layout).replace('torch.', '')} tensor; collectives move dense "
-                        f"(strided) tensors: pass {what}.to_dense()")
-    if t.device.type == "meta":
-        raise TypeError(f"{what} is a meta tensor, which has no data to send; pass a tensor with storage "
-                        "(e.g. torch.empty_like(t, device='cpu'))")
-
-
-def _torch_dtype(dtype: np.dtype, what: str = "out") -> torch.dtype:
-    """The torch dtype of a NumPy dtype, or TypeError (non-native byte order, no torch equivalent)."""
-    if not dtype.isnative:
-        raise TypeError(f"{what} has non-native byte order (NumPy dtype {dtype.str!r}); convert it first: "
-                        f"{what}.astype({what}.dtype.newbyteorder('='))")
-    try:
-        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    except TypeError:
-        raise TypeError(f"{what}: NumPy dtype {dtype} is not supported; use one of {_SUPPORTED}") from None
-
-
-def _writable_view(out: Array, what: str) -> torch.Tensor | None:
-    """A tensor aliasing ``out`` for writing (None for a NumPy array with negative strides, which
-    torch cannot view: the result is copied into it); TypeError for anything that cannot be written."""
-    if isinstance(out, torch.Tensor):
-        _check_dense(out, what)
-        if out.requires_grad:
-            raise TypeError(f"{what} requires grad; collectives write out= outside autograd. Pass a tensor "
-                            "that does not require grad, or leave out= unset and use the returned tensor")
-        return out
-    if isinstance(out, np.ndarray):
-        if not out.flags.writeable:
-            raise TypeError(f"{what} is a read-only NumPy array")
-        _torch_dtype(out.dtype, what)
-        return torch.from_numpy(out) if all(s >= 0 for s in out.strides) else None
-    raise TypeError(f"{what} must be a torch.Tensor or numpy.ndarray to write the result into, "
-                    f"got {type(out).__name__}")
-
-
-def _dtype_device(out: Array, out_t: torch.Tensor | None) -> tuple[torch.dtype, torch.device]:
-    """The torch dtype and device of ``out=`` (``out_t``: its view from :func:`_writable_view`)."""
-    if out_t is not None:
-        return out_t.dtype, out_t.device
-    return _torch_dtype(out.dtype), torch.device("cpu")
-
-
-def _write_out(out: Array, out_t: torch.Tensor | None, res: torch.Tensor) -> None:
-    """Put the result ``res`` into ``out`` unless the transport wrote it there already."""
-    if out_t is None:
-        np.copyto(out, res.numpy())
-    elif res.numel() and res.data_ptr() != out_t.data_ptr():
-        out_t.copy_(res)
-
-
-def _device_of(x: Any) -> str:
-    """The device type whose transport a rejected call of ``x`` meets its peers in."""
-    if isinstance(x, torch.Tensor) and x.device.type != "meta":
-        return x.device.type
-    return "cpu"
-
-
-def _parse_options(options: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Checked values of ``options`` (option names of transports.settings); ValueError names unknown ones."""
-    if not isinstance(options, Mapping):
-        raise TypeError(f"{source}: options must be a mapping of setting names to values, got {type(options).__name__}")
-    unknown = sorted(set(options) - set(SETTINGS))
-    if unknown:
-        raise ValueError(f"{source}: unknown option(s) {unknown}; known: {sorted(SETTINGS)}")
-    return {name: SETTINGS[name].parse(value, source=f"{source} option {name}") for name, value in options.items()}
-
-
-def _as_int(value: Any, what: str) -> int:
-    """``value`` as an int if it is a Python or NumPy integer (bool and float are refused), else TypeError."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return int(value)
-    raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of two tensors (from first to last element) intersect."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + _span(a)
-    b1 = b0 + _span(b)
-    return a0 < b1 and b0 < a1
-
-
-def _span(t: torch.Tensor) -> int:
-    return (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
-
-
-def _direct_out(out: Any, x: torch.Tensor, shape: torch.Size, *, in_place_ok: bool) -> bool:
-    """Whether the transport can write straight into ``out`` (hot-path check, no validation errors)."""
-    if type(out) is not torch.Tensor or out.shape != shape or out.dtype != x.dtype or out.device != x.device \
-            or out.requires_grad or not out.is_contiguous():
-        return False
-    if in_place_ok and out.data_ptr() == x.data_ptr():
-        return True
-    o0, x0 = out.data_ptr(), x.data_ptr()
-    return o0 + out.nbytes <= x0 or x0 + x.nbytes <= o0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 # Transport names a user may force (kept here, the bottom layer, so nothing imports upwards).
 TRANSPORT_CHOICES = ("auto", "shm", "mpi", "nccl", "ipc")
@@ -109,18 +109,30 @@ def resolve(options: Mapping[str, Any] | None = None, environ: Mapping[str, str]
     Returns option name -> checked value.
     """
     env = os.environ if environ is None else environ
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(SETTINGS))
-    if unknown:
-        raise ValueError(f"{source}: unknown option(s) {unknown}; known: {sorted(SETTINGS)}")
+    given = parse_options(options or {}, source=source)
     values = {}
     for name, s in SETTINGS.items():
-        if name in options and options[name] is not None:
-            values[name] = s.parse(options[name], source=f"{source} option {name}")
+        if name in given:
+            values[name] = given[name]
         else:
             raw = env.get(s.env)
             values[name] = s.parse(raw if raw not in (None, "") else None, source=source)
     return values
+
+
+def parse_options(options: Mapping[str, Any], *, source: str = "moecomm") -> dict[str, Any]:
+    """Checked values of ``options`` (option names of :data:`SETTINGS`); a None value means "not given"
+    and is left out.
+
+    Raises TypeError if ``options`` is not a mapping, ValueError naming unknown options or bad values.
+    """
+    if not isinstance(options, Mapping):
+        raise TypeError(f"{source}: options must be a mapping of setting names to values, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"{source}: unknown option(s) {unknown}; known: {sorted(SETTINGS)}")
+    return {name: SETTINGS[name].parse(value, source=f"{source} option {name}")
+            for name, value in options.items() if value is not None}
 
 
 def agreed_items(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -150,3 +162,17 @@ def check_timeout(timeout: Any, *, source: str = "timeout") -> float:
     if not (t > 0 and t < float("inf")):  # also false for nan
         raise ValueError(f"{source} must be a positive, finite number of seconds, got {timeout!r}")
     return t
+
+
+def check_settings_agree(per_rank: list[dict], global_ranks: Sequence[int]) -> None:
+    """ValueError naming each rank's value of every agreed setting that differs across ranks."""
+    diffs = []
+    for name in sorted(set().union(*per_rank)):
+        vals = [d.get(name) for d in per_rank]
+        if any(v != vals[0] for v in vals):
+            shown = ", ".join(f"rank {global_ranks[r]}: {'unset' if v is None else repr(v)}"
+                              for r, v in enumerate(vals))
+            diffs.append(f"{SETTINGS[name].env} ({shown})")
+    if diffs:
+        raise ValueError("ranks disagree on settings that must be equal on every rank: " + "; ".join(diffs)
+                         + ". Set them the same way on every rank (environment or init(options=...)).")
