@@ -1,6 +1,6 @@
-"""Run an ipc transport in n forked processes without the communicator (tests of transports/ipc.py).
+"""Run an ipc transport in n processes without the communicator (tests of transports/ipc.py).
 
-``run_ranks(fn, n, *args)`` forks n ranks; each builds a GroupInfo over a FileStore rendezvous
+``run_ranks(fn, n, *args)`` starts n ranks (from a fork server; ``fn`` must be a module-level function); each builds a GroupInfo over a FileStore rendezvous
 (with every rank's pid, so failure detection works) and returns ``fn(group, *args)``; the
 parent gets [n] results, or the list of ranks' exceptions (type name, message, traceback).
 """
@@ -34,6 +34,9 @@ def make_group(store_path: str, rank: int, size: int, timeout: float, options: d
 
 def _rank_main(fn, rank, size, store_path, timeout, options, queue, args):
     try:
+        from transports.ipc import load_kernels
+
+        load_kernels(True)  # before the peers' clocks start: the rendezvous timeout may be short
         group = make_group(store_path, rank, size, timeout, options)
         result = ("ok", fn(group, *args))
     except BaseException as e:  # noqa: BLE001 - sent to the parent
@@ -47,10 +50,10 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60
 
     A rank that never reports (killed) shows as ("missing", None).
     """
-    from transports.ipc import load_kernels
-
-    load_kernels(True)  # import triton and define the kernels once, before forking the ranks
-    ctx = mp.get_context("fork")
+    # forkserver, as collectives.launch: a rank forked from this (pytest) process would inherit
+    # OpenMP's thread pool of earlier torch work and hang in it
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy", "transports.ipc"])
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
