@@ -13,8 +13,7 @@ import os
 from typing import Any, Mapping
 
 from transports.base import CollectiveTimeoutError, CommunicatorBrokenError, PeerFailedError, Rendezvous
-from transports.settings import check_timeout
-from transports.settings import resolve as resolve_settings
+from transports.settings import check_timeout, parse_options
 
 from .communicator import Communicator
 from .launcher import RankFailedError, RemoteTraceback, launch
@@ -40,7 +39,7 @@ def _torchrun_key_base() -> str:
 
 
 def _build(rdv: Rendezvous, transport: str, timeout: float, launch_mode: str, mpi_comm: Any = None,
-           settings: Mapping[str, Any] | None = None) -> Communicator:
+           settings: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None) -> Communicator:
     """The Communicator of ``rdv``'s group: exchange topology facts, then create it.
 
     Args:
@@ -49,14 +48,17 @@ def _build(rdv: Rendezvous, transport: str, timeout: float, launch_mode: str, mp
         timeout: seconds any wait may take; positive and finite.
         launch_mode: "mpi", "torchrun", "launch" or "single" (recorded in the topology).
         mpi_comm: the mpi4py world communicator under mpiexec, else None.
-        settings: resolved :mod:`transports.settings` values (None: from the environment).
+        settings: resolved :mod:`transports.settings` values (None: resolved by the Communicator
+            from ``options`` and the environment, so that a bad value on one rank reaches every rank).
+        options: settings by option name (used when ``settings`` is None).
 
     Returns:
         The world Communicator.
     """
     facts = rdv.allgather_bytes(local_facts())
     topo = Topology.from_facts(rdv.rank, facts, launch_mode)
-    return Communicator(rdv, topo, timeout=timeout, transport=transport, mpi_comm=mpi_comm, settings=settings)
+    return Communicator(rdv, topo, timeout=timeout, transport=transport, mpi_comm=mpi_comm, settings=settings,
+                        options=options)
 
 
 def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[str, Any] | None = None) -> Communicator:
@@ -82,15 +84,19 @@ def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[st
         The world Communicator of this process (``comm.rank``, ``comm.size``).
     """
     timeout = check_timeout(timeout, source="collectives.init: timeout")
-    settings = resolve_settings(options, source="collectives.init")
-    mode = detect_launch(settings)
+    # options= come from the code, the same on every rank: checked up front. The environment may
+    # differ per rank: only how the job was launched is read before the rendezvous (a bad
+    # MOECOMM_LAUNCH can only raise here); the Communicator resolves the rest inside its first
+    # exchange, so a bad value on one rank makes every rank raise instead of leaving them waiting.
+    parse_options(options or {}, source="collectives.init")
+    mode = detect_launch(options)
     if mode == "mpi":
         from mpi4py import MPI
 
         from .rendezvous import MPIRendezvous
 
         world = MPI.COMM_WORLD
-        return _build(MPIRendezvous(world, timeout), transport, timeout, "mpi", mpi_comm=world, settings=settings)
+        return _build(MPIRendezvous(world, timeout), transport, timeout, "mpi", mpi_comm=world, options=options)
     if mode == "torchrun":
         from .rendezvous import StoreRendezvous
 
@@ -103,12 +109,12 @@ def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[st
         base = _torchrun_key_base()
         generation = (store.add(f"{base}/arrivals", 1) - 1) // size
         rdv = StoreRendezvous(store, rank, size, timeout, f"{base}/g{generation}", range(size))
-        comm = _build(rdv, transport, timeout, "torchrun", settings=settings)
+        comm = _build(rdv, transport, timeout, "torchrun", options=options)
         comm._store = store  # rank 0 hosts the server in the no-agent case; keep it alive
         return comm
     from .rendezvous import LocalRendezvous
 
-    return _build(LocalRendezvous(timeout), transport, timeout, "single", settings=settings)
+    return _build(LocalRendezvous(timeout), transport, timeout, "single", options=options)
 
 
 def _torchrun_store(rank: int, timeout: float) -> Any:

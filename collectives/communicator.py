@@ -92,14 +92,16 @@ class Communicator:
             ``settings["transport"]``.
         global_ranks: [size] world rank of each group rank, for messages (default 0..size-1).
         mpi_comm: the mpi4py communicator of this group when launched by MPI, else None.
-        settings: resolved :mod:`transports.settings` values (default: from the environment).
-            Every rank must agree on the shared ones; otherwise every rank raises ``ValueError``
-            naming each rank's value.
+        settings: resolved :mod:`transports.settings` values (default: resolved here from
+            ``options`` and the environment). Every rank must agree on the shared ones; otherwise
+            every rank raises ``ValueError`` naming each rank's value.
+        options: settings by option name overriding the environment, used when ``settings`` is
+            None. A bad value or unknown name on one rank makes every rank raise at creation.
     """
 
     def __init__(self, rendezvous: Rendezvous, topology: Topology, *, timeout: float, transport: str = "auto",
                  global_ranks: Sequence[int] | None = None, mpi_comm: Any = None,
-                 settings: Mapping[str, Any] | None = None):
+                 settings: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None):
         self._rdv = rendezvous
         self.topology = topology
         self.rank = topology.rank
@@ -121,7 +123,7 @@ class Communicator:
         try:
             self.timeout = check_timeout(timeout, source="Communicator: timeout")
             # resolved transports.settings values; transport= overrides MOECOMM_TRANSPORT
-            self.settings = dict(settings) if settings is not None else resolve_settings(source="Communicator")
+            self.settings = dict(settings) if settings is not None else resolve_settings(options, source="Communicator")
             if transport not in (None, "auto"):
                 self.settings["transport"] = SETTINGS["transport"].parse(transport, source="transport=")
         except (TypeError, ValueError) as e:

@@ -25,24 +25,24 @@ from typing import Any, Mapping
 import numpy as np
 
 from transports.base import CollectiveTimeoutError, Rendezvous
-from transports.settings import resolve as resolve_settings
+from transports.settings import option_or_environment
 
 # Variables that MPI launchers (MPICH/Hydra, Open MPI, Intel MPI, MVAPICH, PMIx, Slurm's PMI) set.
 _MPI_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE",
             "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
 
 
-def detect_launch(settings: Mapping[str, Any] | None = None) -> str:
-    """How this process was started: the ``launch`` setting (``MOECOMM_LAUNCH``) if set, else
-    detected from the launchers' own variables.
+def detect_launch(options: Mapping[str, Any] | None = None) -> str:
+    """How this process was started: the ``launch`` setting if set (``options["launch"]``, else
+    ``MOECOMM_LAUNCH``), else detected from the launchers' own variables.
 
     Args:
-        settings: resolved :mod:`transports.settings` values (None: from the environment).
+        options: settings by option name; only ``"launch"`` is read (a bad value raises ValueError).
 
     Returns:
         "mpi", "torchrun" or "single".
     """
-    forced = (settings if settings is not None else resolve_settings(source="detect_launch"))["launch"]
+    forced = option_or_environment("launch", options, source="detect_launch")
     if forced is not None:
         return forced
     if launched_by_mpi():

@@ -59,3 +59,14 @@ def test_setting_that_differs_across_ranks_stops_every_rank_at_creation(var, val
     assert len(errors) == 2 and "ValueError" in p.stderr, p.stderr[-3000:]  # each rank says it
     assert all(var in e and all(s in e for s in shown) for e in errors), errors
     assert '"ok": true' not in p.stdout
+
+
+def test_bad_setting_on_one_rank_stops_every_rank_at_creation():
+    """A value that does not parse on one rank (its environment only) reaches the peers in the creation
+    exchange: they raise naming that rank instead of waiting for it until the timeout."""
+    p = _run_mpmd("MOECOMM_SHM_SLOT_BYTES", (None, "lots"))
+    assert p.returncode != 0, p.stdout + p.stderr
+    assert "MOECOMM_SHM_SLOT_BYTES='lots' is not an integer" in p.stderr, p.stderr[-3000:]  # rank 1's own error
+    assert re.search(r"rank\(s\) \[1\] could not create their communicator \(rank 1: ValueError: [^\n]*"
+                     r"MOECOMM_SHM_SLOT_BYTES", p.stderr), p.stderr[-3000:]  # what rank 0 is told
+    assert "timed out" not in p.stderr and '"ok": true' not in p.stdout

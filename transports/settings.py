@@ -108,16 +108,27 @@ def resolve(options: Mapping[str, Any] | None = None, environ: Mapping[str, str]
     raises ValueError listing the known ones. environ: defaults to ``os.environ``.
     Returns option name -> checked value.
     """
-    env = os.environ if environ is None else environ
     given = parse_options(options or {}, source=source)
-    values = {}
-    for name, s in SETTINGS.items():
-        if name in given:
-            values[name] = given[name]
-        else:
-            raw = env.get(s.env)
-            values[name] = s.parse(raw if raw not in (None, "") else None, source=source)
-    return values
+    return {name: given[name] if name in given else _from_environment(name, environ, source)
+            for name in SETTINGS}
+
+
+def option_or_environment(name: str, options: Mapping[str, Any] | None = None,
+                          environ: Mapping[str, str] | None = None, *, source: str = "moecomm") -> Any:
+    """One setting, as :func:`resolve` would give it, without checking the others.
+
+    For what must be known before the others can be checked by every rank together (how the job
+    was launched). Raises ValueError for a bad value of this setting only.
+    """
+    if isinstance(options, Mapping) and options.get(name) is not None:
+        return SETTINGS[name].parse(options[name], source=f"{source} option {name}")
+    return _from_environment(name, environ, source)
+
+
+def _from_environment(name: str, environ: Mapping[str, str] | None, source: str) -> Any:
+    s = SETTINGS[name]
+    raw = (os.environ if environ is None else environ).get(s.env)
+    return s.parse(raw if raw not in (None, "") else None, source=source)
 
 
 def parse_options(options: Mapping[str, Any], *, source: str = "moecomm") -> dict[str, Any]:
