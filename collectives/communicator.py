@@ -149,13 +149,15 @@ class Communicator:
             wanted.append("shm")
         if self._mpi_comm is not None:
             wanted.append("mpi")
+        from transports.ipc import ipc_available
         from transports.nccl import nccl_module
 
         # One exchange: this rank's argument error if any, the settings every rank must share, and
-        # whether NCCL is there (its creation is collective, so only if every rank has it).
+        # whether NCCL and ipc are there (their creation is collective, so only if every rank has them).
         mine = {"error": None if local_error is None else f"{type(local_error).__name__}: {local_error}",
                 "settings": agreed_items(self.settings) if local_error is None else {},
-                "nccl": local_error is None and nccl_module() is not None}
+                "nccl": local_error is None and nccl_module() is not None,
+                "ipc": local_error is None and self.topology.single_node and ipc_available(self.settings)}
         facts = [json.loads(b) for b in self._rdv.allgather_bytes(json.dumps(mine, sort_keys=True).encode())]
         failed = [(self.global_ranks[r], f["error"]) for r, f in enumerate(facts) if f["error"]]
         try:
@@ -170,6 +172,8 @@ class Communicator:
             raise
         if all(f["nccl"] for f in facts):
             wanted.append("nccl")
+        if all(f.get("ipc") for f in facts):  # collective creation, like nccl: only where every rank can
+            wanted.append("ipc")
         for name in wanted:
             try:
                 self.transports[name] = transport_class(name)(group)
@@ -641,7 +645,7 @@ class Communicator:
         a view and on its parent interleave like calls on one communicator.
 
         Args:
-            transport: "auto" or the name of one of ``comm.transports`` ("shm", "mpi", "nccl").
+            transport: "auto" or the name of one of ``comm.transports`` ("shm", "mpi", "nccl", "ipc").
         Returns:
             A :class:`Communicator` view.
         """

@@ -341,3 +341,68 @@ def test_float64_uint8_bool_and_prod():
     results = run_ranks(_other_dtypes, 2, timeout=60.0)
     assert all(r[0] == "ok" for r in results), results
     assert [f for r in results for f in r[1]] == []
+
+
+def _through_the_communicator(comm):
+    """Every collective of a communicator whose calls go to ipc (launched with transport="ipc")."""
+    n, me = comm.size, comm.rank
+    g = torch.Generator().manual_seed(me)
+    x = torch.randn(300, generator=g)
+    xs = [torch.randn(300, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    plans = [str(comm.plan(c, x)) for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")]
+    got = {
+        "all_reduce": torch.equal(comm.all_reduce(x), _reduce_ref(xs, "sum")),
+        "all_gather": torch.equal(comm.all_gather(x).reshape(-1), torch.cat(xs)),
+        "broadcast": torch.equal(comm.broadcast(x, src=n - 1), xs[n - 1]),
+        "all_to_all": torch.equal(comm.all_to_all(x[: 2 * n], [2] * n),
+                                  torch.cat([xs[s][2 * me : 2 * me + 2] for s in range(n)])),
+    }
+    return plans, got
+
+
+def test_launch_with_transport_ipc():
+    import collectives
+
+    results = collectives.launch(_through_the_communicator, 2, transport="ipc", options={"ipc_emulate": 1},
+                                 timeout=60.0)
+    for plans, got in results:
+        assert all("-> ipc/" in p for p in plans), plans
+        assert "ipc/one_shot" in plans[0]
+        assert all(got.values()), got
+
+
+def _auto_keeps_shm_for_cpu(comm):
+    x = torch.arange(10, dtype=torch.float32) + comm.rank
+    auto = str(comm.plan("all_reduce", x))
+    via = comm.using("ipc")
+    forced = str(via.plan("all_reduce", x))
+    return auto, forced, via.all_reduce(x).tolist()
+
+
+def test_auto_chooses_shm_for_cpu_and_using_ipc_routes_to_ipc():
+    import collectives
+
+    results = collectives.launch(_auto_keeps_shm_for_cpu, 2, options={"ipc_emulate": 1}, timeout=60.0)
+    for auto, forced, value in results:
+        assert "-> shm/" in auto, auto
+        assert "-> ipc/one_shot" in forced, forced
+        assert value == [float(2 * i + 1) for i in range(10)]
+
+
+def test_init_with_transport_ipc_and_the_emulation_variable():
+    import subprocess
+    import sys
+
+    code = ("import torch, collectives\n"
+            "comm = collectives.init(transport='ipc')\n"
+            "x = torch.arange(5, dtype=torch.float32)\n"
+            "print(comm.plan('all_reduce', x)); print(comm.all_reduce(x).tolist()); comm.close()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOECOMM_", "TRITON_"))}
+    env.update(MOECOMM_IPC_EMULATE="1", MOECOMM_LAUNCH="single", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "-> ipc/one_shot" in proc.stdout and "[0.0, 1.0, 2.0, 3.0, 4.0]" in proc.stdout, proc.stdout
+    env.pop("MOECOMM_IPC_EMULATE")  # without it ipc serves CUDA tensors only: not here
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "'ipc' is not available" in proc.stderr, proc.stderr[-2000:]
