@@ -30,6 +30,12 @@ watchdog thread per transport sets it while a call runs when a peer's process di
 closes or aborts, or the call outlives the communicator's timeout; the host then raises
 ``PeerFailedError`` / ``CollectiveTimeoutError`` naming the rank, marks its own STATE aborted
 (so the peers raise too) and refuses later calls (``CommunicatorBrokenError``).
+
+Known limits (GPU path, unmeasured): after each launch the host waits for the stream to read
+ERROR/MISMATCH, except under CUDA-graph capture (then a failure shows at the next checked call);
+a signature's device copy is made on its first call, so warm a call up before capturing it.
+Copy collectives move bytes (uint8 tiles); all_to_all reads the counts on the host because its
+output is allocated there. ipc is in no selection chain yet (collectives/selection.py).
 """
 
 from __future__ import annotations
