@@ -406,3 +406,42 @@ def test_init_with_transport_ipc_and_the_emulation_variable():
     env.pop("MOECOMM_IPC_EMULATE")  # without it ipc serves CUDA tensors only: not here
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "'ipc' is not available" in proc.stderr, proc.stderr[-2000:]
+
+
+def _multi_program(group):
+    """3 programs of 64-element tiles per launch: each program meets only the same program of its
+    peers, and tiles are spread over programs the same way when staged and when read."""
+    from transports.ipc import IPCTransport
+
+    t = IPCTransport(group, buffer_bytes=BUF, programs=3, block=64)
+    n, me = group.size, group.rank
+    fails = []
+    try:
+        for numel in (1, 37, 5 * n + 1, 1500):
+            xs = [_input(numel, r, numel, torch.bfloat16) for r in range(n)]
+            for limit in (1 << 62, 0):
+                t.one_shot_max = limit
+                out = torch.empty(numel, dtype=torch.bfloat16)
+                t.all_reduce(xs[me], out, ReduceOp.SUM,
+                             Signature.of(OpCode.ALL_REDUCE, dtype=out.dtype, shape=(numel,), op=ReduceOp.SUM))
+                if not _same(out, _reduce_ref(xs, "sum")):
+                    fails.append(f"all_reduce limit={limit} n={numel}")
+            ys = [_input(numel + 1, r, numel * n, torch.float32) for r in range(n)]
+            out = torch.empty(numel)
+            t.reduce_scatter(ys[me], out, ReduceOp.MAX,
+                             Signature.of(OpCode.REDUCE_SCATTER, dtype=out.dtype, shape=(numel * n,), op=ReduceOp.MAX))
+            if not _same(out, _reduce_ref(ys, "max")[me * numel : (me + 1) * numel]):
+                fails.append(f"reduce_scatter n={numel}")
+            out = torch.empty(numel * n, dtype=torch.bfloat16)
+            t.all_gather(xs[me], out, Signature.of(OpCode.ALL_GATHER, dtype=out.dtype, shape=(numel,)))
+            if not _same(out, torch.cat(xs)):
+                fails.append(f"all_gather n={numel}")
+    finally:
+        t.close()
+    return fails
+
+
+def test_several_programs_per_launch():
+    results = run_ranks(_multi_program, 3, timeout=60.0)
+    assert all(r[0] == "ok" for r in results), results
+    assert [f for r in results for f in r[1]] == []
