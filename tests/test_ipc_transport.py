@@ -90,11 +90,11 @@ def _matrix(group):
             ops = OPS if dtype in FLOATS else ("sum", "max", "min")
             for numel in _sizes(n, item):
                 for op in ops:
-                    seed += 1
-                    xs = [_input(seed, r, numel, dtype, nan=op in ("max", "min")) for r in range(n)]
-                    want = _reduce_ref(xs, op)
                     rop = ReduceOp.parse(op)
                     for algo, limit in (("one_shot", 1 << 62), ("two_shot", 0)):
+                        seed += 1  # fresh inputs per call: stale buffer contents must not pass
+                        xs = [_input(seed, r, numel, dtype, nan=op in ("max", "min")) for r in range(n)]
+                        want = _reduce_ref(xs, op)
                         t.one_shot_max = limit
                         out = torch.empty_like(xs[me])
                         sig = Signature.of(OpCode.ALL_REDUCE, dtype=dtype, shape=(numel,), op=rop)
@@ -418,8 +418,8 @@ def _multi_program(group):
     fails = []
     try:
         for numel in (1, 37, 5 * n + 1, 1500):
-            xs = [_input(numel, r, numel, torch.bfloat16) for r in range(n)]
-            for limit in (1 << 62, 0):
+            for limit in (1 << 62, 0):  # fresh inputs each time: stale buffer contents must not pass
+                xs = [_input(numel + limit % 7, r, numel, torch.bfloat16) for r in range(n)]
                 t.one_shot_max = limit
                 out = torch.empty(numel, dtype=torch.bfloat16)
                 t.all_reduce(xs[me], out, ReduceOp.SUM,
