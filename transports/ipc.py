@@ -522,7 +522,12 @@ class IPCTransport(Transport):
             self._launch(self._k.broadcast, x[lo:hi], y[lo:hi], hi - lo, src, *common, BLOCK=self.block)
 
     def all_to_all(self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator,
-                   sig: Signature) -> torch.Tensor:
+                   sig: Signature, recv_counts: list[int] | None = None) -> torch.Tensor:
+        """Uneven all-to-all: stage, publish counts, pull each block from its sender's buffer.
+
+        recv_counts: not taken (``takes_recv_counts`` is False: the counts travel through the
+        signal areas anyway, and the host reads them to allocate the output).
+        """
         n, me, S = self.size, self.rank, self.buffer_bytes
         x = send.reshape(-1).view(torch.uint8)
         row_bytes = row_numel * send.element_size()
