@@ -39,7 +39,8 @@ def _torchrun_key_base() -> str:
 
 
 def _build(rdv: Rendezvous, transport: str, timeout: float, launch_mode: str, mpi_comm: Any = None,
-           settings: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None) -> Communicator:
+           settings: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None,
+           device: Any = None) -> Communicator:
     """The Communicator of ``rdv``'s group: exchange topology facts, then create it.
 
     Args:
@@ -51,6 +52,7 @@ def _build(rdv: Rendezvous, transport: str, timeout: float, launch_mode: str, mp
         settings: resolved :mod:`transports.settings` values (None: resolved by the Communicator
             from ``options`` and the environment, so that a bad value on one rank reaches every rank).
         options: settings by option name (used when ``settings`` is None).
+        device: the device each rank binds to (see :func:`init`); None: cuda:local_rank.
 
     Returns:
         The world Communicator.
@@ -58,10 +60,11 @@ def _build(rdv: Rendezvous, transport: str, timeout: float, launch_mode: str, mp
     facts = rdv.allgather_bytes(local_facts())
     topo = Topology.from_facts(rdv.rank, facts, launch_mode)
     return Communicator(rdv, topo, timeout=timeout, transport=transport, mpi_comm=mpi_comm, settings=settings,
-                        options=options)
+                        options=options, device=device)
 
 
-def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[str, Any] | None = None) -> Communicator:
+def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[str, Any] | None = None,
+         device: Any = None) -> Communicator:
     """A Communicator over all ranks of this job.
 
     Detects the launch: ``mpirun``/``mpiexec`` (rendezvous over MPI; the mpi transport is
@@ -79,6 +82,13 @@ def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[st
         options: settings by option name, overriding their ``MOECOMM_*`` environment variables
             (``{"shm_slot_bytes": 1 << 16}``; see :data:`transports.settings.SETTINGS` or the
             README's table). Unknown names or bad values raise ValueError.
+        device: the device this rank binds to, kept as ``comm.device``: None (default) for
+            ``cuda:local_rank`` (modulo the GPUs this process sees; cpu when it sees none), an
+            int N, "cuda:N", a torch.device, or "cpu" for no GPU (no NCCL; CUDA tensors are then
+            copied through host memory). A CUDA device is made the current device, and CUDA
+            tensors passed to a collective must be on it. A bad value on one rank makes every
+            rank raise (ValueError/TypeError). If NCCL cannot start (e.g. two ranks on one GPU),
+            every rank raises RuntimeError saying what to do, unless ``transport`` is "shm" or "mpi".
 
     Returns:
         The world Communicator of this process (``comm.rank``, ``comm.size``).
@@ -96,7 +106,8 @@ def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[st
         from .rendezvous import MPIRendezvous
 
         world = MPI.COMM_WORLD
-        return _build(MPIRendezvous(world, timeout), transport, timeout, "mpi", mpi_comm=world, options=options)
+        return _build(MPIRendezvous(world, timeout), transport, timeout, "mpi", mpi_comm=world, options=options,
+                      device=device)
     if mode == "torchrun":
         from .rendezvous import StoreRendezvous
 
@@ -109,12 +120,12 @@ def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[st
         base = _torchrun_key_base()
         generation = (store.add(f"{base}/arrivals", 1) - 1) // size
         rdv = StoreRendezvous(store, rank, size, timeout, f"{base}/g{generation}", range(size))
-        comm = _build(rdv, transport, timeout, "torchrun", options=options)
+        comm = _build(rdv, transport, timeout, "torchrun", options=options, device=device)
         comm._store = store  # rank 0 hosts the server in the no-agent case; keep it alive
         return comm
     from .rendezvous import LocalRendezvous
 
-    return _build(LocalRendezvous(timeout), transport, timeout, "single", options=options)
+    return _build(LocalRendezvous(timeout), transport, timeout, "single", options=options, device=device)
 
 
 def _torchrun_store(rank: int, timeout: float) -> Any:

@@ -37,6 +37,7 @@ from ._arrays import (
     write_out,
     writable_view,
 )
+from ._device import resolve_device
 from ._shared import SharedState, live
 from .selection import Plan, choose_transport
 from .topology import Topology
@@ -54,6 +55,38 @@ def _close_all() -> None:
             comm._close(wait=False)  # a thread still inside a call keeps its communicator
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
+
+
+def _gpu_identity(device: torch.device) -> str | None:
+    """The physical GPU behind ``device`` (its UUID where torch knows it), to find ranks sharing one."""
+    if device.type != "cuda":
+        return None
+    try:
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:  # noqa: BLE001 - older torch, or a driver error: the index is the best we have
+        return str(device)
+
+
+def _nccl_failure_message(failed: list[tuple[int, str]], reports: list[dict], ranks: list[int],
+                          nodes: list[str]) -> str:
+    """What went wrong creating NCCL, which ranks share a GPU, and what to do."""
+    from transports.nccl import nccl_version
+
+    by_gpu: dict[tuple[str, str], list[int]] = {}
+    for r, rep in enumerate(reports):
+        if rep.get("gpu") is not None:
+            by_gpu.setdefault((nodes[r] if r < len(nodes) else "", rep["gpu"]), []).append(ranks[r])
+    shared = [group for group in by_gpu.values() if len(group) > 1]
+    version = nccl_version()
+    have = f"this process has NCCL {'.'.join(map(str, version))}" if version else "NCCL's version is unknown"
+    why = (f"{'; '.join(f'ranks {g} share a GPU' for g in shared)}, which NCCL refuses ('Duplicate GPU "
+           f"detected') unless NCCL_MULTI_RANK_GPU_ENABLE=1 is set on every rank (NCCL >= 2.30; {have}). "
+           if shared else "")
+    return (f"NCCL could not start on rank(s) {[r for r, _ in failed]} (rank {failed[0][0]}: {failed[0][1]}); "
+            f"every rank aborted the creation. {why}To fix: give each rank its own GPU (device= of "
+            "collectives.init/launch; the default is cuda:local_rank), or, for ranks that must share a GPU, set "
+            "NCCL_MULTI_RANK_GPU_ENABLE=1 with NCCL >= 2.30. To run without NCCL, pass transport='shm' or 'mpi' "
+            "(CUDA tensors are then copied through host memory) or device='cpu'.")
 
 
 class _Entry(NamedTuple):
@@ -97,11 +130,19 @@ class Communicator:
             every rank raises ``ValueError`` naming each rank's value.
         options: settings by option name overriding the environment, used when ``settings`` is
             None. A bad value or unknown name on one rank makes every rank raise at creation.
+        device: the device this rank binds to (``comm.device``): None for ``cuda:local_rank``
+            (modulo the GPUs this process sees; cpu without a GPU), an int N, "cuda:N", a
+            torch.device, or "cpu" for no GPU (no NCCL; CUDA tensors go through host memory).
+            A CUDA device becomes the current device; CUDA tensors passed to a collective must
+            be on it. If NCCL cannot start on a rank (e.g. two ranks on one GPU: NCCL's
+            "Duplicate GPU"), every rank raises RuntimeError, unless ``transport`` forces a
+            host transport ("shm", "mpi").
     """
 
     def __init__(self, rendezvous: Rendezvous, topology: Topology, *, timeout: float, transport: str = "auto",
                  global_ranks: Sequence[int] | None = None, mpi_comm: Any = None,
-                 settings: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None):
+                 settings: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None,
+                 device: Any = None):
         self._rdv = rendezvous
         self.topology = topology
         self.rank = topology.rank
@@ -120,8 +161,10 @@ class Communicator:
         local_error: Exception | None = None
         self.timeout = 0.0  # set below once checked
         self.settings: dict[str, Any] = {}
+        self.device = torch.device("cpu")  # set below once checked
         try:
             self.timeout = check_timeout(timeout, source="Communicator: timeout")
+            self.device = self._bind(device)
             # resolved transports.settings values; transport= overrides MOECOMM_TRANSPORT
             self.settings = dict(settings) if settings is not None else resolve_settings(options, source="Communicator")
             if transport not in (None, "auto"):
@@ -143,7 +186,8 @@ class Communicator:
         group = GroupInfo(rank=self.rank, size=self.size, timeout=self.timeout, rendezvous=self._rdv,
                           global_ranks=self.global_ranks, pids=list(self.topology.pids),
                           hosts=list(self.topology.node_ids), mpi_comm=self._mpi_comm,
-                          oversubscribed=self.topology.oversubscribed, settings=dict(self.settings))
+                          oversubscribed=self.topology.oversubscribed, settings=dict(self.settings),
+                          cuda_device=self.device.index if self.device.type == "cuda" else None)
         wanted = []
         if self.topology.single_node:
             wanted.append("shm")
@@ -156,7 +200,7 @@ class Communicator:
         # whether NCCL and ipc are there (their creation is collective, so only if every rank has them).
         mine = {"error": None if local_error is None else f"{type(local_error).__name__}: {local_error}",
                 "settings": agreed_items(self.settings) if local_error is None else {},
-                "nccl": local_error is None and nccl_module() is not None,
+                "nccl": local_error is None and self.device.type == "cuda" and nccl_module() is not None,
                 "ipc": local_error is None and self.topology.single_node and ipc_available(self.settings)}
         facts = [json.loads(b) for b in self._rdv.allgather_bytes(json.dumps(mine, sort_keys=True).encode())]
         failed = [(self.global_ranks[r], f["error"]) for r, f in enumerate(facts) if f["error"]]
@@ -174,19 +218,41 @@ class Communicator:
             wanted.append("nccl")
         if all(f.get("ipc") for f in facts):  # collective creation, like nccl: only where every rank can
             wanted.append("ipc")
+        errors: dict[str, str] = {}
         for name in wanted:
             try:
                 self.transports[name] = transport_class(name)(group)
             except Exception as e:  # noqa: BLE001 - reported below; peers drop it too
+                errors[name] = f"{type(e).__name__}: {e}"
                 log.warning("transport %s unavailable on rank %d: %s", name, self.global_ranks[self.rank], e)
         # A transport that failed on some rank (out of memory, a bad setting) must not be used by the
         # others: they would pick different transports for one call and wait for each other forever.
-        up = [set(json.loads(b)) for b in self._rdv.allgather_bytes(json.dumps(sorted(self.transports)).encode())]
+        mine = {"up": sorted(self.transports), "errors": errors, "gpu": _gpu_identity(self.device)}
+        reports = [json.loads(b) for b in self._rdv.allgather_bytes(json.dumps(mine, sort_keys=True).encode())]
+        up = [set(r["up"]) for r in reports]
+        nccl_failed = [(self.global_ranks[r], rep["errors"]["nccl"]) for r, rep in enumerate(reports)
+                       if "nccl" in rep["errors"]]
+        if nccl_failed and self._forced not in ("shm", "mpi"):
+            # There are GPUs (NCCL was wanted on every rank): dropping NCCL would move every CUDA
+            # tensor through host memory, silently and slowly. Say why and what to do instead.
+            self._state.shut("its creation failed")
+            raise RuntimeError(_nccl_failure_message(nccl_failed, reports, self.global_ranks,
+                                                     list(self.topology.node_ids)))
         for name in sorted(self.transports):
             missing = [self.global_ranks[r] for r, names in enumerate(up) if name not in names]
             if missing:
                 log.warning("transport %s is not used: it did not come up on rank(s) %s", name, missing)
                 self.transports.pop(name).close()
+
+    def _bind(self, device: Any) -> torch.device:
+        """The checked ``device=`` (see the class docstring), made the current CUDA device."""
+        dev = resolve_device(device, self.topology.local_rank)
+        if dev.type == "cuda":
+            try:
+                torch.cuda.set_device(dev)
+            except RuntimeError as e:  # a broken driver: a creation error every rank hears of
+                raise ValueError(f"device {dev}: {e}") from e
+        return dev
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -314,6 +380,10 @@ class Communicator:
                                  f"rank {me} passed shape {tuple(t.shape)}")
             if opcode == OpCode.BROADCAST and not 0 <= src < self.size:
                 raise ValueError(f"broadcast: src={src} is not a rank of this group of size {self.size}")
+            if device == "cuda" and self.device.type == "cuda" and t.device != self.device:
+                raise ValueError(f"{name}: rank {me} passed a tensor on {t.device}, but its communicator is bound "
+                                 f"to {self.device}; move it there (x.to(comm.device)) or create the "
+                                 f"communicator with device={str(t.device)!r}")
         except (TypeError, ValueError) as e:
             self._fail_locally(opcode, device, e)
         nbytes = t.numel() * t.element_size()
@@ -325,7 +395,7 @@ class Communicator:
         else:
             out_shape = t.shape
         sig = Signature.of(opcode, dtype=t.dtype, shape=t.shape if t.dim() or opcode != OpCode.ALL_GATHER else (1,),
-                           op=rop, root=src if opcode == OpCode.BROADCAST else 0,
+                           op=rop, root=src if opcode in (OpCode.BROADCAST, OpCode.ALL_TO_ALL) else 0,
                            compare_first_dim=opcode != OpCode.ALL_TO_ALL)
         ent = _Entry(tr, sig, rop, out_shape, device not in tr.devices)
         if len(self._cache) > 512:
@@ -515,10 +585,17 @@ class Communicator:
         return self._run(OpCode.BROADCAST, x, out, None, src)
 
     def all_to_all(self, x: Array, send_counts: Sequence[int] | None = None, *, out: Array | None = None,
-                   return_counts: bool = False) -> Array | tuple[Array, Array]:
+                   return_counts: bool = False, recv_counts: Sequence[int] | None = None
+                   ) -> Array | tuple[Array, Array]:
         """Exchange rows: ``send_counts[i]`` rows of ``x`` (in rank order) go to rank i.
 
-        The receiver needs no prior knowledge: counts are exchanged here.
+        The receiver needs no prior knowledge: counts are exchanged here, unless the caller
+        already knows them and passes ``recv_counts`` (on every rank, or on none): then a
+        transport that would exchange counts first may skip that (nccl: no count exchange and no
+        host synchronisation). The values are checked against what the peers send: a wrong one
+        makes every rank raise ``ValueError`` naming the ranks and their counts (shm, mpi: every
+        call; nccl: the first call of each signature, or every call with MOECOMM_NCCL_CHECK=always,
+        see :meth:`transports.nccl.NCCLTransport.all_to_all`).
 
         Args:
             x: [sum(send_counts), *rest]; rest and dtype agree across ranks, row counts need not.
@@ -527,17 +604,21 @@ class Communicator:
             out: optional [sum(recv_counts), *rest] tensor/array of x's dtype to write; its dtype
                 and trailing dims are checked before the exchange, its row count after.
             return_counts: also return the received counts.
+            recv_counts: [size] ints (same kinds as send_counts), the rows this rank receives from
+                each rank, i.e. ``send_counts[rank]`` of every rank; None: exchanged here.
         Returns:
             [sum(recv_counts), *rest] x's dtype, rows in source-rank order (or ``out``); with
             ``return_counts=True`` a tuple ``(result, recv_counts)``, recv_counts: [size] int64
             (a tensor, or NumPy for NumPy input).
         """
-        return self._guarded("all_to_all", self._all_to_all, x, send_counts, out, return_counts)
+        return self._guarded("all_to_all", self._all_to_all, x, send_counts, out, return_counts, recv_counts)
 
-    def _all_to_all(self, x: Array, send_counts: Any, out: Array | None, return_counts: bool) -> Any:
+    def _all_to_all(self, x: Array, send_counts: Any, out: Array | None, return_counts: bool,
+                    recv_given: Any = None) -> Any:
         opcode = OpCode.ALL_TO_ALL
         t, was_numpy, orig = self._input(opcode, x)
-        ent = self._entry(opcode, t, None, 0)
+        # the signature says whether recv_counts were given (its root field): a mix across ranks raises
+        ent = self._entry(opcode, t, None, 0 if recv_given is None else 1)
         n, rows_in = self.size, (t.shape[0] if t.dim() else 0)
         if send_counts is None and rows_in % n == 0:
             counts = [rows_in // n] * n
@@ -546,6 +627,9 @@ class Communicator:
             counts = list(send_counts)
         else:
             counts = self._checked_counts(t, send_counts)
+        expected = None
+        if recv_given is not None:
+            expected = self._checked_counts(t, recv_given, "recv_counts")
         rest = tuple(t.shape[1:])
         out_t = None
         if out is not None:
@@ -555,6 +639,10 @@ class Communicator:
                 self._fail_locally(opcode, t.device.type, ValueError(
                     f"all_to_all: out has shape {tuple(out.shape)}, dtype {dtype} on {device}; expected "
                     f"(rows, {', '.join(map(str, rest))}) {t.dtype} on {t.device}".replace(", )", ")")))
+            if expected is not None and out.shape[0] != sum(expected):  # known before the exchange here
+                self._fail_locally(opcode, t.device.type, ValueError(
+                    f"all_to_all: out has {out.shape[0]} rows but rank {self.global_ranks[self.rank]} "
+                    f"receives {sum(expected)} (recv_counts {expected})"))
         row_numel = math.prod(rest)
         s = t.cpu() if ent.staged else t
         holder: list[list[int]] = []
@@ -567,7 +655,10 @@ class Communicator:
                 return out_t.view(-1)
             return torch.empty(rows * row_numel, dtype=t.dtype, device=s.device)
 
-        flat = ent.transport.all_to_all(s.view(-1), counts, row_numel, alloc, ent.sig)
+        if expected is None:
+            flat = ent.transport.all_to_all(s.view(-1), counts, row_numel, alloc, ent.sig)
+        else:
+            flat = ent.transport.all_to_all_with_recv_counts(s.view(-1), counts, expected, row_numel, alloc, ent.sig)
         recv_counts = holder[0]
         rows = sum(recv_counts)
         res = flat.view(rows, *rest)
@@ -586,36 +677,40 @@ class Communicator:
             return result, (rc if was_numpy else torch.from_numpy(rc))
         return result
 
-    def _checked_counts(self, t: torch.Tensor, send_counts: Any) -> list[int]:
-        """send_counts of any accepted kind as a list of ints, or a collective TypeError/ValueError."""
+    def _checked_counts(self, t: torch.Tensor, given: Any, what: str = "send_counts") -> list[int]:
+        """send_counts (or, with ``what="recv_counts"``, recv_counts) of any accepted kind as a list of
+        ints, or a collective TypeError/ValueError."""
         me = self.global_ranks[self.rank]
         try:
             if t.dim() == 0:
                 raise ValueError("all_to_all: x needs at least 1 dim (rows)")
-            if send_counts is None:
+            if given is None:
                 raise ValueError(f"all_to_all: rank {me} has {t.shape[0]} rows, not divisible by the group "
                                  f"size {self.size}; pass send_counts for an uneven split")
-            if isinstance(send_counts, (torch.Tensor, np.ndarray)):
-                if isinstance(send_counts, torch.Tensor):
-                    if send_counts.layout is not torch.strided or send_counts.is_floating_point() or \
-                            send_counts.is_complex() or send_counts.dtype == torch.bool:
-                        raise TypeError(f"all_to_all: rank {me} passed send_counts of dtype {send_counts.dtype} "
-                                        f"({send_counts.layout}); need a dense integer tensor")
-                    arr = send_counts.detach().cpu().numpy()
+            if isinstance(given, (torch.Tensor, np.ndarray)):
+                if isinstance(given, torch.Tensor):
+                    if given.layout is not torch.strided or given.is_floating_point() or \
+                            given.is_complex() or given.dtype == torch.bool:
+                        raise TypeError(f"all_to_all: rank {me} passed {what} of dtype {given.dtype} "
+                                        f"({given.layout}); need a dense integer tensor")
+                    arr = given.detach().cpu().numpy()
                 else:
-                    arr = send_counts
+                    arr = given
                 if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-                    raise TypeError(f"all_to_all: rank {me} passed send_counts of dtype {arr.dtype}; need integers")
+                    raise TypeError(f"all_to_all: rank {me} passed {what} of dtype {arr.dtype}; need integers")
                 counts = [int(c) for c in arr.reshape(-1)]
-            elif isinstance(send_counts, (list, tuple)):
-                counts = [as_int(c, f"all_to_all: send_counts[{i}] on rank {me}") for i, c in enumerate(send_counts)]
+            elif isinstance(given, (list, tuple)):
+                counts = [as_int(c, f"all_to_all: {what}[{i}] on rank {me}") for i, c in enumerate(given)]
             else:
-                raise TypeError(f"all_to_all: send_counts must be a list/tuple of ints or an integer tensor/array, "
-                                f"got {type(send_counts).__name__} on rank {me}")
+                raise TypeError(f"all_to_all: {what} must be a list/tuple of ints or an integer tensor/array, "
+                                f"got {type(given).__name__} on rank {me}")
             if len(counts) != self.size:
-                raise ValueError(f"all_to_all: rank {me} passed send_counts {counts}; need {self.size} "
+                raise ValueError(f"all_to_all: rank {me} passed {what} {counts}; need {self.size} "
                                  "integers, one per rank")
-            if min(counts) < 0 or sum(counts) != t.shape[0]:
+            if what == "recv_counts":
+                if min(counts) < 0:
+                    raise ValueError(f"all_to_all: rank {me} recv_counts {counts} must be >= 0")
+            elif min(counts) < 0 or sum(counts) != t.shape[0]:
                 raise ValueError(f"all_to_all: rank {me} send_counts {counts} must be >= 0 and sum to "
                                  f"x.shape[0] = {t.shape[0]}")
         except (TypeError, ValueError) as e:
@@ -718,7 +813,7 @@ class Communicator:
         topo = self.topology.subset(members, new_rank)
         return Communicator(rdv, topo, timeout=self.timeout, transport=self._forced or "auto",
                             global_ranks=[self.global_ranks[m] for m in members], mpi_comm=mpi_sub,
-                            settings=settings)
+                            settings=settings, device=self.device)
 
     def close(self) -> None:
         """Release transports and shared memory; peers still waiting on this rank raise at once.

@@ -93,7 +93,7 @@ def _die_with_parent() -> None:
 
 def _rank_main(rank: int, nprocs: int, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
                transport: str, timeout: float, settings: dict[str, Any], conn: mpc.Connection,
-               threads: int | None) -> None:
+               threads: int | None, device: Any = None) -> None:
     _die_with_parent()
     import torch
 
@@ -105,7 +105,7 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable[..., Any], args: 
     try:
         store = store_client("127.0.0.1", port, timeout)
         rdv = StoreRendezvous(store, rank, nprocs, timeout, "moecomm/launch", range(nprocs))
-        comm = _build(rdv, transport, timeout, "launch", settings=settings)
+        comm = _build(rdv, transport, timeout, "launch", settings=settings, device=device)
         try:
             result = fn(comm, *args, **kwargs)
         finally:
@@ -124,7 +124,7 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable[..., Any], args: 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, transport: str = "auto", timeout: float = 300.0,
            options: Mapping[str, Any] | None = None, return_exceptions: bool = False, threads: int | None = None,
-           **kwargs: Any) -> list[Any]:
+           device: Any = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(comm, *args, **kwargs)`` on ``nprocs`` local ranks; return their results in rank order.
 
     The ranks are started from a fork server, which imports the calling script's ``__main__``
@@ -148,6 +148,10 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, transport: str = "au
             every rank runs to its end and the list holds the failed ranks' exception objects.
         threads: torch intra-op threads per rank (default: CPUs // nprocs, at least 1, like
             torchrun's OMP_NUM_THREADS=1 for several ranks).
+        device: the device of every rank (see :func:`collectives.init`): None (default) binds
+            rank r to cuda:r (modulo the GPUs; cpu without a GPU); an int N, "cuda:N" or a
+            torch.device puts every rank on that one GPU (NCCL then needs
+            NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL >= 2.30); "cpu": no GPU.
 
     Returns:
         [nprocs] ``fn``'s return value on each rank, in rank order.
@@ -178,7 +182,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, transport: str = "au
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_rank_main, name=f"moecomm-rank{rank}", daemon=False,
                             args=(rank, nprocs, port, fn, args, kwargs, transport, timeout, settings, child_end,
-                                  threads))
+                                  threads, device))
             p.start()
             child_end.close()
             procs.append(p)

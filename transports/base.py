@@ -113,6 +113,10 @@ F_DIMS = 5  # F_DIMS .. F_DIMS + MAX_META_DIMS - 1
 # dims and F_TAIL a digest of them, so (.., 2, 3) and (.., 3, 2) still differ. 0 otherwise.
 F_TAIL = F_DIMS + MAX_META_DIMS
 F_ROWS = F_TAIL + 1  # all_to_all: this rank's row count (may differ across ranks); not compared
+# all_to_all has no root: its root field is 1 when the caller passed recv_counts=, else 0. It is
+# compared like any field, because transports move the data differently with known receive counts
+# (nccl skips its count exchange): a mix across ranks would pair different messages.
+F_RECV_COUNTS_GIVEN = F_ROOT
 _FIELD_NAMES = {F_OPCODE: "collective", F_DTYPE: "dtype", F_REDOP: "op", F_ROOT: "src", F_NDIM: "ndim"}
 
 
@@ -193,6 +197,8 @@ class Signature:
 
 def _describe(meta: np.ndarray, field_idx: int) -> str:
     v = int(meta[field_idx])
+    if field_idx == F_RECV_COUNTS_GIVEN and meta[F_OPCODE] == OpCode.ALL_TO_ALL:
+        return "given" if v else "not given"
     if field_idx == F_OPCODE:
         return OpCode(v).name.lower() if v in OpCode._value2member_map_ else str(v)
     if field_idx == F_DTYPE:
@@ -233,7 +239,10 @@ def check_agreement(metas: np.ndarray, ranks: Sequence[int] | None = None) -> No
         col = metas[:, f]
         if not (col == col[0]).all():
             per_rank = ", ".join(f"rank {names[i]}: {_describe(metas[i], f)}" for i in range(len(metas)))
-            diffs.append(f"{_FIELD_NAMES[f]} differs ({per_rank})")
+            name = _FIELD_NAMES[f]
+            if f == F_RECV_COUNTS_GIVEN and (metas[:, F_OPCODE] == OpCode.ALL_TO_ALL).all():
+                name = "recv_counts"
+            diffs.append(f"{name} differs ({per_rank})")
     shape_cols = metas[:, F_NDIM:F_ROWS]
     if not (shape_cols == shape_cols[0]).all():
         per_rank = ", ".join(f"rank {names[i]}: {_shape_of(metas[i])}" for i in range(len(metas)))
@@ -241,8 +250,34 @@ def check_agreement(metas: np.ndarray, ranks: Sequence[int] | None = None) -> No
     raise ValueError(
         f"{_describe(metas[0], F_OPCODE)} called with arguments that differ across ranks: "
         + "; ".join(diffs)
-        + ". Every rank must pass the same shape, dtype and op (all_to_all: same trailing dims)."
+        + ". Every rank must pass the same shape, dtype and op (all_to_all: same trailing dims, and "
+        "recv_counts on every rank or on none)."
     )
+
+
+def check_recv_counts(send_counts: Sequence[Sequence[int]], recv_counts: Sequence[Sequence[int]],
+                      ranks: Sequence[int] | None = None) -> None:
+    """Raise ``ValueError`` (identically on every rank that has both matrices) unless every rank's
+    declared receive counts are what its peers send.
+
+    ``send_counts``: [size][size], row s: the rows rank s sends to each rank; ``recv_counts``:
+    [size][size], row d: the rows rank d said (``recv_counts=``) it receives from each rank.
+    ``ranks`` maps group ranks to the numbers shown in the message.
+    """
+    n = len(send_counts)
+    names = list(ranks) if ranks is not None else list(range(n))
+    wrong = []
+    for d in range(n):
+        actual = [int(send_counts[s][d]) for s in range(n)]
+        declared = [int(c) for c in recv_counts[d]]
+        if declared != actual:
+            wrong.append(f"rank {names[d]} passed recv_counts {declared} but its peers send it {actual}")
+    if wrong:
+        shown = "; ".join(wrong[:8]) + (f"; and {len(wrong) - 8} more rank(s)" if len(wrong) > 8 else "")
+        raise ValueError(
+            f"all_to_all: recv_counts differ from what the peers send: {shown}. Every rank aborted the call; "
+            "recv_counts[s] must be the send_counts[rank] of rank s, or leave "
+            "recv_counts out to have the counts exchanged.")
 
 
 class Rendezvous(abc.ABC):
@@ -278,6 +313,7 @@ class GroupInfo:
     mpi_comm: object | None = None  # mpi4py communicator of this group when launched by MPI
     oversubscribed: bool = False  # more ranks on this node than CPUs (Topology.oversubscribed)
     settings: dict = field(default_factory=dict)  # resolved transports.settings values (option name -> value)
+    cuda_device: int | None = None  # the CUDA device this rank is bound to (None: the current device)
 
     @property
     def single_node(self) -> bool:
@@ -325,9 +361,14 @@ class Transport(abc.ABC):
     def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         """out ([n] flat) = this rank's block of the reduction of send ([size * n] flat)."""
 
+    #: whether :meth:`all_to_all` takes ``recv_counts=`` and checks it against what the peers send;
+    #: for the others :meth:`all_to_all_with_recv_counts` checks it after the exchange (one barrier more)
+    takes_recv_counts: ClassVar[bool] = False
+
     @abc.abstractmethod
     def all_to_all(
-        self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator, sig: Signature
+        self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator, sig: Signature,
+        recv_counts: list[int] | None = None,
     ) -> torch.Tensor:
         """Uneven all-to-all of rows.
 
@@ -335,7 +376,43 @@ class Transport(abc.ABC):
         send_counts: [size] ints. The transport exchanges the counts, calls
         ``alloc(recv_counts)`` for the output ([sum(recv_counts) * row_numel] flat) and
         fills it with the received rows in source-rank order.
+
+        recv_counts: [size] ints, the rows this rank receives from each rank, when the caller
+        knows them (then ``sig`` says so on every rank: see ``F_RECV_COUNTS_GIVEN``). Only
+        transports with ``takes_recv_counts`` get it; they may skip their count exchange, and
+        must raise the ``ValueError`` of :func:`check_recv_counts` on every rank when a rank's
+        value is not what its peers send, before any data lands.
         """
+
+    def all_to_all_with_recv_counts(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], row_numel: int,
+        alloc: Allocator, sig: Signature,
+    ) -> torch.Tensor:
+        """:meth:`all_to_all` for a caller that knows its receive counts ([size] ints).
+
+        Transports with ``takes_recv_counts`` get them directly. For the others (this default) the
+        counts are exchanged as usual, each rank compares what arrived with what it declared, and
+        one more :meth:`exchange_meta` tells every rank whether all matched; on a mismatch the
+        ranks swap their counts over the rendezvous (the error path only) and every rank raises
+        the ``ValueError`` of :func:`check_recv_counts`.
+        """
+        if self.takes_recv_counts:
+            return self.all_to_all(send, send_counts, row_numel, alloc, sig, recv_counts=recv_counts)
+        arrived: list[list[int]] = []
+
+        def checked_alloc(counts: list) -> torch.Tensor:
+            arrived.append([int(c) for c in counts])
+            return alloc(counts)
+
+        out = self.all_to_all(send, send_counts, row_numel, checked_alloc, sig)
+        ok = arrived and arrived[0] == [int(c) for c in recv_counts]
+        metas = self.exchange_meta(sig if ok else Signature(error_meta()))
+        if (metas[:, F_OPCODE] == OpCode.LOCAL_ERROR).any():
+            mine = np.asarray([send_counts, recv_counts], dtype=np.int64)
+            both = [np.frombuffer(b, dtype=np.int64).reshape(2, -1)
+                    for b in self.group.rendezvous.allgather_bytes(mine.tobytes())]
+            check_recv_counts([b[0] for b in both], [b[1] for b in both], self.group.global_ranks)
+        return out
 
     @abc.abstractmethod
     def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, sig: Signature) -> None:

@@ -45,6 +45,7 @@ from .base import (
     Signature,
     Transport,
     check_agreement,
+    check_recv_counts,
 )
 
 log = logging.getLogger(__name__)
@@ -405,13 +406,35 @@ class MPITransport(Transport):
         y = as_numpy(out).view(np.uint8)
         self._wait([self.comm.Ibcast([y, self.MPI.BYTE], root=src)], "broadcast", keep=(out, y))
 
+    takes_recv_counts = True
+
     def all_to_all(self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator,
-                   sig: Signature) -> torch.Tensor:
+                   sig: Signature, recv_counts: list[int] | None = None) -> torch.Tensor:
+        """See :meth:`Transport.all_to_all`.
+
+        With ``recv_counts`` (the signature check has made sure every rank passed them) the count
+        exchange becomes an Iallgather of every rank's send and declared receive counts instead of
+        an Ialltoall of the send counts: the same one step (so step numbers still agree across
+        ranks), n times the bytes (2 * size int64 from each rank; negligible beside the data up to
+        hundreds of ranks), and every rank sees both whole matrices, so every rank raises the same
+        ValueError naming each wrong rank and its counts before the Alltoallv. Skipping the
+        exchange instead would save that step but leave the check to the Alltoallv, where a short
+        message is not an error and a long one fails on the receiver alone.
+        """
         self._agree(sig)
         counts = np.ascontiguousarray(send_counts, dtype=np.int64)
-        recv_counts = np.zeros(self.size, dtype=np.int64)
-        self._wait([self.comm.Ialltoall(counts, recv_counts)], "all_to_all count exchange",
-                   keep=(counts, recv_counts))
+        if recv_counts is not None:
+            mine = np.ascontiguousarray([send_counts, recv_counts], dtype=np.int64)
+            every = np.zeros((self.size, 2, self.size), dtype=np.int64)
+            self._wait([self.comm.Iallgather(mine, every)], "all_to_all count exchange", keep=(mine, every))
+            sent, declared = every[:, 0], every[:, 1]  # sent[src][dst], declared[dst][src]
+            if not (declared == sent.T).all():
+                check_recv_counts(sent.tolist(), declared.tolist(), self._ranks)
+            recv_counts = np.ascontiguousarray(recv_counts, dtype=np.int64)
+        else:
+            recv_counts = np.zeros(self.size, dtype=np.int64)
+            self._wait([self.comm.Ialltoall(counts, recv_counts)], "all_to_all count exchange",
+                       keep=(counts, recv_counts))
         out = alloc(recv_counts.tolist())
         row_bytes = row_numel * send.element_size()
         sc = np.asarray(send_counts, dtype=np.int64) * row_bytes

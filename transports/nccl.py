@@ -10,6 +10,9 @@ Agreement of call signatures across ranks is checked over the host rendezvous th
 time each signature is used (``MOECOMM_NCCL_CHECK=always``: every call, which costs a host
 round trip and cannot be graph-captured). NCCL itself never validates arguments.
 
+Device: the transport opens NCCL on ``GroupInfo.cuda_device`` (the communicator binds each rank to
+``cuda:local_rank`` unless told otherwise), else on the current device.
+
 STATUS: written against cupy's documented NcclCommunicator API but NOT yet run on a GPU
 (the development machine has none); the GPU tests in tests/test_nccl.py skip without one.
 """
@@ -32,6 +35,7 @@ from .base import (
     Signature,
     Transport,
     check_agreement,
+    check_recv_counts,
 )
 
 log = logging.getLogger(__name__)
@@ -74,7 +78,7 @@ class NCCLTransport(Transport):
         if nccl is None:
             raise RuntimeError("NCCL is not available (needs a GPU, cupy and libnccl)")
         self.nccl = nccl
-        self.device = torch.cuda.current_device()
+        self.device = group.cuda_device if group.cuda_device is not None else torch.cuda.current_device()
         uid = nccl.get_unique_id() if self.rank == 0 else ()
         ids = group.rendezvous.allgather_bytes(np.asarray(uid, dtype=np.int64).tobytes() if self.rank == 0 else b"")
         unique_id = tuple(int(v) for v in np.frombuffer(ids[0], dtype=np.int64))
@@ -91,12 +95,29 @@ class NCCLTransport(Transport):
     # ---- agreement over the host rendezvous -----------------------------------------------
     def exchange_meta(self, sig: Signature) -> np.ndarray:
         raw = self.group.rendezvous.allgather_bytes(sig.meta.tobytes())
-        return np.stack([np.frombuffer(b, dtype=np.int64) for b in raw])
+        # count=: a peer in all_to_all with recv_counts sends its counts after its signature
+        return np.stack([np.frombuffer(b, dtype=np.int64, count=sig.meta.size) for b in raw])
 
     def _agree(self, sig: Signature) -> None:
         if sig.value in self._checked and not self._check_always:
             return
         check_agreement(self.exchange_meta(sig), self._ranks)
+        self._checked.add(sig.value)
+
+    def _agree_with_counts(self, sig: Signature, send_counts: list[int], recv_counts: list[int]) -> None:
+        """:meth:`_agree` for all_to_all with recv_counts: the same host exchange also carries every
+        rank's send and declared receive counts, checked whenever the signature is (first use of
+        the signature, or every call with MOECOMM_NCCL_CHECK=always)."""
+        if sig.value in self._checked and not self._check_always:
+            return
+        counts = np.asarray([send_counts, recv_counts], dtype=np.int64)
+        raw = self.group.rendezvous.allgather_bytes(sig.meta.tobytes() + counts.tobytes())
+        # a peer without recv_counts sent its signature alone: check_agreement names that difference
+        check_agreement(np.stack([np.frombuffer(b, dtype=np.int64, count=sig.meta.size) for b in raw]), self._ranks)
+        every = np.stack([np.frombuffer(b, dtype=np.int64, offset=sig.meta.nbytes).reshape(2, -1) for b in raw])
+        sent, declared = every[:, 0], every[:, 1]
+        if not (declared == sent.T).all():
+            check_recv_counts(sent.tolist(), declared.tolist(), self._ranks)
         self._checked.add(sig.value)
 
     def barrier(self, sig: Signature) -> None:
@@ -145,8 +166,31 @@ class NCCLTransport(Transport):
         self.comm.broadcast(send.data_ptr(), out.data_ptr(), send.numel(), NCCL_DTYPES[send.dtype], src,
                             self._stream())
 
+    takes_recv_counts = True
+
     def all_to_all(self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator,
-                   sig: Signature) -> torch.Tensor:
+                   sig: Signature, recv_counts: list[int] | None = None) -> torch.Tensor:
+        """See :meth:`Transport.all_to_all`.
+
+        Without ``recv_counts``: one count exchange on the device, then a host synchronisation
+        to size the output, then the grouped send/recv of the rows.
+
+        With ``recv_counts``: no count exchange and no host synchronisation (graph-capturable
+        after the first call). What is checked: the first call of each call signature (dtype,
+        trailing dims, recv_counts given), like every signature of this transport, swaps every
+        rank's send and receive counts over the host rendezvous with the signature, and a wrong
+        value raises ValueError on every rank; with MOECOMM_NCCL_CHECK=always every call is
+        checked so. What is NOT checked: later calls of an already checked signature. Their
+        counts change from call to call, and checking them would cost the host round trip that
+        recv_counts exists to avoid, so a wrong count there pairs an NCCL send with a receive of
+        another size (undefined: a hang or wrong rows). Set MOECOMM_NCCL_CHECK=always while
+        debugging counts.
+        """
+        if recv_counts is not None:
+            self._agree_with_counts(sig, send_counts, recv_counts)
+            out = alloc(list(recv_counts))
+            self._send_recv(send, list(send_counts), out, list(recv_counts), send.dtype, row_numel, self._stream())
+            return out
         self._agree(sig)
         n = self.size
         stream = self._stream()

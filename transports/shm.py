@@ -5,7 +5,8 @@ One segment per group, created by group rank 0 and mapped by every rank::
     [control: one block per rank][data: per rank, two slots of ``slot_bytes``]
 
 A control block holds the rank's arrival counter (epoch), an abort/close flag,
-and two parity copies of its call signature and all-to-all send counts. Data
+and two parity copies of its call signature, its all-to-all send counts and the
+receive counts its caller declared (``recv_counts=``, checked against the send counts). Data
 moves in *rounds*: a rank writes its slot, publishes its epoch, waits for every
 peer's epoch, then reads what it needs straight out of the peers' slots (no
 pickling, no extra hop). Rounds alternate between the two slots, so a slot is
@@ -48,6 +49,7 @@ from .base import (
     Signature,
     Transport,
     check_agreement,
+    check_recv_counts,
 )
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,8 @@ log = logging.getLogger(__name__)
 # Control block layout (int64 words).
 _EPOCH, _STATE = 0, 1
 _SIG0 = 2  # two parities of the signature digest
-_META0 = 4  # two parities of META_LEN words, then two parities of `size` all-to-all counts
+_META0 = 4  # two parities of META_LEN words, then two parities of `size` all-to-all send counts, then of
+# `size` declared receive counts
 _STATE_ABORTED, _STATE_CLOSED = 1, 2  # 0: running
 
 # Per-slot size; each rank has two slots and messages larger than a slot go in rounds.
@@ -118,8 +121,9 @@ class SharedMemoryTransport(Transport):
         self.timeout = group.timeout
         self._pids = list(group.pids)
         self._ranks = list(group.global_ranks)
-        self._ctrl_words = _align(_META0 + 2 * META_LEN + 2 * n, 16)  # 128-byte aligned blocks
+        self._ctrl_words = _align(_META0 + 2 * META_LEN + 4 * n, 16)  # 128-byte aligned blocks
         self._counts0 = _META0 + 2 * META_LEN
+        self._recv0 = self._counts0 + 2 * n
         ctrl_bytes = _align(n * self._ctrl_words * 8, 4096)
         total = ctrl_bytes + n * 2 * self.slot_bytes
         self._map, self.segment_name = create_and_map(group, total)
@@ -166,8 +170,11 @@ class SharedMemoryTransport(Transport):
         raise CommunicatorBrokenError(
             f"shm communicator is unusable after an earlier failure ({self._broken}); create a new one")
 
-    def _sync(self, sig: Signature | None = None, counts: list[int] | None = None, check: bool = True) -> None:
+    def _sync(self, sig: Signature | None = None, counts: list[int] | None = None, check: bool = True,
+              recv: list[int] | None = None) -> None:
         """Publish our arrival (with the call signature on a call's first sync) and wait for every peer.
+
+        ``counts``/``recv``: all_to_all's send counts and declared receive counts, published with it.
 
         With ``sig``, afterwards compares the peers' signature digests with ours (one word each) and
         raises the detailed ``ValueError`` of :func:`check_agreement` on any difference.
@@ -184,6 +191,9 @@ class SharedMemoryTransport(Transport):
         if counts is not None:
             c0 = mine + self._counts0 + par * self.size
             q[c0 : c0 + self.size] = array.array("q", counts)
+        if recv is not None:
+            r0 = mine + self._recv0 + par * self.size
+            q[r0 : r0 + self.size] = array.array("q", recv)
         _fence()
         q[mine] = e
         for base in self._peer_bases:
@@ -402,8 +412,13 @@ class SharedMemoryTransport(Transport):
             else:
                 np.copyto(y[lo:hi], slots[src])
 
+    takes_recv_counts = True
+
     def all_to_all(self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator,
-                   sig: Signature) -> torch.Tensor:
+                   sig: Signature, recv_counts: list[int] | None = None) -> torch.Tensor:
+        """See :meth:`Transport.all_to_all`. With ``recv_counts`` every rank publishes them beside its
+        send counts in the first synchronisation, and every rank compares the whole [size, size]
+        matrices after it, so a wrong value raises on every rank before any peer's row is read."""
         n, me, S = self.size, self.rank, self.slot_bytes
         x = as_numpy(send).view(np.uint8)
         row_bytes = row_numel * send.element_size()
@@ -411,9 +426,16 @@ class SharedMemoryTransport(Transport):
         b = self._begin_round()
         for off, src, nb in staged_segments(own_start, own_len, x.nbytes, 0, S):
             np.copyto(self._slots[b][me][off : off + nb], x[src : src + nb])
-        self._sync(sig, send_counts)
-        c0 = self._counts0 + (self._epoch & 1) * n
+        self._sync(sig, send_counts, recv=recv_counts)
+        par = self._epoch & 1
+        c0 = self._counts0 + par * n
         counts = self._ctrl[:, c0 : c0 + n].tolist()  # counts[src][dst] rows
+        if recv_counts is not None:  # every rank passed them: the signatures agreed on that
+            r0 = self._recv0 + par * n
+            declared = self._ctrl[:, r0 : r0 + n]  # declared[dst][src] rows
+            sent = self._ctrl[:, c0 : c0 + n]
+            if not (declared == sent.T).all():
+                check_recv_counts(sent.tolist(), declared.tolist(), self._ranks)
         recv = [row[me] for row in counts]
         out = alloc(recv)
         y = as_numpy(out).view(np.uint8)
