@@ -39,6 +39,10 @@ all-to-all, and lets ``combine`` run as a single all-to-all when dispatch was gi
 Collective calls per step: dispatch = 1 all_gather (counts; + 1 when capacity dropping has to
 rank an over-full expert) + 1 all_to_all; combine = 1 all_to_all (+1 small one for the weights
 when dispatch did not get them); backward: dispatch 1, combine 2 (rows out, weight grads back).
+Every all_to_all passes the receive counts the layout already knows (``recv_counts=``), so a
+transport that would exchange counts first (nccl) moves the rows at once: dispatch's own come from
+the layout's all_gather (each rank's rows per destination ride along), except when capacity
+dropping changed the rows after it; combine and the backward passes reuse dispatch's counts.
 """
 
 from __future__ import annotations
@@ -90,6 +94,9 @@ class DispatchLayout:
         global_tokens_per_expert: [E] int64 (CPU), pairs per expert over all ranks, before dropping.
         num_global_tokens: T_global. capacity: C, or None (dropless).
         tokens_per_expert: [L] int64 (CPU), the pairs this rank receives per local expert (sums to N).
+        recv_counts: [P] Python ints, rows this rank receives from each rank in dispatch; None when
+            capacity dropping changed the rows after the count exchange (dispatch then gets them
+            from the all_to_all).
     """
 
     num_tokens: int
@@ -109,6 +116,7 @@ class DispatchLayout:
     num_global_tokens: int
     capacity: int | None
     tokens_per_expert: torch.Tensor
+    recv_counts: list[int] | None = None
 
 
 @dataclass
@@ -149,9 +157,15 @@ class DispatchHandle:
         return 0 if self.pair_row is None else int(self.pair_row.numel())
 
 
-def _all_to_all(comm: CommunicatorLike, x: torch.Tensor, send_counts: list[int], *, return_counts: bool = False):
+def _all_to_all(comm: CommunicatorLike, x: torch.Tensor, send_counts: list[int], recv_counts: list[int] | None,
+                *, return_counts: bool = False):
+    """comm.all_to_all of x's rows; ``recv_counts``: the rows from each rank when known (checked by the
+    communicator against what the peers send), else None: exchanged there."""
     if comm.size == 1:  # nothing crosses a process boundary; skip the copy
         return (x, [x.shape[0]]) if return_counts else x
+    if recv_counts is not None:
+        out = comm.all_to_all(x, send_counts, recv_counts=recv_counts)
+        return (out, list(recv_counts)) if return_counts else out
     if return_counts:
         out, rc = comm.all_to_all(x, send_counts, return_counts=True)
         return out, [int(c) for c in rc.tolist()]
@@ -201,7 +215,7 @@ class _DispatchAllToAll(torch.autograd.Function):
         # Gather the token rows straight into the wire buffer (no temporary).
         torch.index_select(x.detach().contiguous().view(torch.uint8), 0, lay.send_token_idx,
                            out=buf[:, meta_b: meta_b + row_b])
-        recv, recv_counts = _all_to_all(comm, buf, lay.send_counts, return_counts=True)
+        recv, recv_counts = _all_to_all(comm, buf, lay.send_counts, lay.recv_counts, return_counts=True)
         ids = recv[:, :ids_b].view(torch.int32)
         rows = recv[:, meta_b: meta_b + row_b].view(x.dtype)
         row, slot = (ids >= 0).nonzero(as_tuple=True)            # pairs in (source, token, slot) order
@@ -218,7 +232,7 @@ class _DispatchAllToAll(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         h, comm = ctx.handle, ctx.comm
         g_rows = _sum_rows(grad, h.pair_row, h.num_recv_rows)          # pairs -> received rows
-        back = _all_to_all(comm, g_rows, h.recv_counts)
+        back = _all_to_all(comm, g_rows, h.recv_counts, h.layout.send_counts)
         return _sum_rows(back, h.layout.send_token_idx, ctx.num_tokens), None, None
 
 
@@ -238,14 +252,14 @@ class _CombineAllToAll(torch.autograd.Function):
             ok = lay.send_slot_ids >= 0
             w_rows = torch.where(ok, weights.detach().index_select(0, lay.send_token_idx),
                                  torch.zeros((), dtype=w_dtype, device=weights.device))
-            w_recv = _all_to_all(comm, w_rows, lay.send_counts)
+            w_recv = _all_to_all(comm, w_rows, lay.send_counts, handle.recv_counts)
             w_pair = w_recv[handle.pair_row, handle.pair_slot]
         eo = expert_out.detach()
         acc = _acc_dtype(eo.dtype)
         weighted = eo.to(acc, copy=True).mul_(w_pair.to(acc).unsqueeze(1))
         partial = _sum_rows(weighted, handle.pair_row, handle.num_recv_rows, out_dtype=eo.dtype)
         del weighted
-        back = _all_to_all(comm, partial, handle.recv_counts)
+        back = _all_to_all(comm, partial, handle.recv_counts, lay.send_counts)
         ctx.save_for_backward(eo, w_pair)
         ctx.handle, ctx.comm, ctx.w_dtype = handle, comm, w_dtype
         return _sum_rows(back, lay.send_token_idx, lay.num_tokens)
@@ -257,13 +271,13 @@ class _CombineAllToAll(torch.autograd.Function):
         lay = h.layout
         acc = _acc_dtype(eo.dtype)
         g_send = grad_y.to(eo.dtype).index_select(0, lay.send_token_idx)
-        g_recv = _all_to_all(comm, g_send, lay.send_counts)
+        g_recv = _all_to_all(comm, g_send, lay.send_counts, h.recv_counts)
         g_pair = g_recv.index_select(0, h.pair_row).to(acc)
         # Weight gradients are born on the expert rank; the k-wide grid mirrors the dispatched rows.
         gw_grid = torch.zeros((h.num_recv_rows, lay.top_k), dtype=ctx.w_dtype, device=eo.device)
         gw_grid[h.pair_row, h.pair_slot] = torch.linalg.vecdot(g_pair, eo.to(acc)).to(ctx.w_dtype)
         grad_eo = g_pair.mul_(w_pair.to(acc).unsqueeze(1)).to(eo.dtype)
-        gw_back = _all_to_all(comm, gw_grid, h.recv_counts)
+        gw_back = _all_to_all(comm, gw_grid, h.recv_counts, lay.send_counts)
         grad_w = torch.zeros((lay.num_tokens, lay.top_k), dtype=ctx.w_dtype, device=eo.device)
         grad_w.index_add_(0, lay.send_token_idx, gw_back)
         return grad_eo, grad_w, None, None
@@ -371,9 +385,13 @@ class ExpertDispatcher:
             e = experts.to(torch.int64)
             valid = e >= 0
             counts_local = torch.bincount(e[valid], minlength=E).cpu()
+            dest, to_rank = self._rows_to_ranks(e, valid)
+            rows_local = to_rank[:, :P].sum(0).cpu()
         else:
             counts_local = torch.zeros(E, dtype=torch.int64)
-        header = torch.cat([torch.tensor([T], dtype=torch.int64), counts_local])
+            rows_local = torch.zeros(P, dtype=torch.int64)
+        # each rank's rows per destination ride along: they are everyone's receive counts
+        header = torch.cat([torch.tensor([T], dtype=torch.int64), counts_local, rows_local])
         gathered = agree(comm, "dispatch", {"hidden size (x.shape[1])": hidden, "top_k (experts.shape[1])": k,
                                             "x.dtype": dtype_code(x.dtype) if ok_shapes else 0,
                                             "x.requires_grad": int(requires_grad),
@@ -385,7 +403,8 @@ class ExpertDispatcher:
                               "same k, and x.requires_grad set alike, and pass weights= on all ranks or on "
                               "none (T may differ).")
         num_global_tokens = int(gathered[:, 0].sum())
-        counts = gathered[:, 1:].clone()                       # [P, E] pairs per (source rank, expert)
+        counts = gathered[:, 1:1 + E].clone()                  # [P, E] pairs per (source rank, expert)
+        recv_counts = gathered[:, 1 + E:][:, comm.rank].tolist()  # rows from each rank (before dropping)
         global_tpe = counts.sum(0)
         dropped = torch.zeros((T, k), dtype=torch.bool, device=x.device)
         capacity = None
@@ -396,13 +415,11 @@ class ExpertDispatcher:
                 keep_local, counts = self._capacity_keep(e, valid, weights, counts, over, capacity)
                 dropped = valid & ~keep_local
                 valid = valid & keep_local
+                dest, to_rank = self._rows_to_ranks(e, valid)
+                recv_counts = None  # rows changed after the exchange: dispatch's all_to_all learns them
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("rank %d: capacity %d per expert, %d experts over it, %d of this rank's pairs dropped",
                               comm.global_ranks[comm.rank], capacity, int(over.sum()), int(dropped.sum()))
-        # One row per (token, destination rank); the token's slots for that rank ride in the row.
-        dest = torch.where(valid, torch.div(e, L, rounding_mode="floor"), torch.full_like(e, P))
-        to_rank = torch.zeros((T, P + 1), dtype=torch.bool, device=x.device)
-        to_rank.scatter_(1, dest, True)
         rank_of_row, send_tok = to_rank[:, :P].t().nonzero(as_tuple=True)
         send_counts = torch.bincount(rank_of_row, minlength=P).cpu().tolist()
         slot_here = valid.index_select(0, send_tok) & (dest.index_select(0, send_tok) == rank_of_row.unsqueeze(1))
@@ -423,7 +440,22 @@ class ExpertDispatcher:
                               send_weights=send_w, weights=w_copy, weights_id=w_id,
                               dropped=dropped, counts=counts, global_tokens_per_expert=global_tpe,
                               num_global_tokens=num_global_tokens, capacity=capacity,
-                              tokens_per_expert=counts[:, r * L:(r + 1) * L].sum(0))
+                              tokens_per_expert=counts[:, r * L:(r + 1) * L].sum(0), recv_counts=recv_counts)
+
+    def _rows_to_ranks(self, e: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row per (token, destination rank); the token's slots for that rank ride in the row.
+
+        Args:
+            e: [T, k] int64 global expert ids; valid: [T, k] bool, the slots that are sent.
+        Returns:
+            ``(dest, to_rank)``: dest [T, k] int64, each slot's rank (P for a slot not sent);
+            to_rank [T, P + 1] bool, whether the token goes to each rank (column P: nowhere).
+        """
+        P, L = self.comm.size, self.num_local_experts
+        dest = torch.where(valid, torch.div(e, L, rounding_mode="floor"), torch.full_like(e, P))
+        to_rank = torch.zeros((e.shape[0], P + 1), dtype=torch.bool, device=e.device)
+        to_rank.scatter_(1, dest, True)
+        return dest, to_rank
 
     def _capacity_keep(self, e: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
                        over: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
