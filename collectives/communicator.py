@@ -294,7 +294,8 @@ class Communicator:
                 ) -> tuple[Transport, Plan]:
         if self._state.closed is not None:
             self._state.raise_closed()
-        tname, reason = choose_transport(opcode, device, self.topology.single_node, self.transports, self._forced)
+        tname, reason = choose_transport(opcode, device, self.topology.single_node, self.transports, self._forced,
+                                         nbytes=None if opcode == OpCode.ALL_TO_ALL else nbytes)
         t = self.transports[tname]
         staged = device not in t.devices
         plan = Plan(name, tname, t.algorithm(opcode, nbytes, dtype), nbytes, reason, staged)

@@ -24,16 +24,40 @@ from transports.base import OpCode
 
 # (device, single_node) -> transports in order of preference. A host transport serving CUDA
 # tensors stages them through host memory (the communicator warns once when that happens).
-# ``ipc`` is in no chain yet: it serves a call only when forced (transport="ipc", comm.using("ipc")).
-# Emulated ipc (CPU tensors through Triton's interpreter) proves the kernels and is never fast; on
-# GPUs, ipc joins the ("cuda", True) chain below per-op size thresholds once a GPU run has measured
-# them against NCCL and a real P2P probe exists (issue 11; transports/ipc.py ONE_SHOT_MAX_BYTES).
+# ``ipc`` is in no chain: emulated ipc (CPU tensors through Triton's interpreter) proves the kernels
+# and is never fast, so CPU calls use it only when forced. On GPUs it serves small calls by size
+# (IPC_MAX_BYTES below), ahead of the chain.
 FALLBACK_CHAINS: dict[tuple[str, bool], tuple[str, ...]] = {
     ("cpu", True): ("shm", "mpi"),
     ("cpu", False): ("mpi",),
     ("cuda", True): ("nccl", "shm", "mpi"),
     ("cuda", False): ("nccl", "mpi"),
 }
+
+
+# CUDA tensors on one node, when the ipc transport came up on every rank (it probes P2P for real at
+# creation, see transports/ipc.py): these ops go to ipc up to these sizes (bytes of this rank's
+# input), to the chain (NCCL) above. Keyed by (op, GPU architecture or "any"), then world size.
+# Source: vLLM's custom all-reduce serves all_reduce up to its buffer size, 8 MiB
+# (vllm/distributed/device_communicators/custom_all_reduce.py, max_size = 8192 * 1024) for world
+# sizes 2-8, NCCL above. vLLM publishes no switch point for all_gather or reduce_scatter; the
+# all_reduce one stands in. None of these has been measured by a moecomm GPU run yet (issue 12
+# replaces them with the measured crossover and cites the record).
+_VLLM_CUSTOM_AR_MAX = 8 << 20
+IPC_MAX_BYTES: dict[tuple[OpCode, str], dict[int, int]] = {
+    (op, "any"): {n: _VLLM_CUSTOM_AR_MAX for n in range(2, 9)}
+    for op in (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER)
+}
+
+
+def ipc_max_bytes(opcode: OpCode, world_size: int, arch: str = "any") -> int:
+    """The largest call (bytes of one rank's input) that ipc serves for CUDA tensors; 0: never.
+
+    Args:
+        opcode: the collective; world_size: ranks in the group; arch: GPU architecture ("sm90", ...).
+    """
+    table = IPC_MAX_BYTES.get((opcode, arch)) or IPC_MAX_BYTES.get((opcode, "any")) or {}
+    return table.get(world_size, 0)
 
 
 @dataclass(frozen=True)
@@ -69,8 +93,13 @@ def candidate_chain(device: str, single_node: bool) -> tuple[str, ...]:
 
 
 def choose_transport(opcode: OpCode, device: str, single_node: bool, available: Mapping[str, Any],
-                     forced: str | None) -> tuple[str, str]:
-    """The transport that serves one call, from what every rank agrees on (never from sizes).
+                     forced: str | None, *, nbytes: int | None = None, arch: str = "any") -> tuple[str, str]:
+    """The transport that serves one call, from what every rank agrees on.
+
+    Host tensors are never routed by size (see the module docstring). CUDA tensors on one node go
+    to ipc up to :func:`ipc_max_bytes`: ranks whose sizes wrongly differ may then sit in different
+    transports, and both ipc and nccl compare call signatures over the rendezvous on the first call
+    of each signature, so they still meet there and raise the ValueError that names the difference.
 
     Args:
         opcode: the collective.
@@ -78,6 +107,8 @@ def choose_transport(opcode: OpCode, device: str, single_node: bool, available: 
         single_node: whether every rank of the group runs on one node.
         available: transport name -> live transport of this communicator.
         forced: a transport every call must use (``transport=``/MOECOMM_TRANSPORT), or None.
+        nbytes: bytes of this rank's input (None: not routed by size).
+        arch: GPU architecture for the size table.
     Returns:
         (transport name, reason for the choice). Raises ValueError if ``forced`` is not
         available, RuntimeError if no transport can serve ``device``.
@@ -89,6 +120,11 @@ def choose_transport(opcode: OpCode, device: str, single_node: bool, available: 
                 f"(available: {sorted(available)}); shm needs all ranks on one node, mpi needs an mpirun launch, "
                 "ipc needs one node and CUDA (or MOECOMM_IPC_EMULATE=1 and triton for CPU tensors)")
         return forced, "forced by transport=/MOECOMM_TRANSPORT"
+    ipc = available.get("ipc")
+    if device == "cuda" and single_node and nbytes is not None and ipc is not None and device in ipc.devices:
+        limit = ipc_max_bytes(opcode, ipc.size, arch)
+        if nbytes <= limit:
+            return "ipc", f"cuda tensors on one node, {nbytes} B <= {limit} B (selection.IPC_MAX_BYTES)"
     chain = candidate_chain(device, single_node)
     for name in chain:
         if name in available:

@@ -337,8 +337,37 @@ class IPCTransport(Transport):
         self._watchdog = threading.Thread(target=self._watch, name=f"moecomm-ipc-watchdog-{self._ranks[self.rank]}",
                                           daemon=True)
         self._watchdog.start()
+        # CUDA: auto-selection routes calls to ipc or nccl by size, so ranks whose sizes wrongly differ
+        # can sit in different transports; both compare signatures over the rendezvous on the first
+        # call of each signature (as nccl does), so they meet there and raise the ValueError.
+        self._agree_on_host = not self.emulate
+        self._host_agreed: set[int] = set()
+        try:
+            self._probe_peers()
+        except BaseException:
+            self.close()
+            raise
         log.debug("ipc transport up: %s provider, %d ranks, buffer %d B, %d programs x %d",
                   "host" if self.emulate else "cuda", n, self.buffer_bytes, self.programs, self.block)
+
+    def _probe_peers(self) -> None:
+        """Read every peer's buffer through the kernels once, at creation.
+
+        A reported P2P capability can be wrong (vLLM probes for real for that reason): every rank
+        all-gathers a random token through its kernels and compares it with the tokens exchanged
+        over the rendezvous. A rank that reads anything else fails the transport's creation, and
+        the communicator then drops ipc on every rank.
+        """
+        token = int.from_bytes(os.urandom(8), "little") >> 2
+        tokens = [int.from_bytes(b, "little") for b in self.group.rendezvous.allgather_bytes(token.to_bytes(8, "little"))]
+        send = torch.tensor([token], dtype=torch.int64, device=self._device)
+        out = torch.empty(self.size, dtype=torch.int64, device=self._device)
+        self.all_gather(send, out, Signature.of(OpCode.ALL_GATHER, dtype=torch.int64, shape=(1,)))
+        got = out.tolist()
+        if got != tokens:
+            bad = [self._ranks[r] for r in range(self.size) if got[r] != tokens[r]]
+            raise RuntimeError(f"ipc P2P probe failed on rank {self._ranks[self.rank]}: the data read from "
+                               f"rank(s) {bad}'s buffers was wrong (peer access reported but not working)")
 
     # ---- failure detection ---------------------------------------------------------------------
     def _watch(self) -> None:
@@ -452,6 +481,10 @@ class IPCTransport(Transport):
         return self._regions.read(self.rank, L.PEER_META, self.size * META_LEN).reshape(self.size, META_LEN)
 
     def _common(self, sig: Signature) -> tuple:
+        if self._agree_on_host and sig.value not in self._host_agreed:
+            raw = self.group.rendezvous.allgather_bytes(sig.meta.tobytes())
+            check_agreement(np.stack([np.frombuffer(b, dtype=np.int64, count=META_LEN) for b in raw]), self._ranks)
+            self._host_agreed.add(sig.value)
         r = self._regions
         return r.data_ptrs, r.sig_ptrs, self.rank, self.size, sig.value, self._meta(sig), self._max_spins
 

@@ -1,0 +1,94 @@
+"""ipc in the library: size-routed selection for CUDA tensors, the P2P probe at creation, and the
+first-call signature agreement over the rendezvous that keeps size-routed ranks from waiting in
+different transports. The CUDA paths cannot run here; what they decide is tested with stand-ins
+and with the emulated transport switched into the CUDA behaviour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from collectives.selection import IPC_MAX_BYTES, choose_transport, ipc_max_bytes
+from ipc_harness import run_ranks
+from transports.base import OpCode, ReduceOp, Signature
+
+pytest.importorskip("triton")
+
+
+class _Fake:
+    def __init__(self, devices, size=4):
+        self.devices, self.size = devices, size
+
+
+def test_cuda_calls_go_to_ipc_up_to_the_table_and_to_nccl_above():
+    avail = {"ipc": _Fake(("cuda",)), "nccl": _Fake(("cuda",)), "shm": _Fake(("cpu",))}
+    limit = ipc_max_bytes(OpCode.ALL_REDUCE, 4)
+    assert limit == IPC_MAX_BYTES[(OpCode.ALL_REDUCE, "any")][4] > 0
+    for op in (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER):
+        assert choose_transport(op, "cuda", True, avail, None, nbytes=1024)[0] == "ipc"
+        assert choose_transport(op, "cuda", True, avail, None, nbytes=limit)[0] == "ipc"
+        assert choose_transport(op, "cuda", True, avail, None, nbytes=limit + 1)[0] == "nccl"
+    # never by size: all_to_all (sizes differ by design), broadcast, host tensors, several nodes
+    assert choose_transport(OpCode.ALL_TO_ALL, "cuda", True, avail, None, nbytes=None)[0] == "nccl"
+    assert choose_transport(OpCode.BROADCAST, "cuda", True, avail, None, nbytes=8)[0] == "nccl"
+    assert choose_transport(OpCode.ALL_REDUCE, "cpu", True, avail, None, nbytes=8)[0] == "shm"
+    assert choose_transport(OpCode.ALL_REDUCE, "cuda", False, avail, None, nbytes=8)[0] == "nccl"
+    # emulated ipc serves CPU tensors and is never chosen by auto; forcing still works
+    emulated = {"ipc": _Fake(("cpu",)), "shm": _Fake(("cpu",))}
+    assert choose_transport(OpCode.ALL_REDUCE, "cpu", True, emulated, None, nbytes=8)[0] == "shm"
+    assert choose_transport(OpCode.ALL_REDUCE, "cpu", True, emulated, "ipc", nbytes=8)[0] == "ipc"
+    # world sizes outside the table: no ipc
+    assert choose_transport(OpCode.ALL_REDUCE, "cuda", True, {**avail, "ipc": _Fake(("cuda",), 16)}, None,
+                            nbytes=8)[0] == "nccl"
+
+
+def _probe_with_a_broken_peer_read(group, liar):
+    from transports.ipc import IPCTransport
+
+    if group.rank == liar:  # this rank's reads of peer buffers come back wrong
+        real = IPCTransport.all_gather
+
+        def wrong(self, send, out, sig):
+            real(self, send, out, sig)
+            out[(group.rank + 1) % group.size] += 1
+
+        IPCTransport.all_gather = wrong
+    try:
+        IPCTransport(group)
+        return "up"
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_p2p_probe_fails_creation_on_a_rank_that_reads_wrong_data():
+    results = run_ranks(_probe_with_a_broken_peer_read, 3, 1, timeout=30.0)
+    assert [r[0] for r in results] == ["ok"] * 3, results
+    assert results[0][1] == "up" and results[2][1] == "up", results
+    assert "ipc P2P probe failed on rank 1" in results[1][1] and "rank(s) [2]" in results[1][1], results
+
+
+def _mismatched_sizes_with_host_agreement(group):
+    from transports.ipc import IPCTransport
+    from transports.kernels import layout as L
+
+    t = IPCTransport(group)
+    t._agree_on_host = True  # what the CUDA provider does
+    before = t._regions.read(group.rank, L.EPOCH, 1).tolist()
+    n = 5 + group.rank  # sizes wrongly differ across ranks
+    x = torch.randn(n)
+    sig = Signature.of(OpCode.ALL_REDUCE, dtype=x.dtype, shape=x.shape, op=ReduceOp.SUM)
+    try:
+        t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM, sig)
+        return "no error"
+    except ValueError as e:
+        # raised by the host exchange before any kernel ran (the in-kernel check would raise the same
+        # ValueError, but only after its barriers: the host check is what meets a peer sitting in nccl)
+        return str(e), t._regions.read(group.rank, L.EPOCH, 1).tolist() == before
+    finally:
+        t.close()
+
+
+def test_first_call_agreement_over_the_rendezvous_names_the_difference():
+    results = run_ranks(_mismatched_sizes_with_host_agreement, 2, timeout=30.0)
+    assert len(results) == 2 and all(r[0] == "ok" and "shape differs (rank 0: (5), rank 1: (6))" in r[1][0]
+                                     and r[1][1] for r in results), results
