@@ -394,7 +394,9 @@ class Transport(abc.ABC):
         counts are exchanged as usual, each rank compares what arrived with what it declared, and
         one more :meth:`exchange_meta` tells every rank whether all matched; on a mismatch the
         ranks swap their counts over the rendezvous (the error path only) and every rank raises
-        the ``ValueError`` of :func:`check_recv_counts`.
+        the ``ValueError`` of :func:`check_recv_counts`. The rows moved by the counts the peers
+        really sent, so nothing is misplaced, but the output ``alloc`` gave may hold them when
+        it raises.
         """
         if self.takes_recv_counts:
             return self.all_to_all(send, send_counts, row_numel, alloc, sig, recv_counts=recv_counts)

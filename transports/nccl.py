@@ -175,16 +175,19 @@ class NCCLTransport(Transport):
         Without ``recv_counts``: one count exchange on the device, then a host synchronisation
         to size the output, then the grouped send/recv of the rows.
 
-        With ``recv_counts``: no count exchange and no host synchronisation (graph-capturable
-        after the first call). What is checked: the first call of each call signature (dtype,
-        trailing dims, recv_counts given), like every signature of this transport, swaps every
-        rank's send and receive counts over the host rendezvous with the signature, and a wrong
-        value raises ValueError on every rank; with MOECOMM_NCCL_CHECK=always every call is
-        checked so. What is NOT checked: later calls of an already checked signature. Their
-        counts change from call to call, and checking them would cost the host round trip that
-        recv_counts exists to avoid, so a wrong count there pairs an NCCL send with a receive of
-        another size (undefined: a hang or wrong rows). Set MOECOMM_NCCL_CHECK=always while
-        debugging counts.
+        With ``recv_counts``: no count exchange and no host synchronisation after the first call
+        of a signature (not yet run on a GPU, nor tried under CUDA-graph capture). What is
+        checked: the first call of each call signature (dtype, trailing dims, recv_counts given),
+        like every signature of this transport, swaps every rank's send and receive counts over
+        the host rendezvous with the signature, and a wrong value raises ValueError on every
+        rank; with MOECOMM_NCCL_CHECK=always every call is checked so. The check is keyed by the
+        call signature, which is the same on every rank, not by each rank's own (send, recv)
+        counts: those differ across ranks, so a per-rank "counts seen before" cache would send
+        some ranks into the host exchange while others skip it, and hang them. What is NOT
+        checked: later calls of an already checked signature. Their counts change from call to
+        call, and checking them would cost the host round trip that recv_counts exists to avoid,
+        so a wrong count there pairs an NCCL send with a receive of another size (undefined: a
+        hang or wrong rows). Set MOECOMM_NCCL_CHECK=always while debugging counts.
         """
         if recv_counts is not None:
             self._agree_with_counts(sig, send_counts, recv_counts)
