@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import collectives
+from transports.base import Rendezvous
 
 UNDER_MPI = collectives.detect_launch() == "mpi"
 _world = None
@@ -142,3 +143,28 @@ def assert_reduced(result: torch.Tensor, xs: list[torch.Tensor], op: str, what: 
     tol = eps * ref.abs() + acc_eps * len(xs) * mag + 1e-300
     err = (result.double() - ref).abs()
     assert (err <= tol * 1.01).all(), f"{what}: max error {err.max().item():.3g}"
+
+
+class ThreadRendezvous(Rendezvous):
+    """allgather_bytes between the threads of this process, one object per rank (rank = thread index).
+
+    ``shared``: ``{"barrier": threading.Barrier(size), "slots": [b""] * size}``, one dict for all the
+    ranks' objects; with an ``"exchanges"`` key, rank 0 counts the exchanges there.
+    """
+
+    def __init__(self, shared: dict, rank: int, size: int | None = None):
+        self.shared, self.rank, self.timeout = shared, rank, 10.0
+        self.size = len(shared["slots"]) if size is None else size
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        barrier, slots = self.shared["barrier"], self.shared["slots"]
+        slots[self.rank] = data
+        barrier.wait(timeout=10)
+        out = list(slots)
+        barrier.wait(timeout=10)  # nobody overwrites a slot before everyone has read it
+        if self.rank == 0 and "exchanges" in self.shared:
+            self.shared["exchanges"] += 1
+        return out
+
+    def split(self, *args):
+        raise NotImplementedError

@@ -17,7 +17,7 @@ import torch
 import collectives
 from collectives._device import resolve_device
 from collectives.rendezvous import LocalRendezvous
-from transports.base import Rendezvous
+from spmd import ThreadRendezvous
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -65,24 +65,6 @@ def test_launch_and_init_device_without_a_gpu():
 
 
 # ---- NCCL creation failure on a machine with GPUs: a fake CUDA and a fake NCCL ----------------------
-class _ThreadRendezvous(Rendezvous):
-    """allgather_bytes between threads of one process (rank = the thread's index)."""
-
-    def __init__(self, shared, rank):
-        self.shared, self.rank, self.size, self.timeout = shared, rank, shared["size"], 10.0
-
-    def allgather_bytes(self, data: bytes) -> list[bytes]:
-        sh = self.shared
-        sh["slots"][self.rank] = data
-        sh["barrier"].wait(timeout=10)
-        out = list(sh["slots"])
-        sh["barrier"].wait(timeout=10)
-        return out
-
-    def split(self, *a):
-        raise NotImplementedError
-
-
 def _fake_gpus(monkeypatch, count, fail_on=None):
     """torch.cuda sees ``count`` GPUs (every one the same physical GPU's UUID when count is 1), and
     NCCL's communicator creation raises what cupy raises for NCCL's 'Duplicate GPU detected' on the
@@ -110,12 +92,12 @@ def _fake_gpus(monkeypatch, count, fail_on=None):
 
 
 def _create_on_threads(n, **kw):
-    shared = {"size": n, "slots": [None] * n, "barrier": threading.Barrier(n)}
+    shared = {"slots": [None] * n, "barrier": threading.Barrier(n)}
     res = {}
 
     def run(r):
         try:
-            res[r] = collectives._build(_ThreadRendezvous(shared, r), kw.get("transport", "auto"), 10.0, "launch",
+            res[r] = collectives._build(ThreadRendezvous(shared, r), kw.get("transport", "auto"), 10.0, "launch",
                                         device=kw.get("device"))
         except Exception as e:  # noqa: BLE001 - returned to the test
             res[r] = e

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import collectives
-from spmd import UNDER_MPI, shm_segments
+from spmd import UNDER_MPI, ThreadRendezvous, shm_segments
 from transports.base import (
     CommunicatorBrokenError,
     GroupInfo,
@@ -38,24 +38,6 @@ ROOT = HERE.parent
 
 
 # ---- shm transports of one process ------------------------------------------------------------
-class _ThreadRendezvous(Rendezvous):
-    """allgather_bytes between threads of this process, one object per rank."""
-
-    def __init__(self, shared: dict, rank: int, size: int):
-        self.shared, self.rank, self.size, self.timeout = shared, rank, size, 10.0
-
-    def allgather_bytes(self, data: bytes) -> list[bytes]:
-        barrier, slots = self.shared["barrier"], self.shared["slots"]
-        slots[self.rank] = data
-        barrier.wait(timeout=10)
-        out = list(slots)
-        barrier.wait(timeout=10)  # nobody overwrites a slot before everyone has read it
-        return out
-
-    def split(self, color, key, new_rank, new_size, ranks):
-        raise NotImplementedError
-
-
 def _shm_group(size: int, *, pids=None, settings=None, oversubscribed=False, timeout=5.0):
     """``size`` SharedMemoryTransport objects of one group, all in this process."""
     shared = {"barrier": threading.Barrier(size), "slots": [b""] * size}
@@ -63,7 +45,7 @@ def _shm_group(size: int, *, pids=None, settings=None, oversubscribed=False, tim
     made: list = [None] * size
 
     def make(r):
-        info = GroupInfo(rank=r, size=size, timeout=timeout, rendezvous=_ThreadRendezvous(shared, r, size),
+        info = GroupInfo(rank=r, size=size, timeout=timeout, rendezvous=ThreadRendezvous(shared, r, size),
                          global_ranks=list(range(size)), pids=list(pids), hosts=["here"] * size,
                          oversubscribed=oversubscribed, settings=dict(settings or {}))
         made[r] = SharedMemoryTransport(info)

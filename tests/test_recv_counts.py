@@ -21,7 +21,7 @@ import torch
 
 import collectives
 from moe import ExpertDispatcher
-from transports.base import GroupInfo, OpCode, Rendezvous, Signature
+from transports.base import GroupInfo, OpCode, Signature
 from transports.settings import resolve
 
 import spmd
@@ -197,26 +197,6 @@ def test_dispatcher_passes_the_receive_counts_it_knows(capacity_factor):
 
 
 # ---- nccl, with a fake NCCL module and threads for ranks (no GPU here) ------------------------------
-class _ThreadRendezvous(Rendezvous):
-    """allgather_bytes between threads of one process (rank = the thread's index); counts exchanges."""
-
-    def __init__(self, shared, rank):
-        self.shared, self.rank, self.size, self.timeout = shared, rank, shared["size"], 10.0
-
-    def allgather_bytes(self, data: bytes) -> list[bytes]:
-        sh = self.shared
-        sh["slots"][self.rank] = data
-        sh["barrier"].wait(timeout=10)
-        out = list(sh["slots"])
-        sh["barrier"].wait(timeout=10)
-        if self.rank == 0:
-            sh["exchanges"] += 1
-        return out
-
-    def split(self, *a):
-        raise NotImplementedError
-
-
 class _FakeNcclComm:
     def __init__(self, log):
         self.log = log
@@ -243,13 +223,13 @@ def _nccl_group(monkeypatch, n, check="first"):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(nccl_mod.NCCLTransport, "_stream", staticmethod(lambda: 0))
-    shared = {"size": n, "slots": [None] * n, "barrier": threading.Barrier(n), "exchanges": 0}
+    shared = {"slots": [None] * n, "barrier": threading.Barrier(n), "exchanges": 0}
     # creation is collective (the unique id travels over the rendezvous): one thread per rank
     ts = [None] * n
 
     def make(r):
         ts[r] = nccl_mod.NCCLTransport(GroupInfo(rank=r, size=n, timeout=10.0,
-                                                 rendezvous=_ThreadRendezvous(shared, r), global_ranks=list(range(n)),
+                                                 rendezvous=spmd.ThreadRendezvous(shared, r), global_ranks=list(range(n)),
                                                  settings=resolve({"nccl_check": check})))
     _on_threads(n, make)
     return ts, logs, shared
