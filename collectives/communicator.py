@@ -11,7 +11,6 @@ from typing import Any, Callable, Mapping, NamedTuple, NoReturn, Sequence
 import numpy as np
 import torch
 
-from transports import transport_class
 from transports.base import (
     SUPPORTED_DTYPES,
     GroupInfo,
@@ -22,7 +21,7 @@ from transports.base import (
     Transport,
     error_meta,
 )
-from transports.settings import SETTINGS, agreed_items, check_settings_agree, check_timeout, parse_options
+from transports.settings import SETTINGS, check_timeout, parse_options
 from transports.settings import resolve as resolve_settings
 
 from ._arrays import (
@@ -37,6 +36,7 @@ from ._arrays import (
     write_out,
     writable_view,
 )
+from ._creation import create_transports
 from ._device import resolve_device
 from ._shared import SharedState, live
 from .selection import Plan, choose_transport
@@ -55,38 +55,6 @@ def _close_all() -> None:
             comm._close(wait=False)  # a thread still inside a call keeps its communicator
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
-
-
-def _gpu_identity(device: torch.device) -> str | None:
-    """The physical GPU behind ``device`` (its UUID where torch knows it), to find ranks sharing one."""
-    if device.type != "cuda":
-        return None
-    try:
-        return str(torch.cuda.get_device_properties(device).uuid)
-    except Exception:  # noqa: BLE001 - older torch, or a driver error: the index is the best we have
-        return str(device)
-
-
-def _nccl_failure_message(failed: list[tuple[int, str]], reports: list[dict], ranks: list[int],
-                          nodes: list[str]) -> str:
-    """What went wrong creating NCCL, which ranks share a GPU, and what to do."""
-    from transports.nccl import nccl_version
-
-    by_gpu: dict[tuple[str, str], list[int]] = {}
-    for r, rep in enumerate(reports):
-        if rep.get("gpu") is not None:
-            by_gpu.setdefault((nodes[r] if r < len(nodes) else "", rep["gpu"]), []).append(ranks[r])
-    shared = [group for group in by_gpu.values() if len(group) > 1]
-    version = nccl_version()
-    have = f"this process has NCCL {'.'.join(map(str, version))}" if version else "NCCL's version is unknown"
-    why = (f"{'; '.join(f'ranks {g} share a GPU' for g in shared)}, which NCCL refuses ('Duplicate GPU "
-           f"detected') unless NCCL_MULTI_RANK_GPU_ENABLE=1 is set on every rank (NCCL >= 2.30; {have}). "
-           if shared else "")
-    return (f"NCCL could not start on rank(s) {[r for r, _ in failed]} (rank {failed[0][0]}: {failed[0][1]}); "
-            f"every rank aborted the creation. {why}To fix: give each rank its own GPU (device= of "
-            "collectives.init/launch; the default is cuda:local_rank), or, for ranks that must share a GPU, set "
-            "NCCL_MULTI_RANK_GPU_ENABLE=1 with NCCL >= 2.30. To run without NCCL, pass transport='shm' or 'mpi' "
-            "(CUDA tensors are then copied through host memory) or device='cpu'.")
 
 
 class _Entry(NamedTuple):
@@ -188,61 +156,11 @@ class Communicator:
                           hosts=list(self.topology.node_ids), mpi_comm=self._mpi_comm,
                           oversubscribed=self.topology.oversubscribed, settings=dict(self.settings),
                           cuda_device=self.device.index if self.device.type == "cuda" else None)
-        wanted = []
-        if self.topology.single_node:
-            wanted.append("shm")
-        if self._mpi_comm is not None:
-            wanted.append("mpi")
-        from transports.ipc import ipc_available
-        from transports.nccl import nccl_module
-
-        # One exchange: this rank's argument error if any, the settings every rank must share, and
-        # whether NCCL and ipc are there (their creation is collective, so only if every rank has them).
-        mine = {"error": None if local_error is None else f"{type(local_error).__name__}: {local_error}",
-                "settings": agreed_items(self.settings) if local_error is None else {},
-                "nccl": local_error is None and self.device.type == "cuda" and nccl_module() is not None,
-                "ipc": local_error is None and self.topology.single_node and ipc_available(self.settings)}
-        facts = [json.loads(b) for b in self._rdv.allgather_bytes(json.dumps(mine, sort_keys=True).encode())]
-        failed = [(self.global_ranks[r], f["error"]) for r, f in enumerate(facts) if f["error"]]
         try:
-            if local_error is not None:
-                raise local_error
-            if failed:
-                raise ValueError(f"rank(s) {[r for r, _ in failed]} could not create their communicator "
-                                 f"(rank {failed[0][0]}: {failed[0][1]}); every rank aborted the creation")
-            check_settings_agree([f["settings"] for f in facts], self.global_ranks)
-        except (TypeError, ValueError):
+            self.transports.update(create_transports(group, self.topology, self.device, self._forced, local_error))
+        except (TypeError, ValueError, RuntimeError):
             self._state.shut("its creation failed")
             raise
-        if all(f["nccl"] for f in facts):
-            wanted.append("nccl")
-        if all(f.get("ipc") for f in facts):  # collective creation, like nccl: only where every rank can
-            wanted.append("ipc")
-        errors: dict[str, str] = {}
-        for name in wanted:
-            try:
-                self.transports[name] = transport_class(name)(group)
-            except Exception as e:  # noqa: BLE001 - reported below; peers drop it too
-                errors[name] = f"{type(e).__name__}: {e}"
-                log.warning("transport %s unavailable on rank %d: %s", name, self.global_ranks[self.rank], e)
-        # A transport that failed on some rank (out of memory, a bad setting) must not be used by the
-        # others: they would pick different transports for one call and wait for each other forever.
-        mine = {"up": sorted(self.transports), "errors": errors, "gpu": _gpu_identity(self.device)}
-        reports = [json.loads(b) for b in self._rdv.allgather_bytes(json.dumps(mine, sort_keys=True).encode())]
-        up = [set(r["up"]) for r in reports]
-        nccl_failed = [(self.global_ranks[r], rep["errors"]["nccl"]) for r, rep in enumerate(reports)
-                       if "nccl" in rep["errors"]]
-        if nccl_failed and self._forced not in ("shm", "mpi"):
-            # There are GPUs (NCCL was wanted on every rank): dropping NCCL would move every CUDA
-            # tensor through host memory, silently and slowly. Say why and what to do instead.
-            self._state.shut("its creation failed")
-            raise RuntimeError(_nccl_failure_message(nccl_failed, reports, self.global_ranks,
-                                                     list(self.topology.node_ids)))
-        for name in sorted(self.transports):
-            missing = [self.global_ranks[r] for r, names in enumerate(up) if name not in names]
-            if missing:
-                log.warning("transport %s is not used: it did not come up on rank(s) %s", name, missing)
-                self.transports.pop(name).close()
 
     def _bind(self, device: Any) -> torch.device:
         """The checked ``device=`` (see the class docstring), made the current CUDA device."""
