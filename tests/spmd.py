@@ -168,3 +168,28 @@ class ThreadRendezvous(Rendezvous):
 
     def split(self, *args):
         raise NotImplementedError
+
+
+def on_threads(n: int, fn: Callable[[int], Any]) -> dict[int, Any]:
+    """``fn(rank)`` on n threads of this process, joined within 30 s (a rank that hangs fails).
+
+    Returns:
+        {rank: fn's result, or the exception it raised}.
+    """
+    import threading
+
+    res: dict[int, Any] = {}
+
+    def run(r: int) -> None:
+        try:
+            res[r] = fn(r)
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            res[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return res

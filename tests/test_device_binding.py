@@ -17,7 +17,7 @@ import torch
 import collectives
 from collectives._device import resolve_device
 from collectives.rendezvous import LocalRendezvous
-from spmd import ThreadRendezvous
+from spmd import ThreadRendezvous, on_threads
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -93,22 +93,8 @@ def _fake_gpus(monkeypatch, count, fail_on=None):
 
 def _create_on_threads(n, **kw):
     shared = {"slots": [None] * n, "barrier": threading.Barrier(n)}
-    res = {}
-
-    def run(r):
-        try:
-            res[r] = collectives._build(ThreadRendezvous(shared, r), kw.get("transport", "auto"), 10.0, "launch",
-                                        device=kw.get("device"))
-        except Exception as e:  # noqa: BLE001 - returned to the test
-            res[r] = e
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return res
+    return on_threads(n, lambda r: collectives._build(ThreadRendezvous(shared, r), kw.get("transport", "auto"), 10.0,
+                                                      "launch", device=kw.get("device")))
 
 
 def test_nccl_duplicate_gpu_raises_on_every_rank_with_what_to_do(monkeypatch):

@@ -231,27 +231,8 @@ def _nccl_group(monkeypatch, n, check="first"):
         ts[r] = nccl_mod.NCCLTransport(GroupInfo(rank=r, size=n, timeout=10.0,
                                                  rendezvous=spmd.ThreadRendezvous(shared, r), global_ranks=list(range(n)),
                                                  settings=resolve({"nccl_check": check})))
-    _on_threads(n, make)
+    spmd.on_threads(n, make)
     return ts, logs, shared
-
-
-def _on_threads(n, fn):
-    """fn(rank) on n threads; {rank: exception or result}."""
-    res = {}
-
-    def run(r):
-        try:
-            res[r] = fn(r)
-        except Exception as e:  # noqa: BLE001 - returned to the test
-            res[r] = e
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return res
 
 
 @pytest.mark.parametrize("check", ["first", "always"])
@@ -275,7 +256,7 @@ def test_nccl_recv_counts_skip_the_count_exchange_and_are_checked(monkeypatch, c
         return list(logs[r])
 
     before = shared["exchanges"]
-    res = _on_threads(n, call)
+    res = spmd.on_threads(n, call)
     assert shared["exchanges"] - before == 1  # the first call of the signature: checked over the rendezvous
     for r in range(n):
         assert not isinstance(res[r], Exception), res[r]
@@ -287,14 +268,14 @@ def test_nccl_recv_counts_skip_the_count_exchange_and_are_checked(monkeypatch, c
         assert recvs == [(p, int(m[p, r]) * row) for p in range(n) if m[p, r]], res[r]
         assert all(dt == 7 for _, _, dt, _ in res[r])  # float32 only: no count messages
     before = shared["exchanges"]
-    assert all(not isinstance(v, Exception) for v in _on_threads(n, call).values())
+    assert all(not isinstance(v, Exception) for v in spmd.on_threads(n, call).values())
     assert shared["exchanges"] - before == (1 if check == "always" else 0)
     # a wrong count on rank 1: checked when the signature is (always: every call; first: a new signature)
     bad_sig = Signature.of(OpCode.ALL_TO_ALL, dtype=torch.float16, shape=(0, row), root=1, compare_first_dim=False)
     for s in ([sig] if check == "always" else []) + [bad_sig]:
         sig = s
         wrong = [c + 1 if p == 0 else c for p, c in enumerate(m[:, 1].tolist())]
-        res = _on_threads(n, lambda r: call(r, wrong if r == 1 else None))
+        res = spmd.on_threads(n, lambda r: call(r, wrong if r == 1 else None))
         for r in range(n):
             assert isinstance(res[r], ValueError), (r, res[r])
             assert f"rank 1 passed recv_counts {wrong}" in str(res[r]) and str(m[:, 1].tolist()) in str(res[r])
@@ -317,7 +298,7 @@ def test_nccl_recv_counts_on_some_ranks_only_raise_everywhere(monkeypatch):
             return ts[r].all_to_all(x, m[r].tolist(), 2, alloc, sigs[0], recv_counts=m[:, r].tolist())
         return ts[r].all_to_all(x, m[r].tolist(), 2, alloc, sigs[1])
 
-    res = _on_threads(n, call)
+    res = spmd.on_threads(n, call)
     for r in range(n):
         assert isinstance(res[r], ValueError), res[r]
         assert "recv_counts differs (rank 0: given, rank 1: not given)" in str(res[r]), res[r]
