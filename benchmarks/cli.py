@@ -32,11 +32,13 @@ main.add_command(doctor)
 # Commands that live in their own modules.
 from .bench_moe import bench_moe  # noqa: E402
 from .bench_tp import bench_tp  # noqa: E402
+from .gpu_validate import validate_gpu  # noqa: E402
 from .topo import topo  # noqa: E402
 
 main.add_command(bench_moe)
 main.add_command(bench_tp)
 main.add_command(topo)
+main.add_command(validate_gpu)
 
 if __name__ == "__main__":
     main()
