@@ -11,7 +11,8 @@ stopping the others:
    uneven all_to_all and ``split``, through nccl, ipc and auto at world size 1 and 2, both ranks
    on cuda:0 (:func:`check_collectives`);
 3. CUDA graphs: an all_reduce captured once and replayed 100 times through nccl and ipc, every
-   replay checked (:func:`check_graphs`);
+   replay checked (:func:`check_graphs`); then the timeout path: a rank that never calls makes the
+   other raise CollectiveTimeoutError naming it, through nccl and ipc (:func:`check_abort`);
 4. the collective sweep ``moecomm bench --device cuda --compare`` from 8 B to 256 MiB;
 5. ``moecomm bench-moe`` with DeepEP's conditions (4096 tokens, hidden 7168, top-8 of 256, bf16);
 6. ``moecomm bench-tp``;
@@ -122,15 +123,18 @@ def plan(gpu_name: str, date: str, results_dir: str | Path = RESULTS_DIR) -> tup
              _cli("topo", "--json")),
         Step("gpu-tests", "pytest on the GPU tests (NCCL_MULTI_RANK_GPU_ENABLE=1)", 240, pytest_argv,
              dict(MULTI_RANK_ENV)),
-        Step("collectives-ws1", "every collective x dtype x op vs a CPU reference, 1 rank on cuda:0", 120,
+        Step("collectives-ws1", "every collective x dtype x op vs a CPU reference, 1 rank on cuda:0", 90,
              _cli("validate-gpu", "--check", "collectives", "--nprocs", "1"), dict(MULTI_RANK_ENV)),
         Step("collectives-ws2", "every collective x dtype x op vs a CPU reference, uneven all_to_all, split: "
              "2 ranks on cuda:0", 180, _cli("validate-gpu", "--check", "collectives", "--nprocs", "2"),
              dict(MULTI_RANK_ENV)),
         Step("cuda-graphs", "all_reduce captured once, replayed 100x through nccl and ipc, 2 ranks on cuda:0", 120,
              _cli("validate-gpu", "--check", "graphs", "--nprocs", "2"), dict(MULTI_RANK_ENV)),
+        Step("timeout-abort", "a rank that never calls: the other raises CollectiveTimeoutError naming it, "
+             "through nccl and ipc, 2 ranks on cuda:0", 60,
+             _cli("validate-gpu", "--check", "abort", "--nprocs", "2"), dict(MULTI_RANK_ENV)),
         Step("bench-sweep", "moecomm bench --device cuda --compare, 8 B to 256 MiB, 2 ranks, against "
-             "torch.distributed NCCL", 420,
+             "torch.distributed NCCL", 390,
              _cli("bench", "--device", "cuda", "--compare", "--peers", "nccl", "-b", "8", "-e", "256M",
                   "--nprocs", "2", "-q", "-J", str(paths["bench_json"]), "--plot", str(paths["png"])),
              dict(MULTI_RANK_ENV)),
@@ -487,6 +491,56 @@ def _graphs_body(comm: Any, device: str, replays: int) -> dict[str, Any]:
     return {"replays": replays, "failures": failures}
 
 
+def _abort_body(comm: Any, device: str, transport: str, timeout: float) -> dict[str, Any]:
+    """Rank 1 never joins the all_reduce (it sleeps past the timeout); every other rank must raise
+    CollectiveTimeoutError naming rank 1 after about ``timeout`` seconds, not hang.
+
+    Returns:
+        {"failures": [...]} (this rank's).
+    """
+    import torch
+
+    from transports.base import CollectiveTimeoutError
+
+    if comm.rank == 1:
+        time.sleep(2.5 * timeout)
+        return {"failures": []}
+    if transport not in comm.transports:
+        return {"failures": [f"{transport}: did not come up (available: {sorted(comm.transports)})"]}
+    x = _inputs(comm.rank, 0, (1024,), torch.float32).to(device)
+    t0 = time.monotonic()
+    try:
+        comm.using(transport).all_reduce(x)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    except CollectiveTimeoutError as e:
+        waited = time.monotonic() - t0
+        failures = [] if e.missing_ranks == [1] else [f"{transport}: missing_ranks {e.missing_ranks}, expected [1]"]
+        if not 0.5 * timeout < waited < 2.4 * timeout:
+            failures.append(f"{transport}: raised after {waited:.1f} s with a {timeout} s timeout")
+        return {"failures": failures}
+    except Exception as e:  # noqa: BLE001
+        return {"failures": [f"{transport}: raised {type(e).__name__}: {str(e)[:300]}, not CollectiveTimeoutError"]}
+    return {"failures": [f"{transport}: all_reduce returned without rank 1"]}
+
+
+def check_abort(nprocs: int = 2, device: str = "cuda:0", transports: Sequence[str] = ("nccl", "ipc"),
+                timeout: float = 4.0) -> dict[str, Any]:
+    """Run :func:`_abort_body` once per transport (a communicator is unusable after a timeout)."""
+    import collectives
+
+    failures = []
+    for t in transports:
+        results = collectives.launch(_abort_body, nprocs, device, t, timeout, timeout=timeout, device=device,
+                                     return_exceptions=True)
+        for q, res in enumerate(results):
+            if isinstance(res, BaseException):
+                failures.append(f"rank {q}: {t}: the rank failed: {type(res).__name__}: {str(res)[:300]}")
+            else:
+                failures += [f"rank {q}: {f}" for f in res["failures"]]
+    return {"nprocs": nprocs, "device": device, "transports": list(transports), "failures": failures}
+
+
 def check_collectives(nprocs: int, device: str = "cuda:0", required: Sequence[str] = ("nccl", "ipc"),
                       transport: str = "auto", options: dict[str, Any] | None = None,
                       timeout: float = 120.0) -> dict[str, Any]:
@@ -527,7 +581,7 @@ def _gpu_name() -> str | None:
               help="Where the record goes.")
 @click.option("--gpu-name", default=None, help="GPU name in the record's file names [default: device 0's name].")
 @click.option("--date", default=None, help="Date in the record's file names [default: today, YYYY-MM-DD].")
-@click.option("--check", type=click.Choice(["collectives", "graphs"]), default=None, hidden=True,
+@click.option("--check", type=click.Choice(["collectives", "graphs", "abort"]), default=None, hidden=True,
               help="Run one GPU check (a step of the run) and print its result.")
 @click.option("--nprocs", type=click.IntRange(min=1), default=2, hidden=True, help="Ranks of --check.")
 def validate_gpu(dry_run: bool, results_dir: str, gpu_name: str | None, date: str | None, check: str | None,
@@ -540,7 +594,7 @@ def validate_gpu(dry_run: bool, results_dir: str, gpu_name: str | None, date: st
     3 no CUDA GPU (nothing run); 4 nothing failed but a step could not run.
     """
     if check:
-        result = check_collectives(nprocs) if check == "collectives" else check_graphs(nprocs)
+        result = {"collectives": check_collectives, "graphs": check_graphs, "abort": check_abort}[check](nprocs)
         for f in result["failures"]:
             click.echo(f"WRONG: {f}")
         click.echo(RESULT_PREFIX + json.dumps(result))

@@ -21,8 +21,8 @@ from benchmarks.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 GPU = "NVIDIA H100 80GB HBM3"
 DATE = "2031-02-03"
-STEPS = ["environment", "gpu-tests", "collectives-ws1", "collectives-ws2", "cuda-graphs", "bench-sweep",
-         "bench-moe", "bench-tp"]
+STEPS = ["environment", "gpu-tests", "collectives-ws1", "collectives-ws2", "cuda-graphs", "timeout-abort",
+         "bench-sweep", "bench-moe", "bench-tp"]
 
 
 def _forbid(*_a, **_k):
@@ -73,7 +73,7 @@ def test_plan_runs_what_issue_12_asks():
     for flag, value in (("--tokens", "4096"), ("--hidden", "7168"), ("-k", "8"), ("--experts", "256"),
                         ("-d", "bfloat16"), ("--nprocs", "2")):
         assert moe[moe.index(flag) + 1] == value
-    for name in ("collectives-ws1", "collectives-ws2", "cuda-graphs", "bench-sweep", "gpu-tests"):
+    for name in ("collectives-ws1", "collectives-ws2", "cuda-graphs", "timeout-abort", "bench-sweep", "gpu-tests"):
         assert steps[name].env.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1", name
     assert steps["collectives-ws1"].argv[-1] == "1" and steps["collectives-ws2"].argv[-1] == "2"
     for path in gv.GPU_TEST_FILES:
@@ -89,7 +89,7 @@ def test_every_planned_moecomm_command_parses_with_the_cli():
     planned = [s.argv for s in gv.plan(GPU, DATE)[0]]
     prefix = [sys.executable, "-m", "benchmarks.cli"]
     cli_lines = [argv[3:] for argv in planned if argv[:3] == prefix]
-    assert len(cli_lines) == 7, planned  # all but pytest
+    assert len(cli_lines) == 8, planned  # all but pytest
     for args in cli_lines:
         try:
             with main.make_context("moecomm", [args[0]]) as ctx:
@@ -138,6 +138,8 @@ def test_run_plan_records_each_step_and_never_stops_at_a_failure():
             return 0, "SKIPPED [1] tests/test_nccl.py:38: needs a CUDA GPU with cupy and libnccl\n1 passed", 1.0
         if "graphs" in argv:
             raise OSError("cannot start")
+        if "abort" in argv:
+            return 0, gv.RESULT_PREFIX + json.dumps({"failures": []}), 5.0
         if "collectives" in argv and argv[-1] == "2":
             return 1, "WRONG: rank 0: ipc all_reduce(sum) bfloat16: wrong result\n" + gv.RESULT_PREFIX + \
                 json.dumps({"failures": ["rank 0: ipc all_reduce(sum) bfloat16: wrong result"]}), 2.0
@@ -148,8 +150,8 @@ def test_run_plan_records_each_step_and_never_stops_at_a_failure():
     outcomes = gv.run_plan(steps, runner=runner, echo=lambda line: None)
     got = {o.name: o.status for o in outcomes}
     assert got == {"environment": "pass", "gpu-tests": "fail", "collectives-ws1": "pass", "collectives-ws2": "fail",
-                   "cuda-graphs": "error", "bench-sweep": "timeout",
-                   "bench-moe": "skipped" if steps[6].skip else "pass", "bench-tp": "skipped" if steps[7].skip else "pass"}
+                   "cuda-graphs": "error", "timeout-abort": "pass", "bench-sweep": "timeout",
+                   "bench-moe": "skipped" if steps[7].skip else "pass", "bench-tp": "skipped" if steps[8].skip else "pass"}
     env = outcomes[0].details
     assert env["nvidia_smi"] == f"{GPU}, 550.54" and env["topo"] == {"gpus": []} and "torch" in env and "nccl" in env
     assert outcomes[1].details["gpu_tests_skipped"] and outcomes[3].details["failures"]
@@ -205,3 +207,12 @@ def test_collectives_check_passes_on_cpu_and_names_exactly_the_wrong_cases():
         assert len(no_nccl["failures"]) == 1 and "['nccl'] did not come up" in no_nccl["failures"][0]
     summary = gv.check_collectives(1, device="cpu", required=("shm",), transport="shm", timeout=60.0)
     assert summary["failures"] == [] and summary["nprocs"] == 1
+
+
+def test_abort_check_passes_when_the_late_rank_is_named_and_fails_when_nobody_waits():
+    """On CPU through shm: the waiting rank raises CollectiveTimeoutError naming rank 1 (pass); a
+    transport that is not there is a failure, not a silent pass."""
+    ok = gv.check_abort(2, device="cpu", transports=("shm",), timeout=1.0)
+    assert ok["failures"] == [], ok
+    missing = gv.check_abort(2, device="cpu", transports=("nccl",), timeout=1.0)
+    assert len(missing["failures"]) == 1 and "nccl: did not come up" in missing["failures"][0], missing
