@@ -28,6 +28,7 @@ predefined type for them, and no average); data movement without reduction goes 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import warnings
 from datetime import timedelta
@@ -325,9 +326,11 @@ def _agree(comm, ok: bool) -> bool:
 
 
 def gpus_per_rank_available(comm) -> bool:
-    """Every rank has a CUDA device of its own (local rank < device count), agreed across ranks."""
+    """Every rank has a CUDA device (agreed across ranks): one of its own (local rank < device count), or
+    a shared one where NCCL allows several ranks per GPU (NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL >= 2.30)."""
     try:
-        ok = torch.cuda.is_available() and torch.cuda.device_count() >= comm.local_size
+        shared_ok = os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+        ok = torch.cuda.is_available() and (torch.cuda.device_count() >= comm.local_size or shared_ok)
     except Exception:  # noqa: BLE001 - a broken driver means no GPU here
         ok = False
     return _agree(comm, ok)

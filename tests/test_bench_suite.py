@@ -305,3 +305,25 @@ def test_tune_shm_passes_settings_as_launch_options_not_environment(monkeypatch)
     assert all(c[0] == 3 and c[1] == ([8 << 10, 1 << 20],) and c[3] == before for c in calls)
     assert {k: v for k, v in os.environ.items() if k.startswith("MOECOMM_")} == before
     assert "two_shot/slot 64KiB" in res.output
+
+
+def test_gpu_peers_allow_ranks_sharing_a_gpu_only_where_nccl_does(monkeypatch):
+    """Two ranks on one GPU (the GPU validation run): allowed with NCCL_MULTI_RANK_GPU_ENABLE=1 only."""
+    import torch
+
+    from benchmarks.peers import gpus_per_rank_available
+
+    class _Comm:
+        local_size = 2
+
+        def all_reduce(self, t, op="sum"):
+            return t
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    assert not gpus_per_rank_available(_Comm())
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    assert gpus_per_rank_available(_Comm())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not gpus_per_rank_available(_Comm())
