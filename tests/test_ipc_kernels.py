@@ -198,11 +198,13 @@ def test_all_to_all_stage_and_pull():
     mem = Mem(n)
     x = torch.randint(0, 255, (40,), dtype=torch.uint8)
     pieces = torch.tensor([[0, 0, 12], [12, 20, 20]], dtype=torch.int64)  # skip bytes [12, 20): our own block
-    counts = torch.tensor([3, 2, 5], dtype=torch.int64)
+    counts = torch.tensor([3, 2, 5, 4, 2, 1], dtype=torch.int64)  # sent to each rank, then declared from each
+    mem.sig[r][L.COUNTS + n] = mem.sig[r][L.RECV_COUNTS + n] = 77  # words past the world stay untouched
     mem.peers_arrive(r)
     K.all_to_all_stage[(1,)](x, pieces, 2, counts, *mem.common(r), BLOCK=8)
     assert torch.equal(mem.data[r][:32], torch.cat([x[:12], x[20:]]))
-    assert mem.sig[r][L.COUNTS : L.COUNTS + n].tolist() == [3, 2, 5]
+    assert mem.sig[r][L.COUNTS : L.COUNTS + n + 1].tolist() == [3, 2, 5, 77]
+    assert mem.sig[r][L.RECV_COUNTS : L.RECV_COUNTS + n + 1].tolist() == [4, 2, 1, 77]
     assert mem.sig[r][L.EPOCH].item() == E0 + 1  # the round goes on in the pull kernel
     for q in (0, 2):
         mem.data[q][:50] = torch.arange(50, dtype=torch.uint8) + 100 * q

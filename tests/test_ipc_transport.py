@@ -302,6 +302,87 @@ def test_signature_mismatch_raises_value_error_on_every_rank():
         assert after == [6.0] * 5
 
 
+def _recv_counts(group):
+    """all_to_all with recv_counts= (the entry the communicator calls) against a plain one: the same
+    rows and the same epoch advance (no barrier more), and a wrong count on the last rank raising
+    ValueError on every rank before any data is read. Returns (failures, epochs of the failing calls)."""
+    from transports._schedule import all_to_all_pulls
+    from transports.ipc import IPCTransport
+    from transports.kernels import layout as L
+
+    t = IPCTransport(group, buffer_bytes=BUF)
+    n, me, bad = group.size, group.rank, group.size - 1
+    fails: list[str] = []
+    failing_epochs: list[int] = []
+
+    def epoch() -> int:
+        return int(t._regions.read(me, L.EPOCH, 1)[0])
+
+    allocated: list[list[int]] = []  # the receive counts of each output allocation of the last call
+
+    def call(send, counts, recv_counts=None):
+        """(rows, epoch advance) of one all_to_all (recv_counts: through all_to_all_with_recv_counts)."""
+        allocated.clear()
+
+        def alloc(recv):
+            allocated.append(list(recv))
+            return torch.empty(sum(recv) * 3)
+        sig = Signature.of(OpCode.ALL_TO_ALL, dtype=send.dtype, shape=(0, 3), compare_first_dim=False,
+                           rows=sum(counts[me]), root=int(recv_counts is not None))
+        e0 = epoch()
+        if recv_counts is None:
+            y = t.all_to_all(send, counts[me], 3, alloc, sig)
+        else:
+            y = t.all_to_all_with_recv_counts(send, counts[me], recv_counts, 3, alloc, sig)
+        return y, epoch() - e0
+
+    try:
+        for seed, scale in ((41, 4), (42, BUF // 12)):  # one round; several rounds of the 4 KiB buffer
+            g = torch.Generator().manual_seed(seed)
+            counts = torch.randint(0, scale + 1, (n, n), generator=g).tolist()  # counts[src][dst]
+            counts[0][n - 1] = 0  # an empty block
+            sends = [_input(seed, r, sum(counts[r]) * 3, torch.float32) for r in range(n)]
+            want = torch.cat([sends[s][sum(counts[s][:me]) * 3 : sum(counts[s][: me + 1]) * 3] for s in range(n)])
+            rc = [counts[s][me] for s in range(n)]
+            plain, plain_epochs = call(sends[me], counts)
+            rounds = len(all_to_all_pulls(counts, me, 12, BUF))  # 12: bytes of a row
+            if plain_epochs != 2 * rounds or (scale > 4) != (rounds > 1):
+                fails.append(f"scale {scale}: a plain call of {rounds} round(s) advanced the epoch by {plain_epochs}")
+            given, given_epochs = call(sends[me], counts, rc)
+            if not torch.equal(plain, want) or not torch.equal(given, want):
+                fails.append(f"scale {scale}: rows differ from the reference (plain {torch.equal(plain, want)})")
+            if allocated != [rc]:
+                fails.append(f"scale {scale}: allocated {allocated}, expected {[rc]}")
+            if given_epochs != plain_epochs:
+                fails.append(f"scale {scale}: recv_counts advanced the epoch by {given_epochs}, a plain call "
+                             f"by {plain_epochs} (a barrier more)")
+            bad_rc = [counts[s][bad] for s in range(n)]
+            wrong = [c + 1 if s == 0 else c for s, c in enumerate(bad_rc)]
+            try:
+                _, e = call(sends[me], counts, wrong if me == bad else rc)
+                fails.append(f"scale {scale}: a wrong count on rank {bad} did not raise (advanced {e})")
+            except ValueError as err:
+                if f"rank {bad} passed recv_counts {wrong} but its peers send it {bad_rc}" not in str(err):
+                    fails.append(f"scale {scale}: wrong count: {str(err)[:300]}")
+                if allocated:
+                    fails.append(f"scale {scale}: wrong count: allocated {allocated} (read data) before raising")
+                failing_epochs.append(epoch())
+            after, after_epochs = call(sends[me], counts, rc)  # still in step
+            if not torch.equal(after, want) or after_epochs != plain_epochs:
+                fails.append(f"scale {scale}: the call after the error differs (epochs {after_epochs})")
+    finally:
+        t.close()
+    return fails, failing_epochs
+
+
+def test_recv_counts_taken_natively_no_extra_barrier_and_a_wrong_count_raises_everywhere():
+    results = run_ranks(_recv_counts, 3, timeout=60.0)
+    assert all(r[0] == "ok" for r in results), results
+    assert [f for r in results for f in r[1][0]] == []
+    epochs = [r[1][1] for r in results]
+    assert len(epochs[0]) == 2 and all(e == epochs[0] for e in epochs), epochs  # in step after raising
+
+
 def _other_dtypes(group):
     """float64, uint8, bool and prod: the dtypes and op the communicator also hands to transports."""
     from transports.ipc import IPCTransport

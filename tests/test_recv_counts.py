@@ -126,7 +126,8 @@ def test_recv_counts_through_the_default_for_transports_without_them():
 
 @pytest.mark.skipif(spmd.UNDER_MPI, reason="a launch() test")
 def test_recv_counts_over_emulated_ipc():
-    """ipc has no native recv_counts (yet): the base Transport's check after the exchange serves it."""
+    """ipc takes recv_counts natively: they travel with the send counts through the signal areas
+    (tests/test_ipc_transport.py checks that no barrier is added)."""
     pytest.importorskip("triton")
     res = collectives.launch(_body_recv_counts, 3, transport="ipc", timeout=60.0, options={"ipc_emulate": 1})
     assert all(r == [] for r in res), [f"rank {r}: {f}" for r, fs in enumerate(res) for f in fs]

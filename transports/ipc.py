@@ -35,7 +35,7 @@ Known limits (GPU path, unmeasured): after each launch the host waits for the st
 ERROR/MISMATCH, except under CUDA-graph capture (then a failure shows at the next checked call);
 a signature's device copy is made on its first call, so warm a call up before capturing it.
 Copy collectives move bytes (uint8 tiles); all_to_all reads the counts on the host because its
-output is allocated there. ipc is in no selection chain yet (collectives/selection.py).
+output is allocated there (and compares ``recv_counts=`` with them there, in the same read). ipc is in no selection chain yet (collectives/selection.py).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from .base import (
     Signature,
     Transport,
     check_agreement,
+    check_recv_counts,
 )
 from .kernels import layout as L
 
@@ -554,18 +555,24 @@ class IPCTransport(Transport):
         for lo, hi in self._chunks(x.numel(), 1):
             self._launch(self._k.broadcast, x[lo:hi], y[lo:hi], hi - lo, src, *common, BLOCK=self.block)
 
+    takes_recv_counts = True
+
     def all_to_all(self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator,
                    sig: Signature, recv_counts: list[int] | None = None) -> torch.Tensor:
         """Uneven all-to-all: stage, publish counts, pull each block from its sender's buffer.
 
-        recv_counts: not taken (``takes_recv_counts`` is False: the counts travel through the
-        signal areas anyway, and the host reads them to allocate the output).
+        See :meth:`Transport.all_to_all`. ``recv_counts`` ([size] ints) travel with the send
+        counts through the signal areas in the first (stage) kernel; after its barrier every rank
+        reads every rank's [size, size] send and declared matrices and compares them before it
+        reads any peer's data, so a wrong value raises the ``ValueError`` of
+        :func:`check_recv_counts` on every rank, with no barrier more than a plain call.
         """
         n, me, S = self.size, self.rank, self.buffer_bytes
         x = send.reshape(-1).view(torch.uint8)
         row_bytes = row_numel * send.element_size()
         own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
-        counts_t = torch.tensor(list(send_counts), dtype=torch.int64, device=self._device)
+        declared_mine = [-1] * n if recv_counts is None else [int(c) for c in recv_counts]
+        counts_t = torch.tensor([*send_counts, *declared_mine], dtype=torch.int64, device=self._device)
         common = self._common(sig)
 
         def stage(j: int) -> None:
@@ -573,26 +580,44 @@ class IPCTransport(Transport):
             table = torch.tensor(pieces or [[0, 0, 0]], dtype=torch.int64, device=self._device)
             self._launch(self._k.all_to_all_stage, x, table, len(pieces), counts_t, *common, BLOCK=self.block)
 
+        def pull(out: torch.Tensor, copies: list) -> None:
+            table = torch.tensor(copies or [[0, 0, 0, 0]], dtype=torch.int64, device=self._device)
+            self._launch(self._k.all_to_all_pull, out, table, len(copies), *common[:4], self._max_spins,
+                         BLOCK=self.block)
+
         stage(0)
+        wrong = None
         try:
-            counts = [self._regions.read(r, L.COUNTS, n).tolist() for r in range(n)]  # counts[src][dst]
-            recv = [row[me] for row in counts]
-            out = alloc(recv)
-            y = out.reshape(-1).view(torch.uint8)
-            at = sum(recv[:me]) * row_bytes
-            y[at : at + own_len].copy_(x[own_start : own_start + own_len])  # our block to ourselves
-            for j, copies in enumerate(all_to_all_pulls(counts, me, row_bytes, S)):
-                if j > 0:
-                    stage(j)
-                table = torch.tensor(copies or [[0, 0, 0, 0]], dtype=torch.int64, device=self._device)
-                self._launch(self._k.all_to_all_pull, y, table, len(copies), *common[:4], self._max_spins,
-                             BLOCK=self.block)
+            # one read per rank: its COUNTS .. RECV_COUNTS words, published before the barrier we passed
+            span = L.RECV_COUNTS + n - L.COUNTS
+            words = np.stack([self._regions.read(r, L.COUNTS, span) for r in range(n)])
+            sent = words[:, :n]  # sent[src][dst] rows
+            declared = words[:, L.RECV_COUNTS - L.COUNTS :]  # declared[dst][src] rows
+            # recv_counts on one rank means on every rank: the signatures (compared in stage) say so
+            if recv_counts is not None and not (declared == sent.T).all():
+                # every rank sees these matrices and comes here; the pull kernel's last barrier, with
+                # nothing to copy, ends the round so no rank rewrites its counts before all have read them
+                wrong = (sent.tolist(), declared.tolist())
+                pull(x, [])
+            else:
+                counts = sent.tolist()
+                recv = [row[me] for row in counts]
+                out = alloc(recv)
+                y = out.reshape(-1).view(torch.uint8)
+                at = sum(recv[:me]) * row_bytes
+                y[at : at + own_len].copy_(x[own_start : own_start + own_len])  # our block to ourselves
+                for j, copies in enumerate(all_to_all_pulls(counts, me, row_bytes, S)):
+                    if j > 0:
+                        stage(j)
+                    pull(y, copies)
         except BaseException as e:
             if not isinstance(e, (CollectiveTimeoutError, CommunicatorBrokenError)) and not self._broken:
                 # the peers are inside this round's pull kernel: make them raise instead of waiting
                 self._broken = f"{type(e).__name__} during all_to_all: {e}"
                 self._regions.write(self.rank, L.STATE, L.STATE_ABORTED)
             raise
+        if wrong is not None:
+            check_recv_counts(*wrong, self._ranks)
         return out
 
     # ---- teardown ------------------------------------------------------------------------------

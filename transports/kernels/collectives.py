@@ -15,7 +15,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .sync import _COUNTS, _EPOCH, begin, copy_tiles, finish, may_start, rank_ptr, reduce_ranks, store_rounded
+from .sync import (
+    _COUNTS,
+    _EPOCH,
+    _MAX_RANKS,
+    _RECV_COUNTS,
+    begin,
+    copy_tiles,
+    finish,
+    may_start,
+    rank_ptr,
+    reduce_ranks,
+    store_rounded,
+)
 
 
 @triton.jit
@@ -136,10 +148,12 @@ def broadcast(X, OUT, w, root, data_ptrs, sig_ptrs, rank, world, digest, meta, m
 def all_to_all_stage(X, pieces, n_pieces, counts, data_ptrs, sig_ptrs, rank, world, digest, meta, max_spins,
                      BLOCK: tl.constexpr):
     """First half of an all_to_all round: stage pieces of our send stream (bytes) in our buffer,
-    publish our send counts (round 0) and the signature.
+    publish our send and declared receive counts (round 0) and the signature.
 
-    pieces: int64 [n_pieces, 3] (offset in the buffer, offset in X, nbytes); counts: int64 [world]
-    rows this rank sends to each rank (written every round; the host reads them after round 0).
+    pieces: int64 [n_pieces, 3] (offset in the buffer, offset in X, nbytes); counts: int64
+    [2 * world], the rows this rank sends to each rank (into COUNTS), then the rows it says it
+    receives from each rank (recv_counts=, -1 when not given; into RECV_COUNTS). Written every
+    round; the host reads every rank's after round 0's first barrier.
     The pull kernel ends the round; on a signature difference this kernel ends it itself.
     """
     mine = rank_ptr(data_ptrs, rank, tl.uint8)
@@ -149,9 +163,11 @@ def all_to_all_stage(X, pieces, n_pieces, counts, data_ptrs, sig_ptrs, rank, wor
         nb = tl.load(pieces + i * 3 + 2)
         copy_tiles(mine + off, X + src, nb, BLOCK)
     if tl.program_id(0) == 0:
-        my_counts = rank_ptr(sig_ptrs, rank, tl.int64) + _COUNTS
-        for d in range(0, world):
-            tl.store(my_counts + d, tl.load(counts + d))
+        sig = rank_ptr(sig_ptrs, rank, tl.int64)
+        k = tl.arange(0, _MAX_RANKS)
+        m = k < world
+        tl.store(sig + _COUNTS + k, tl.load(counts + k, mask=m), mask=m)
+        tl.store(sig + _RECV_COUNTS + k, tl.load(counts + world + k, mask=m), mask=m)
     my_sig, e0, ok, go = begin(sig_ptrs, rank, world, digest, meta, max_spins, False)
     if go:
         tl.store(my_sig + _EPOCH + tl.program_id(0), e0 + 1)  # the pull kernel goes on from here

@@ -10,6 +10,8 @@ Words written by the kernels:
     MISMATCH 1 when a peer's call signature digest differed from ours (reset by the host)
     COUNTS   all_to_all: rows this rank sends to each rank (MAX_RANKS words)
     META     this call's full signature (META_LEN words), for the host's error message
+    RECV_COUNTS all_to_all: rows this rank said (recv_counts=) it receives from each rank, -1 when
+             not given (MAX_RANKS words); the host compares them with the peers' COUNTS
     DIGEST   per program: this call's signature digest, written before the first barrier
     EPOCH    per program: barriers passed so far (read and advanced by the kernels only, so
              CUDA-graph replays stay in step)
@@ -31,12 +33,13 @@ ERROR = 2
 MISMATCH = 3
 COUNTS = 16
 META = COUNTS + MAX_RANKS  # 32
+RECV_COUNTS = META + META_WORDS  # 48
 DIGEST = 64
 EPOCH = DIGEST + MAX_PROGRAMS  # 128
 FLAGS = 256
 PEER_META = FLAGS + MAX_PROGRAMS * MAX_RANKS  # 1280
 SIGNAL_WORDS = 2048  # 16 KiB: keeps the data buffer 4 KiB-aligned after it
 assert PEER_META + MAX_RANKS * META_WORDS <= SIGNAL_WORDS
-assert META + META_WORDS <= DIGEST and EPOCH + MAX_PROGRAMS <= FLAGS
+assert RECV_COUNTS + MAX_RANKS <= DIGEST and EPOCH + MAX_PROGRAMS <= FLAGS
 
 STATE_RUNNING, STATE_ABORTED, STATE_CLOSED = 0, 1, 2
