@@ -270,3 +270,40 @@ def test_signature_mismatch_moves_no_data_but_keeps_step():
     # both barriers passed: the peers are not left waiting, epochs advance as for a good call
     assert mem.signalled(r) == [[E0 + 2, E0 + 2, -1]] * programs
     assert mem.sig[r][L.EPOCH : L.EPOCH + programs].tolist() == [E0 + 2] * programs
+
+
+def test_peer_that_signalled_then_closed_is_no_failure(monkeypatch):
+    """A peer signals, finishes its call and closes; the watchdog then sets our ABORT. If that happens
+    between the kernel's read of the peer's flag and its read of ABORT, the flag it read is stale: the
+    wait must read the flag again after seeing ABORT, and not report a peer that arrived (the ipc twin
+    of shm's false peer failure). The interleaving is forced by a hook on the interpreter's loads."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    n, r, late = 3, 0, 2
+    mem = Mem(n)
+    mem.peers_arrive(r, skip=late)  # the late peer has not signalled when the kernel starts
+    abort_addr = int(mem.sig_ptrs[r]) + L.ABORT * 8
+    flag = L.FLAGS + late  # program 0's flag from the late peer, in r's area
+    flag_addr = int(mem.sig_ptrs[r]) + flag * 8
+    seen = []  # "flag": the late peer's flag was read (not there yet); "abort": then ABORT was read
+    real_load, real_rmw = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_atomic_rmw
+
+    def rmw(self, op, ptr, val, mask, sem, scope):
+        if ptr.data.size == 1 and int(ptr.data.reshape(-1)[0]) == flag_addr and not seen:
+            seen.append("flag")
+        return real_rmw(self, op, ptr, val, mask, sem, scope)
+
+    def load(self, ptrs, mask, other, cache_policy, is_volatile):
+        if ptrs.data.size == 1 and int(ptrs.data.reshape(-1)[0]) == abort_addr and seen == ["flag"]:
+            seen.append("abort")
+            mem.sig[r][flag] = E0 + 3  # between the two reads the peer signalled both barriers, closed,
+            mem.sig[r][L.ABORT] = 1  # and the watchdog saw it closed
+        return real_load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_atomic_rmw", rmw)
+    monkeypatch.setattr(InterpreterBuilder, "create_masked_load", load)
+    K.barrier_kernel[(1,)](*mem.common(r)[1:], COPY_META=False)
+    assert seen == ["flag", "abort"], f"the hook did not force the interleaving ({seen}): the wait changed"
+    assert mem.sig[r][L.ERROR].item() == 0, "a peer that arrived was reported as failed"
+    assert mem.signalled(r) == [[-1, E0 + 2, E0 + 2]]
+    assert mem.sig[r][L.EPOCH].item() == E0 + 2

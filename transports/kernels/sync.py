@@ -63,6 +63,10 @@ def wait_flag(flag, e, my_sig, peer, max_spins):
         v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
         abort = tl.load(my_sig + _ABORT, volatile=True)
         left -= 1
+    # ABORT may be set because the peer closed or exited after it signalled (the watchdog saw that
+    # between our last flag read and our ABORT read): read the flag once more, so a peer that
+    # arrived is never reported as failed.
+    v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
     arrived = v >= e
     if v < e:
         record_error(my_sig, peer + 1)
