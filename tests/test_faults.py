@@ -229,7 +229,7 @@ def test_segment_private_unguessable_and_unlinked(monkeypatch):
 def test_stale_segment_of_dead_process_is_removed_on_next_start():
     import subprocess
 
-    from transports.shm import remove_stale_segments
+    from transports._segment import remove_stale_segments
 
     dead = subprocess.Popen(["true"])
     dead.wait()

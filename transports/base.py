@@ -280,6 +280,17 @@ def check_recv_counts(send_counts: Sequence[Sequence[int]], recv_counts: Sequenc
             "recv_counts out to have the counts exchanged.")
 
 
+def rendezvous_metas(rendezvous: "Rendezvous", sig: Signature, extra: bytes = b"") -> tuple[np.ndarray, list[bytes]]:
+    """Every rank's call signature, exchanged over the host rendezvous (for transports whose data path
+    cannot carry it, or before a call that may sit in another transport than its peers').
+
+    extra: bytes sent after this rank's signature (e.g. all_to_all counts).
+    Returns ([size, META_LEN] int64 signatures, every rank's raw bytes for reading its ``extra``).
+    """
+    raw = rendezvous.allgather_bytes(sig.meta.tobytes() + extra)
+    return np.stack([np.frombuffer(b, dtype=np.int64, count=META_LEN) for b in raw]), raw
+
+
 class Rendezvous(abc.ABC):
     """Out-of-band exchange of small byte strings between the ranks of a group (not the data path)."""
 

@@ -65,6 +65,7 @@ from .base import (
     Transport,
     check_agreement,
     check_recv_counts,
+    rendezvous_metas,
 )
 from .kernels import layout as L
 
@@ -196,7 +197,7 @@ class _CudaRegions:
         self._rt = runtime
         self.region_bytes = region_bytes
         self.device = torch.device("cuda", torch.cuda.current_device())
-        n, me = group.size, group.rank
+        me = group.rank
         self._own = runtime.malloc(region_bytes)
         runtime.memset(self._own, 0, region_bytes)
         runtime.deviceSynchronize()
@@ -483,8 +484,7 @@ class IPCTransport(Transport):
 
     def _common(self, sig: Signature) -> tuple:
         if self._agree_on_host and sig.value not in self._host_agreed:
-            raw = self.group.rendezvous.allgather_bytes(sig.meta.tobytes())
-            check_agreement(np.stack([np.frombuffer(b, dtype=np.int64, count=META_LEN) for b in raw]), self._ranks)
+            check_agreement(rendezvous_metas(self.group.rendezvous, sig)[0], self._ranks)
             self._host_agreed.add(sig.value)
         r = self._regions
         return r.data_ptrs, r.sig_ptrs, self.rank, self.size, sig.value, self._meta(sig), self._max_spins

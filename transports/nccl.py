@@ -36,6 +36,7 @@ from .base import (
     Transport,
     check_agreement,
     check_recv_counts,
+    rendezvous_metas,
 )
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,8 @@ class NCCLTransport(Transport):
 
     # ---- agreement over the host rendezvous -----------------------------------------------
     def exchange_meta(self, sig: Signature) -> np.ndarray:
-        raw = self.group.rendezvous.allgather_bytes(sig.meta.tobytes())
-        # count=: a peer in all_to_all with recv_counts sends its counts after its signature
-        return np.stack([np.frombuffer(b, dtype=np.int64, count=sig.meta.size) for b in raw])
+        # a peer in all_to_all with recv_counts sends its counts after its signature: only the signatures
+        return rendezvous_metas(self.group.rendezvous, sig)[0]
 
     def _agree(self, sig: Signature) -> None:
         if sig.value in self._checked and not self._check_always:
@@ -111,9 +111,9 @@ class NCCLTransport(Transport):
         if sig.value in self._checked and not self._check_always:
             return
         counts = np.asarray([send_counts, recv_counts], dtype=np.int64)
-        raw = self.group.rendezvous.allgather_bytes(sig.meta.tobytes() + counts.tobytes())
+        metas, raw = rendezvous_metas(self.group.rendezvous, sig, counts.tobytes())
         # a peer without recv_counts sent its signature alone: check_agreement names that difference
-        check_agreement(np.stack([np.frombuffer(b, dtype=np.int64, count=sig.meta.size) for b in raw]), self._ranks)
+        check_agreement(metas, self._ranks)
         every = np.stack([np.frombuffer(b, dtype=np.int64, offset=sig.meta.nbytes).reshape(2, -1) for b in raw])
         sent, declared = every[:, 0], every[:, 1]
         if not (declared == sent.T).all():

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ._host import as_numpy, group_settings, pid_alive, reduce_into
-from ._segment import SEGMENT_PREFIX, SHM_DIR, create_and_map, remove_stale_segments  # noqa: F401 - re-exported
+from ._segment import create_and_map
 from ._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
 from .base import (
     META_LEN,
