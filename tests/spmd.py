@@ -193,3 +193,14 @@ def on_threads(n: int, fn: Callable[[int], Any]) -> dict[int, Any]:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads), "a rank hung"
     return res
+
+
+def mpiexec_path() -> str | None:
+    """The mpiexec of this environment (the `mpich` wheel of the test extra puts one next to python),
+    else one on PATH, else None."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else shutil.which("mpiexec")

@@ -10,34 +10,28 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from spmd import UNDER_MPI
+from spmd import UNDER_MPI, mpiexec_path
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 JOB = str(HERE / "jobs" / "collective_job.py")
 
 
-def _mpiexec() -> str | None:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else shutil.which("mpiexec")
-
-
 pytestmark = [pytest.mark.skipif(UNDER_MPI, reason="starts its own mpiexec"),
-              pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec (install the test extra)")]
+              pytest.mark.skipif(mpiexec_path() is None, reason="no mpiexec (install the test extra)")]
 
 
 def _run_mpmd(var: str, values: tuple[str | None, str | None]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOECOMM_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     # -disable-auto-cleanup: a rank that fails first must not get the others killed before they report
-    cmd = [_mpiexec(), "-disable-auto-cleanup"]
+    cmd = [mpiexec_path(), "-disable-auto-cleanup"]
     for i, value in enumerate(values):
         if i:
             cmd.append(":")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 import collectives
-from spmd import UNDER_MPI, ThreadRendezvous, shm_segments
+from spmd import ThreadRendezvous, UNDER_MPI, mpiexec_path, shm_segments
 from transports.base import (
     CommunicatorBrokenError,
     GroupInfo,
@@ -243,17 +242,12 @@ def test_nccl_reads_its_check_setting_from_the_group(monkeypatch, check, exchang
 
 
 # ---- the mpi transport (and shm beside it) under mpiexec --------------------------------------------
-def _mpiexec() -> str | None:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else shutil.which("mpiexec")
-
-
 def _run_job(which: str, nprocs: int, out: Path, *mpiexec_args: str) -> dict[int, dict]:
     """Run tests/jobs/host_transport_job.py; every rank's {case: (ok, detail)}, all failures asserted at once."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.pop("MOECOMM_TRANSPORT", None)
-    p = subprocess.run([_mpiexec(), *mpiexec_args, "-n", str(nprocs), sys.executable,
+    p = subprocess.run([mpiexec_path(), *mpiexec_args, "-n", str(nprocs), sys.executable,
                         str(HERE / "jobs" / "host_transport_job.py"), which, str(out)],
                        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     reports = {}
@@ -267,7 +261,7 @@ def _run_job(which: str, nprocs: int, out: Path, *mpiexec_args: str) -> dict[int
     return reports
 
 
-needs_mpiexec = pytest.mark.skipif(UNDER_MPI or _mpiexec() is None,
+needs_mpiexec = pytest.mark.skipif(UNDER_MPI or mpiexec_path() is None,
                                    reason="starts its own mpiexec (needs the mpich wheel of the test extra)")
 
 

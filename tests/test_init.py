@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import collectives
-from spmd import UNDER_MPI
+from spmd import UNDER_MPI, mpiexec_path
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -29,11 +29,6 @@ def _env(**extra: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
-
-
-def _mpiexec() -> str | None:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else None
 
 
 def _rank_of(comm) -> int:
@@ -217,11 +212,11 @@ _MPI_LAUNCH_JOB = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec (install the test extra: pip install '.[test]')")
+@pytest.mark.skipif(mpiexec_path() is None, reason="no mpiexec (install the test extra: pip install '.[test]')")
 def test_launch_inside_an_mpi_job_is_refused_with_advice(tmp_path):
     job = tmp_path / "mpi_launch_job.py"
     job.write_text(_MPI_LAUNCH_JOB)
-    p = subprocess.run([_mpiexec(), "-n", "1", sys.executable, str(job)], capture_output=True, text=True,
+    p = subprocess.run([mpiexec_path(), "-n", "1", sys.executable, str(job)], capture_output=True, text=True,
                        timeout=120, env=_env())
     out = p.stdout + p.stderr
     assert p.returncode == 0 and "REFUSED" in p.stdout, out[-4000:]

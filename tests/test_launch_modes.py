@@ -5,24 +5,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from spmd import UNDER_MPI, shm_segments
+from spmd import UNDER_MPI, mpiexec_path, shm_segments
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="starts its own launchers")
-
-
-def mpiexec() -> str | None:
-    """The mpiexec of this environment (the `mpich` wheel of the test extra puts one next to python)."""
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else shutil.which("mpiexec")
 
 
 def _env() -> dict:
@@ -50,9 +43,9 @@ def test_torchrun_launch():
     assert shm_segments() <= before
 
 
-@pytest.mark.skipif(mpiexec() is None, reason="no mpiexec (install the test extra: pip install '.[test]')")
+@pytest.mark.skipif(mpiexec_path() is None, reason="no mpiexec (install the test extra: pip install '.[test]')")
 def test_mpiexec_launch():
-    p = subprocess.run([mpiexec(), "-n", "3", sys.executable, str(HERE / "jobs" / "collective_job.py")],
+    p = subprocess.run([mpiexec_path(), "-n", "3", sys.executable, str(HERE / "jobs" / "collective_job.py")],
                        capture_output=True, text=True, timeout=180, env=_env())
     assert p.returncode == 0, p.stdout + p.stderr
     reps = _reports(p.stdout)
@@ -60,10 +53,10 @@ def test_mpiexec_launch():
     assert all(d["launch"] == "mpi" and d["transports"] == ["mpi", "shm"] for d in reps)
 
 
-@pytest.mark.skipif(mpiexec() is None, reason="no mpiexec (install the test extra: pip install '.[test]')")
+@pytest.mark.skipif(mpiexec_path() is None, reason="no mpiexec (install the test extra: pip install '.[test]')")
 def test_collective_suite_under_mpiexec():
     """The collective and fault tests again, as `mpiexec -n 2 python -m pytest`: the mpi transport's run."""
-    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+    p = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         str(HERE / "test_collectives.py"), str(HERE / "test_faults.py")],
                        capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]

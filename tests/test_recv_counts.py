@@ -136,8 +136,7 @@ def test_recv_counts_over_emulated_ipc():
 @pytest.mark.skipif(spmd.UNDER_MPI, reason="starts mpiexec itself")
 def test_recv_counts_under_mpiexec():
     """The test above as `mpiexec -n 3 python -m pytest`: the mpi transport's run (and shm's beside it)."""
-    local = Path(sys.executable).parent / "mpiexec"
-    mpiexec = str(local) if local.exists() else None
+    mpiexec = spmd.mpiexec_path()
     if mpiexec is None:
         pytest.skip("no mpiexec (install the test extra: pip install '.[test]')")
     env = dict(os.environ)

@@ -4,26 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from spmd import mpiexec_path
+
 HERE = Path(__file__).parent
 
 
-def _mpiexec() -> str | None:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else shutil.which("mpiexec")
-
-
-@pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec")
+@pytest.mark.skipif(mpiexec_path() is None, reason="no mpiexec")
 def test_mpi_rendezvous_keeps_buffers_of_an_abandoned_exchange():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
-    p = subprocess.run([_mpiexec(), "-n", "2", sys.executable, str(HERE / "jobs" / "rendezvous_job.py")],
+    p = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, str(HERE / "jobs" / "rendezvous_job.py")],
                        capture_output=True, text=True, timeout=120, env=env)
     reports = {r["rank"]: r for r in (json.loads(line) for line in p.stdout.splitlines() if line.startswith("{"))}
     assert p.returncode == 0 and set(reports) == {0, 1}, p.stdout + p.stderr
