@@ -204,3 +204,12 @@ def mpiexec_path() -> str | None:
 
     local = Path(sys.executable).parent / "mpiexec"
     return str(local) if local.exists() else shutil.which("mpiexec")
+
+
+def outcome(fn: Callable[[], Any]) -> tuple[str, str]:
+    """(exception type name, message) of what ``fn()`` raised here, or ("ok", "")."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the caller compares what every rank raised
+        return type(e).__name__, str(e)
+    return "ok", ""

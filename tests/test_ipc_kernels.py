@@ -120,7 +120,7 @@ def test_one_shot_all_reduce_every_dtype_and_op(programs):
 
 def test_bfloat16_rounds_to_nearest_even_like_torch():
     # 1 + 2^-8 + 2^-10 in fp32 rounds up to 1.0078125 in bf16; the interpreter's own cast truncates
-    n, mem = 2, Mem(2)
+    mem = Mem(2)
     xs = [torch.tensor([1.0, 1.0, -3.0], dtype=torch.bfloat16), torch.tensor([2**-8 + 2**-10, 2**-8, 2**-9],
                                                                              dtype=torch.bfloat16)]
     mem.typed(1, torch.bfloat16, 3).copy_(xs[1])

@@ -11,6 +11,7 @@ import torch
 
 import collectives
 from moe import MoELayer, gather_state_dict, shard_state_dict
+from spmd import outcome
 
 H = 16
 
@@ -102,28 +103,20 @@ def test_layer_arguments_must_agree():
     assert all("ffn_hidden_size" in m and "rank 0: 8, rank 1: 9" in m for m in msgs), msgs
 
 
-def _outcome(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test compares what every rank raised
-        return type(e).__name__, str(e)
-    return "no error", ""
-
-
 def _one_rank_wrong_body(comm) -> dict[str, tuple[str, str]]:
     """One rank passes a bad argument; every case must raise on every rank (a hang raises a timeout instead)."""
     r = comm.rank
     big = 2**60  # seeds this large differ from their neighbours only past float64 precision
     out = {
-        "top_k": _outcome(lambda: MoELayer(comm, H, 8, 4, 8 if r == 0 else 2)),
-        "activation": _outcome(lambda: MoELayer(comm, H, 8, 4, 2, activation="tanh" if r == 1 else "gelu")),
-        "unknown kwarg": _outcome(lambda: MoELayer(comm, H, 8, 4, 2, **({"scor": "sigmoid"} if r == 1 else {}))),
-        "score": _outcome(lambda: MoELayer(comm, H, 8, 4, 2, score="sigmoid" if r == 1 else "softmax")),
-        "seed": _outcome(lambda: MoELayer(comm, H, 8, 4, 2, seed=big + r)),
+        "top_k": outcome(lambda: MoELayer(comm, H, 8, 4, 8 if r == 0 else 2)),
+        "activation": outcome(lambda: MoELayer(comm, H, 8, 4, 2, activation="tanh" if r == 1 else "gelu")),
+        "unknown kwarg": outcome(lambda: MoELayer(comm, H, 8, 4, 2, **({"scor": "sigmoid"} if r == 1 else {}))),
+        "score": outcome(lambda: MoELayer(comm, H, 8, 4, 2, score="sigmoid" if r == 1 else "softmax")),
+        "seed": outcome(lambda: MoELayer(comm, H, 8, 4, 2, seed=big + r)),
     }
     layer = MoELayer(comm, H, 8, 4, 2, seed=3)
     x = torch.randn(5, H + (r == 1))
-    out["forward width"] = _outcome(lambda: layer(x))
+    out["forward width"] = outcome(lambda: layer(x))
     # still in step: a correct call completes on every rank
     y, _ = layer(torch.randn(5, H))
     assert y.shape == (5, H)

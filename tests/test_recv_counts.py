@@ -38,14 +38,6 @@ def _count_matrix(n: int, seed: int) -> torch.Tensor:
     return m
 
 
-def _outcome(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the caller checks the type and message
-        return type(e).__name__, str(e)
-    return "ok", ""
-
-
 def _body_recv_counts(comm, native: bool = True) -> list[str]:
     """Every case on every rank; returns this rank's failures (all reported together)."""
     if not native:  # the base Transport's default: check after the exchange
@@ -85,7 +77,7 @@ def _body_recv_counts(comm, native: bool = True) -> list[str]:
                         ("one less", [max(c - 1, 0) if s == 1 else c for s, c in enumerate(rc)] if rc[1] else
                          [c + 2 if s == 1 else c for s, c in enumerate(rc)]),
                         ("swapped", rc[::-1] if rc[::-1] != rc else [c + 1 for c in rc])):
-        kind, msg = _outcome(lambda: comm.all_to_all(x, sc, recv_counts=wrong if me == bad else rc))
+        kind, msg = spmd.outcome(lambda: comm.all_to_all(x, sc, recv_counts=wrong if me == bad else rc))
         mine = m[:, bad].tolist()
         if kind != "ValueError" or f"rank {comm.global_ranks[bad]} passed recv_counts" not in msg \
                 or str(mine) not in msg or "recv_counts" not in msg:
@@ -93,14 +85,14 @@ def _body_recv_counts(comm, native: bool = True) -> list[str]:
         elif me == bad and str(wrong) not in msg:
             failures.append(f"wrong recv_counts ({what}): the message lacks the declared {wrong}: {msg[:300]}")
     # given on some ranks only: the signatures differ
-    kind, msg = _outcome(lambda: comm.all_to_all(x, sc, recv_counts=rc if me != bad else None))
+    kind, msg = spmd.outcome(lambda: comm.all_to_all(x, sc, recv_counts=rc if me != bad else None))
     if kind != "ValueError" or "recv_counts differs" not in msg:
         failures.append(f"recv_counts on some ranks only: got {kind}: {msg[:300]}")
     # a malformed value on one rank: TypeError/ValueError there, ValueError on the others
     for what, malformed, where in (("negative", [-1] + rc[1:], "must be >= 0"), ("short", rc[:-1], "one per rank"),
                                    ("floats", [float(c) for c in rc], "recv_counts[0]"),
                                    ("a string", "3", "recv_counts must be")):
-        kind, msg = _outcome(lambda: comm.all_to_all(x, sc, recv_counts=malformed if me == bad else rc))
+        kind, msg = spmd.outcome(lambda: comm.all_to_all(x, sc, recv_counts=malformed if me == bad else rc))
         ok = (kind in ("TypeError", "ValueError") and where in msg) if me == bad else \
             (kind == "ValueError" and f"[{comm.global_ranks[bad]}] rejected" in msg)
         if not ok:
