@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from spmd import UNDER_MPI
-from test_launch_modes import ROOT, _env, mpiexec
+from spmd import mpiexec_path
+from test_launch_modes import ROOT, _env
 
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="starts its own ranks")
 # nccl-tests' columns (out-of-place, then in-place), with the op first and p50/p99 + peer/algorithm last
@@ -69,9 +70,9 @@ def test_bench_self_launched(tmp_path):
     assert list(tmp_path.iterdir()) == [], "--no-save wrote files"
 
 
-@pytest.mark.skipif(mpiexec() is None, reason="no mpiexec (install the test extra)")
+@pytest.mark.skipif(mpiexec_path() is None, reason="no mpiexec (install the test extra)")
 def test_bench_under_mpiexec_same_columns_both_transports(tmp_path):
-    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "benchmarks.cli", "bench", "-b", "1K", "-e", "256K",
+    p = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "benchmarks.cli", "bench", "-b", "1K", "-e", "256K",
                         "-f", "16", "--iters", "3", "--warmup", "1", "--transport", "shm,mpi", "--no-save"],
                        capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr

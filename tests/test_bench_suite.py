@@ -24,7 +24,8 @@ from benchmarks.progress import Progress
 from benchmarks.report import compare_runs, ratio_table
 from spmd import UNDER_MPI
 from test_bench_cli import COLUMNS, header, parse_rows
-from test_launch_modes import _env, mpiexec
+from spmd import mpiexec_path
+from test_launch_modes import _env
 
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="starts its own ranks")
 OPS4 = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
@@ -171,8 +172,8 @@ def runs(tmp_path_factory):
                        capture_output=True, text=True, timeout=300, env=_env(), cwd=d)
     assert p.returncode == 0, p.stdout + p.stderr
     out["self"] = p.stdout
-    if mpiexec() is not None:
-        p = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "benchmarks.cli", "bench", *SWEEP,
+    if mpiexec_path() is not None:
+        p = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "benchmarks.cli", "bench", *SWEEP,
                             "--json", "mpi.json"], capture_output=True, text=True, timeout=300, env=_env(), cwd=d)
         assert p.returncode == 0, p.stdout + p.stderr
         out["mpi"] = p.stdout
@@ -203,7 +204,7 @@ def test_compare_self_launched_prints_shm_auto_gloo_with_ratios(runs):
     assert all(r["algorithm"].startswith("shm:") for r in rows if r["peer"] == "auto")
 
 
-@pytest.mark.skipif(mpiexec() is None, reason="no mpiexec (install the test extra)")
+@pytest.mark.skipif(mpiexec_path() is None, reason="no mpiexec (install the test extra)")
 def test_compare_under_mpiexec_adds_mpi_and_mpi4py_same_columns(runs):
     d, out = runs
     rows = _check_compare(out["mpi"], {"shm", "mpi", "auto", "mpi4py", "gloo"})
