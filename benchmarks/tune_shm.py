@@ -1,13 +1,15 @@
 """Measure the shm transport's all-reduce algorithms and slot sizes side by side.
 
-    python -m benchmarks.tune_shm --nprocs 2 --sizes 8K,256K,4M,64M
+    python -m benchmarks.tune_shm --nprocs 2 --sizes 8K,256K,4M,64M [--json RUN.json]
 
 Every configuration (slot size x one-shot or two-shot) is a launch of its own with the
 settings passed as ``options=`` (``shm_slot_bytes``, ``shm_one_shot_max``; see
 ``transports/settings.py``), nothing set in the environment. Repetitions go round all
 configurations in turn, so drift hits all alike; the best repetition is reported. The results
-chose the defaults of ``MOECOMM_SHM_SLOT_BYTES`` (``transports/settings.py``) and the one-shot
-table ``ONE_SHOT_MAX_BYTES`` (``transports/shm.py``); see ``benchmarks/results/shm-allreduce-tuning.txt``.
+chose the default of ``MOECOMM_SHM_SLOT_BYTES`` (``transports/settings.py``); see
+``benchmarks/results/shm-allreduce-tuning.txt``. ``--json`` saves the measurements as a ``moecomm bench``
+run (one row per size, configuration; ``algorithm`` one_shot or two_shot) that
+``collectives.model.calibrate`` fits: the one-shot/two-shot switch point comes from that fit.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from transports.settings import SETTINGS
 
-from .common import format_size, parse_size
+from .common import Row, bus_factor, format_size, parse_size
 from .options import COUNT, comma_list
 from .table import Column, Table
 
@@ -81,7 +83,9 @@ def _sizes(text: str, hint: str, setting: str | None = None) -> list[int]:
 @click.option("--sizes", default="8K,64K,256K,1M,4M,16M,64M", show_default=True, help="Message sizes.")
 @click.option("--slots", default="1M,4M,16M", show_default=True, help="Slot sizes to try.")
 @click.option("--reps", type=COUNT, default=3, show_default=True, help="Rounds over every configuration.")
-def main(nprocs: int, sizes: str, slots: str, reps: int) -> None:
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also save the best times as a moecomm bench run (for collectives.model.calibrate).")
+def main(nprocs: int, sizes: str, slots: str, reps: int, json_path: str | None) -> None:
     """Print algbw (GB/s, float32 sum, slowest rank) per size and configuration."""
     import collectives
 
@@ -97,6 +101,26 @@ def main(nprocs: int, sizes: str, slots: str, reps: int) -> None:
     for line in [*table.header(), *(table.line(size, *(size / best[(size, name)] / 1e9 for name in cfgs))
                                     for size in size_list)]:
         click.echo(line)
+    if json_path:
+        from .output import environment, make_run, save_json
+
+        options = {"nprocs": nprocs, "sizes": size_list, "slots": slots, "reps": reps}
+        rows = [_row(size, options, best[(size, name)], nprocs) for name, options in cfgs.items() for size in size_list]
+        save_json(json_path, make_run(rows, environment({"nranks": nprocs, "nodes": 1, "launch": "launch"}),
+                                      options, [f"best of {reps}; configuration in each row's algorithm"]))
+        click.echo(f"# saved {json_path}")
+
+
+def _row(size: int, options: dict[str, int], seconds: float, nprocs: int) -> Row:
+    """One measurement as a bench row: ``algorithm`` one_shot or two_shot; ``transport`` "shm" at the
+    default slot size, "shm/slot <size>" at the others (so that a fit never mixes slot sizes)."""
+    algbw = size / seconds / 1e9
+    slot = options["shm_slot_bytes"]
+    transport = "shm" if slot == SETTINGS["shm_slot_bytes"].default else f"shm/slot {format_size(slot).replace(' ', '')}"
+    algorithm = "one_shot" if options["shm_one_shot_max"] else "two_shot"
+    return Row(op="all_reduce", transport=transport, size=size, count=max(size // 4, 1), dtype="float32",
+               redop="sum", time_us=seconds * 1e6, algbw=algbw, busbw=algbw * bus_factor("all_reduce", nprocs),
+               wrong=-1, algorithm=algorithm, nranks=nprocs, device="cpu")
 
 
 if __name__ == "__main__":
