@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -148,13 +148,40 @@ def parse_redops(text: str) -> list[str]:
     return _parse_list(text, REDOPS, "reduction op")
 
 
-def parse_ops(text: str) -> list[str]:
+def parse_ops(text: str, *, also: Sequence[str] = ()) -> list[str]:
     """``--ops all_reduce,broadcast`` / ``--ops all`` -> collectives of :data:`ALL_OPS`.
+
+    Args:
+        text: comma-separated op names, or ``all`` (every op of :data:`ALL_OPS`).
+        also: further names accepted by name (``moecomm predict``'s moe_dispatch/moe_combine).
 
     Returns:
         The ops in the order given, without repeats. Raises ValueError for unknown or no names.
     """
-    return _parse_list(text, ALL_OPS, "op")
+    if text.strip() == "all":
+        return list(ALL_OPS)
+    return _parse_list(text, ALL_OPS + tuple(also), "op")
+
+
+def sweep_sizes(min_bytes: int, max_bytes: int, factor: int | None, step: int) -> list[int]:
+    """The sizes of nccl-tests' ``-b``/``-e``/``-f``/``-i`` as the commands take them.
+
+    Args:
+        min_bytes, max_bytes: first and largest size in bytes.
+        factor: ``-f`` (None: 4, or 1 when ``step`` is given); steps multiply when > 1.
+        step: ``-i`` bytes added each step, used when ``factor`` is 1 or None.
+
+    Returns:
+        The sizes (:func:`sizes`). Raises ValueError, saying which flag to change, when
+        min > max or neither -f > 1 nor -i > 0 steps.
+    """
+    if min_bytes > max_bytes:
+        raise ValueError(f"-b {format_size(min_bytes)} is larger than -e {format_size(max_bytes)}: no size")
+    if factor is None:
+        factor = 1 if step > 0 else 4
+    if factor <= 1 and step <= 0:
+        raise ValueError("need -f > 1 or -i > 0 to step from -b to -e")
+    return sizes(min_bytes, max_bytes, factor if factor > 1 else 0, step if factor <= 1 else 0)
 
 
 # ---- per-rank element counts (nccl-tests' definitions) ---------------------------------------
