@@ -1,0 +1,25 @@
+"""moecomm's analytical performance model: predict collectives before running them.
+
+Pure math and data (no torch, no communication). ``systems`` describes machines, ``collective``
+the alpha-beta cost of every algorithm x protocol and the choice by minimum time::
+
+    from collectives.model import get_system, predict_collective
+    p = predict_collective(get_system("dgx-h100"), "all_reduce", 1 << 30, nodes=4)
+    p.time_us, p.busbw, p.algorithm, p.protocol, p.bottleneck
+"""
+
+from .collective import (
+    ALGORITHMS,
+    NCCL_ALGORITHMS,
+    OPS,
+    PROTOCOLS,
+    Candidate,
+    Prediction,
+    bus_factor,
+    dtype_bytes,
+    predict_collective,
+)
+from .systems import Link, System, get_system, list_systems, load_system_file
+
+__all__ = ["ALGORITHMS", "NCCL_ALGORITHMS", "OPS", "PROTOCOLS", "Candidate", "Prediction", "bus_factor",
+           "dtype_bytes", "predict_collective", "Link", "System", "get_system", "list_systems", "load_system_file"]
