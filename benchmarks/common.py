@@ -15,6 +15,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+# nccl-tests' bus-bandwidth factors (busbw = algbw * factor): one table, the performance model's
+from collectives.model.collective import bus_factor as bus_factor  # noqa: F401 - re-exported (sweep, tune_shm)
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 ALL_OPS = OPS + ("broadcast",)
 REDUCING = ("all_reduce", "reduce_scatter")
@@ -32,26 +35,6 @@ _SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 def itemsize(dtype_name: str) -> int:
     """Bytes per element of a dtype of :data:`DTYPES` (``"bfloat16"`` -> 2)."""
     return torch.empty(0, dtype=DTYPES[dtype_name]).element_size()
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factor: busbw = algbw * factor.
-
-    Args:
-        op: a collective of :data:`ALL_OPS`, or ``"reduce"``.
-        n: number of ranks.
-
-    Returns:
-        2(n-1)/n for all_reduce, (n-1)/n for all_gather/reduce_scatter/all_to_all, 1 for
-        broadcast/reduce. Raises ValueError for any other op.
-    """
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    if op in ("broadcast", "reduce"):
-        return 1.0
-    raise ValueError(f"no bus factor for {op!r}")
 
 
 def parse_size(text: str | int) -> int:
