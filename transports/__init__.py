@@ -5,6 +5,8 @@
 - ``nccl`` (:mod:`transports.nccl`): CUDA tensors through libnccl via cupy.cuda.nccl.
 - ``ipc``  (:mod:`transports.ipc`): our Triton kernels over peer-mapped buffers of one node (CUDA IPC);
   with ``MOECOMM_IPC_EMULATE=1`` CPU tensors through POSIX shared memory and Triton's interpreter.
+- ``gloo`` (:mod:`transports.gloo`): torch.distributed's gloo over the rendezvous's torch store (CPU
+  tensors); spans nodes without MPI.
 """
 
 from .base import (
@@ -23,7 +25,7 @@ __all__ = [
     "ReduceOp", "Rendezvous", "Transport", "transport_class", "TRANSPORT_NAMES",
 ]
 
-TRANSPORT_NAMES = ("shm", "mpi", "nccl", "ipc")
+TRANSPORT_NAMES = ("shm", "mpi", "nccl", "ipc", "gloo")
 
 
 def transport_class(name: str) -> type[Transport]:
@@ -44,4 +46,8 @@ def transport_class(name: str) -> type[Transport]:
         from .ipc import IPCTransport
 
         return IPCTransport
+    if name == "gloo":
+        from .gloo import GlooTransport
+
+        return GlooTransport
     raise ValueError(f"unknown transport {name!r}; available: {', '.join(TRANSPORT_NAMES)}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 # Transport names a user may force (kept here, the bottom layer, so nothing imports upwards).
-TRANSPORT_CHOICES = ("auto", "shm", "mpi", "nccl", "ipc")
+TRANSPORT_CHOICES = ("auto", "shm", "mpi", "nccl", "ipc", "gloo")
 LAUNCH_CHOICES = ("mpi", "torchrun", "single")
 
 
