@@ -33,13 +33,28 @@ node for the network, whose bandwidth is the node's NICs together in the rail la
   all_reduce over the rail ``2(N-1)/N S/G`` per GPU on its own NICs, intra-node all-gather.
 - pairwise (all_to_all): ``(G-1)/n S`` to the GPUs of the node over NVLink, ``(N-1)G/n S`` to the
   other nodes over at most one NIC per GPU (NVIDIA/nccl-tests#267); so multi-node busbw is about
-  ``N/(N-1) x`` the per-GPU NIC bandwidth, as NVIDIA states (NVIDIA/nccl-tests#130).
+  ``N/(N-1) x`` the per-GPU NIC bandwidth, as NVIDIA states (NVIDIA/nccl-tests#130), times the
+  send/recv efficiency :data:`P2P_EFFICIENCY`.
 
 Latencies and protocol efficiencies are NCCL's (NVIDIA/nccl v2.30.7, ``src/graph/tuning.cc``,
 ``ncclTopoTuneModel`` / ``ncclTopoGetAlgoTime``), re-derived here: base + hops x hw latency per
 link class, LL = half the bandwidth under a ceiling, LL128 = 0.92, Simple = 1.0.
 
-Known misses (see benchmarks/results/model-validation.md once written):
+Fitted constants (in-sample, each named where it is defined): :data:`P2P_EFFICIENCY` (three
+single-node all_to_all points), the EFA per-hop latency (systems.EFA_200G, one 2-node point), the
+ipc launch/peer costs (sglang's custom all-reduce). Everything else is NCCL's or a datasheet's.
+
+Bus bandwidth and node count: busbw normalises by ``2(n-1)/n`` (all_reduce), so an algorithm whose
+time does not grow with the node count (a tree's ``2S`` per node, NVLS tree's NVLink part on 2
+nodes) predicts a *higher* busbw on more nodes, and so do latency-bound sizes of all_to_all, where
+the factor ``(n-1)/n`` grows faster than the latency. Measured systems do the same (2x p5 reach
+487 GB/s at 16 GiB against 480 on one node, aws-samples/awsome-distributed-training; "Tree is not
+bandwidth optimal so the real bus bandwidth may be higher", NVIDIA/nccl-tests#274). What the model
+guarantees, and the tests check: more nodes never predict a shorter time for the same per-rank
+data, and never a higher busbw for the bandwidth-optimal algorithms (ring, hierarchical, and
+pairwise once each peer's block is past LL's threshold).
+
+Known misses (benchmarks/results/model-validation.md has the numbers):
 
 - NCCL's per-channel bandwidth ceilings (perChMax*Bws) and channel counts are not modelled; they
   bind on B200 LL128 and on PCIe boxes, where the model is optimistic.
@@ -52,8 +67,12 @@ Known misses (see benchmarks/results/model-validation.md once written):
   calibrates them.
 - PCIe boxes: a ring crossing the CPU socket link, and GPUs sharing a PCIe switch with a NIC, are
   not modelled.
-- all_to_all: per-peer costs of NCCL's grouped send/recv (one connection per peer) are not
-  modelled; small-message all_to_all at many ranks is optimistic.
+- all_to_all: per-peer costs of NCCL's grouped send/recv beyond the network post overhead are
+  not modelled; small-message all_to_all at many ranks is optimistic.
+- EFA latency differs by generation: the per-hop figure fitted on p5 (EFA v2) over-predicts the
+  2x p6-b200 8 B all_reduce (50.6 us measured) and under-predicts 2x p4de (EFA v1, 164 us).
+- Mid-size multi-node all_reduce (32 KiB - 256 MiB) is 15-35% optimistic on EFA: pipeline start-up
+  over a high-latency network costs more than NCCL's per-hop latencies say.
 """
 
 from __future__ import annotations
@@ -89,7 +108,8 @@ HW_LATENCY_US = {
     "network": {"tree": (5.0, 8.5, 14.0), "ring": (2.7, 4.0, 14.0), "nvls": (0.0, 0.0, 18.0),
                 "nvls_tree": (0.0, 0.0, 20.9)},
 }
-# each link class's table is scaled by Link.latency_us / its ring Simple entry (systems.py)
+# each link class's table is shifted by Link.latency_us - its ring Simple entry: half per hop,
+# all of it for Simple (NCCL's graph->latencyInter mechanism, systems.py)
 _HOP_REFERENCE_US = {"nvlink": NVLINK_HOP_US, "pcie": PCI_HOP_US, "network": NET_HOP_US}
 # llMaxBws: LL's bus-bandwidth ceiling, GB/s. One node: by architecture (Ampere, Hopper,
 # Blackwell); several nodes: by CPU vendor and 2 / more nodes.
@@ -109,6 +129,13 @@ TREE_CORRECTION = {
     "LL128": (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0, 1.0, 1.0),
     "Simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9, .9),
 }
+# all_to_all (grouped send/recv) runs below the link rates the collectives reach: NVIDIA's GTC25
+# S72583 slide "NCCL Tests Alltoall Bus Bandwidth, 8 GPUs" gives 210 (A100), 320 (H100), 640 (B200)
+# GB/s against 240 / 370.8 / 721.8 for ring: 0.875, 0.863, 0.887. Send/recv moves each peer's data
+# in its own chunks (NCCL_P2P_NVL_CHUNKSIZE / NCCL_P2P_NET_CHUNKSIZE) over fewer channels per peer
+# than a ring has. In-sample: fitted to those three single-node points (their mean), applied to
+# every link of all_to_all.
+P2P_EFFICIENCY = (210 / 240.0 + 320 / 370.8 + 640 / 721.8) / 3
 # NVIDIA/nccl v2.30.7 src/enqueue.cc: NCCL_P2P_LL_THRESHOLD 16384 B per peer (per channel); LL for
 # send/recv only up to it (we take one channel: the conservative end).
 P2P_LL_THRESHOLD_BYTES = 16384
@@ -214,18 +241,19 @@ class _Fabric:
         self.node_net_bw = system.nic_bandwidth_per_gpu() * gpus        # rail layout, all NICs
         self.gpu_net_bw = system.nic_bandwidth_per_gpu()                # one GPU's share (its rail)
         self.a2a_gpu_net_bw = system.all_to_all_nic_bandwidth_per_gpu()  # one NIC at most
-        self.intra_scale = system.intra.latency_us / _HOP_REFERENCE_US[self.intra_kind]
-        self.net_scale = system.nic.latency_us / NET_HOP_US if system.nic is not None else 1.0
+        # NCCL's graph->latencyInter per hop (systems.py): half the link's excess over the reference
+        self.intra_extra = (system.intra.latency_us - _HOP_REFERENCE_US[self.intra_kind]) / 2
+        self.net_extra = (system.nic.latency_us - NET_HOP_US) / 2 if system.nic is not None else 0.0
         if nodes == 1:
             self.ll_max = LL_MAX_BW_ONE_NODE[system.compcap_index]
         else:
             self.ll_max = LL_MAX_BW_MULTI_NODE[(system.cpu_vendor, min(nodes, 3))]
 
     def hop(self, where: str, algorithm: str, protocol: str) -> float:
-        """One hop's latency: NCCL's hwLatencies entry scaled to this system's link."""
-        if where == "network":
-            return HW_LATENCY_US["network"][algorithm][_P[protocol]] * self.net_scale
-        return HW_LATENCY_US[self.intra_kind][algorithm][_P[protocol]] * self.intra_scale
+        """One hop's latency: NCCL's hwLatencies entry plus this link's extra (twice for Simple)."""
+        kind, extra = ("network", self.net_extra) if where == "network" else (self.intra_kind, self.intra_extra)
+        base = HW_LATENCY_US[kind][algorithm][_P[protocol]]
+        return max(0.0, base + extra * (2 if protocol == "Simple" else 1))
 
     def ring_protocol_bw(self, bw: float, protocol: str) -> float:
         """A link's bandwidth under NCCL's ring protocol factors (LL: half, under the LL ceiling)."""
@@ -286,9 +314,7 @@ def _tree_all_reduce(f: _Fabric, size: int, protocol: str) -> Candidate:
         factor *= TREE_LL_FACTOR
     elif protocol == "LL128":
         factor *= TREE_LL128_FACTOR_ONE_NODE if N == 1 else TREE_LL128_FACTOR_MULTI_NODE
-    log_size = int(math.log2(size >> 6)) if size >= 64 else -1
-    if 0 <= log_size < 23:  # ncclTopoGetAlgoTime: "Trees are not perfectly sticking to the model"
-        factor *= TREE_CORRECTION[protocol][log_size]
+    factor *= _tree_correction(protocol, size)
 
     def bw(raw: float) -> float:
         eff = raw * factor
@@ -302,6 +328,24 @@ def _tree_all_reduce(f: _Fabric, size: int, protocol: str) -> Candidate:
     latency = BASE_LATENCY_US["tree"][_P[protocol]] + 2 * (
         (G - 1) * f.hop("intra", "tree", protocol) + _log2i(N) * f.hop("network", "tree", protocol))
     return _candidate("tree", protocol, latency, terms)
+
+
+def _tree_correction(protocol: str, size: int) -> float:
+    """NCCL's treeCorrectionFactor ("Trees are not perfectly sticking to the model for medium sizes").
+
+    NCCL (ncclTopoGetAlgoTime) applies the table stepwise per power of two from 64 B and 1.0 from
+    512 MiB; a step up in the factor would make a larger size predict a shorter time, so we
+    interpolate linearly in log2(size) between the table's points (64 B * 2^i), with 1.0 at 2^23 * 64 B.
+    """
+    table = TREE_CORRECTION[protocol]
+    x = math.log2(size / 64) if size > 0 else -1.0
+    if x <= 0:
+        return table[0]
+    if x >= len(table) - 1:
+        return 1.0
+    i = int(x)
+    upper = table[i + 1] if i + 1 < len(table) - 1 else 1.0
+    return table[i] + (upper - table[i]) * (x - i)
 
 
 def _tree_broadcast(f: _Fabric, size: int, protocol: str) -> Candidate:
@@ -330,8 +374,9 @@ def _nvls(f: _Fabric, op: str, size: int) -> Candidate:
 def _nvls_tree(f: _Fabric, size: int) -> Candidate:
     """NCCL's NVLS tree all_reduce across nodes: NVLS inside, each GPU's shard over its rail's tree."""
     G, N = f.G, f.N
+    # the inter-node part is a pipelined tree like NCCL's Tree: its 0.92 (tuning.cc) applies
     terms = [("nvlink", size * (G + 1) / G, f.intra_bw * f.system.nvls_efficiency),
-             ("network", (1.0 if N == 2 else 2.0) * size, f.node_net_bw)]
+             ("network", (1.0 if N == 2 else 2.0) * size, f.node_net_bw * TREE_ALLREDUCE_FACTOR)]
     latency = f.hop("intra", "nvls_tree", "Simple") + 2 * _log2i(N) * f.hop("network", "nvls_tree", "Simple")
     return _candidate("nvls_tree", "Simple", latency, terms)
 
@@ -371,13 +416,20 @@ def _hierarchical(f: _Fabric, op: str, size: int, protocol: str) -> Candidate:
 
 
 def _pairwise(f: _Fabric, size: int, protocol: str) -> Candidate:
-    """all_to_all as concurrent send/recv with every peer (NCCL's grouped p2p)."""
+    """all_to_all as concurrent send/recv with every peer (NCCL's grouped p2p).
+
+    Latency: one launch and one hop of each link class, plus NCCL's network post overhead
+    (tuning.cc getNetOverhead: 1 us on Intel, 2 us on AMD hosts; x3 for Simple) for every remote
+    peer, whose sends the proxy posts one by one.
+    """
     n, N, G = f.n, f.N, f.G
     latency = BASE_LATENCY_US["ring"][_P[protocol]] + f.hop("intra", "ring", protocol)
-    terms = [(f.intra_label, size * (G - 1) / n, f.ring_protocol_bw(f.intra_bw, protocol))]
+    terms = [(f.intra_label, size * (G - 1) / n, f.ring_protocol_bw(f.intra_bw * P2P_EFFICIENCY, protocol))]
     if N > 1:
-        latency += f.hop("network", "ring", protocol)
-        terms.append(("network", size * (N - 1) * G / n, f.ring_protocol_bw(f.a2a_gpu_net_bw, protocol)))
+        post = NET_OVERHEAD_US[f.system.cpu_vendor] * (3 if protocol == "Simple" else 1)
+        latency += f.hop("network", "ring", protocol) + (n - G) * post
+        terms.append(("network", size * (N - 1) * G / n,
+                      f.ring_protocol_bw(f.a2a_gpu_net_bw * P2P_EFFICIENCY, protocol)))
     return _candidate("pairwise", protocol, latency, terms)
 
 

@@ -12,11 +12,14 @@ protocol overhead: 18 x 20.6 = 370.8 GB/s on H100 against a 450 GB/s line rate) 
 per-NIC throughput where one is published (shared ANCHORS.md). Every preset number carries its
 source in :attr:`System.sources` and in a comment.
 
-Latencies: :attr:`Link.latency_us` is the link's per-hop latency for NCCL's Simple protocol on a
-ring (NVIDIA/nccl v2.30.7 ``src/graph/tuning.cc`` hwLatencies: NVLink 3.4, PCI 5.7, NET 14.0 us).
-The model scales NCCL's whole per-protocol/per-algorithm latency table of that link class by
-``latency_us / that value``, so a system file can make a link slower or faster while the presets
-reproduce NCCL's table exactly (see :mod:`collectives.model.collective`).
+Latencies: :attr:`Link.latency_us` is the link's per-hop latency for NCCL's ring Simple protocol
+(NVIDIA/nccl v2.30.7 ``src/graph/tuning.cc`` hwLatencies: NVLink 3.4, PCI 5.7, NET 14.0 us). The
+rest of NCCL's per-algorithm/per-protocol table of that link class is used as is, shifted the way
+NCCL shifts it for a network plugin that reports a latency (``graph->latencyInter``: added once per
+hop, twice for Simple, whose receive also waits for a flush): a link with ``latency_us = L`` adds
+``(L - reference) / 2`` per hop, ``L - reference`` for Simple. InfiniBand reports no latency
+(src/transport/net_ib/init.cc, "Not set"), so the presets' IB, NVLink and PCIe links carry exactly
+NCCL's reference values; EFA carries more (see EFA_200G).
 """
 
 from __future__ import annotations
@@ -27,14 +30,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-ARCHES = ("sm80", "sm86", "sm89", "sm90", "sm100", "host")
-CPU_VENDORS = ("intel", "amd")
-
 # NCCL v2.30.7 src/graph/tuning.cc, hwLatencies[NCCL_HW_*][NCCL_ALGO_RING][NCCL_PROTO_SIMPLE]:
-# the per-hop ring Simple latency each link class is normalised to (see the module docstring).
+# the per-hop ring Simple latency of each link class (see the module docstring).
 NVLINK_HOP_US = 3.4
 PCI_HOP_US = 5.7
 NET_HOP_US = 14.0
+
+ARCHES = ("sm80", "sm86", "sm89", "sm90", "sm100", "host")
+CPU_VENDORS = ("intel", "amd")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,8 @@ class Link:
             ``"ndr-400g"``, ``"efa-200g"``, ``"shm"``... A name starting with ``nvlink`` makes
             the link NVLink for the model, ``pcie`` PCIe; anything else is host memory.
         bandwidth_gbps: usable GB/s (1e9 B/s), one direction, per GPU (per NIC for a NIC).
-        latency_us: per-hop latency of NCCL's ring Simple protocol over this link, us.
+        latency_us: per-hop latency of NCCL's ring Simple protocol over this link, us (NCCL's
+            reference for the link class plus twice a network plugin's reported latency).
     """
 
     name: str
@@ -237,21 +241,32 @@ def _check_keys(d: Mapping[str, Any], required: set[str], optional: set[str], wh
 # NVLink: links per GPU x NCCL's per-link constant (NVIDIA/nccl v2.30.7 src/graph/topo.h
 # SM80_NVLINK_BW 20.0, SM90_NVLINK_BW 20.6, SM100_NVLINK_BW 40.1 GB/s); link counts from NVIDIA's
 # datasheets (A100 12 NVLink3 links = 600 GB/s bidirectional, H100/H200 18 NVLink4 = 900,
-# B200 18 NVLink5 = 1,800). Latency: NCCL's NVLink ring Simple hop (tuning.cc, see NVLINK_HOP_US).
+# B200 18 NVLink5 = 1,800). Latency: NCCL's NVLink reference.
 NVLINK3 = Link("nvlink3", 12 * 20.0, NVLINK_HOP_US)
 NVLINK4 = Link("nvlink4", 18 * 20.6, NVLINK_HOP_US)
 NVLINK5 = Link("nvlink5", 18 * 40.1, NVLINK_HOP_US)
+# H800 SXM: NVLink4 with 8 links instead of 18 (NVIDIA H800 SXM spec: 400 GB/s bidirectional);
+# 8 x 20.6 = 164.8, and DeepEP (deepseek-ai/DeepEP README) measures "~160 GB/s" on it.
+NVLINK4_H800 = Link("nvlink4-h800", 8 * 20.6, NVLINK_HOP_US)
 # PCIe Gen4 x16: 24 GB/s in NCCL's model (shared ANCHORS.md: PCIe Gen4 x16 = 24 in NCCL's model,
-# ~25 GB/s measured); NCCL's PCI ring Simple hop latency.
+# ~25 GB/s measured). Latency: NCCL's PCI reference.
 PCIE_GEN4 = Link("pcie-gen4", 24.0, PCI_HOP_US)
-# HDR 200G InfiniBand: ~24 GB/s measured per NIC (NVIDIA/nccl#412, shared ANCHORS.md).
+# HDR 200G InfiniBand: ~24 GB/s measured per NIC (NVIDIA/nccl#412, shared ANCHORS.md). Latency:
+# NCCL's NET reference (IB reports no extra latency, src/transport/net_ib/init.cc).
 HDR_200G = Link("hdr-200g", 24.0, NET_HOP_US)
 # NDR 400G InfiniBand: 46-48 GB/s measured per NIC (NVIDIA/nccl-tests#290, shared ANCHORS.md): 47.
 NDR_400G = Link("ndr-400g", 47.0, NET_HOP_US)
-# EFA 200G (p5en): no per-NIC measurement at hand; 200 Gb/s = 25 GB/s line rate x 0.94, the
-# measured/line ratio of NDR (47/50). An assumption, not a measurement.
-EFA_200G = Link("efa-200g", 25.0 * 47.0 / 50.0, NET_HOP_US)
-# 200G Ethernet/IB card on the PCIe box: same usable rate as HDR 200G (NVIDIA/nccl#412).
+# EFA 200G (p5en). Bandwidth: no per-NIC measurement at hand; 200 Gb/s = 25 GB/s line rate x 0.94,
+# the measured/line ratio of NDR (47/50): an assumption. Latency: EFA costs more per hop than IB
+# (aws-ofi-nccl reports 35-75 us to NCCL's tuner, src/platform-aws.cpp, a selection weight, not a
+# time); the extra per-hop time is FITTED on one published point, 2x p5.48xlarge all_reduce of 8 B =
+# 69.12 us (aws-samples/awsome-distributed-training micro-benchmarks/nccl-tests/README.md), which
+# NCCL runs as tree/LL: 6.8 + 2 x (7 x 0.6 + (5.0 + x)) = 69.12 -> x = 21.96 us per hop (LL), twice
+# that for Simple: latency_us = 14.0 + 2x = 57.9. In-sample for that point; every other EFA point
+# stays out of sample.
+EFA_EXTRA_HOP_US = (69.12 - 6.8 - 2 * (7 * 0.6 + 5.0)) / 2
+EFA_200G = Link("efa-200g", 25.0 * 47.0 / 50.0, NET_HOP_US + 2 * EFA_EXTRA_HOP_US)
+# 200G Ethernet/IB card on the PCIe box: same usable rate as HDR 200G (NVIDIA/nccl#412), IB latency.
 ETH_200G = Link("cx-200g", 24.0, NET_HOP_US)
 
 _NCCL_NVLINK = "NVIDIA/nccl v2.30.7 src/graph/topo.h per-link NVLink bandwidth x links per GPU (NVIDIA datasheet)"
@@ -310,6 +325,18 @@ _PRESETS: tuple[System, ...] = (
                  "nvls_efficiency": _NCCL_NVLS + "[Hopper] = 0.85", "memory_gbps": _HBM,
                  "cpu_vendor": "AWS p5en instance page: Intel Sapphire Rapids"}),
     System(
+        name="h800-8", description="8x H800 SXM (NVLink4 with 8 links) via NVSwitch with NVLS, 8x NDR 400G IB",
+        gpus_per_node=8, arch="sm90", intra=NVLINK4_H800, nic=NDR_400G, nics_per_node=8, nvls=True,
+        nvls_efficiency=0.85,  # tuning.cc nvlsEfficiency[Hopper]
+        memory_gbps=3350.0,    # H800 SXM HBM3 3.35 TB/s, as H100 SXM (NVIDIA datasheet)
+        cpu_vendor="intel",    # assumed: HGX H800 boards ship in Intel Sapphire Rapids hosts like DGX H100
+        sources={"intra": _NCCL_NVLINK + ": 8 x 20.6 (H800: 400 GB/s bidirectional NVLink; DeepEP README "
+                          "measures ~160 GB/s)",
+                 "nic": "NDR 46-48 GB/s per NIC measured, NVIDIA/nccl-tests#290 (DeepEP: CX7 400 Gb/s, ~50 GB/s max)",
+                 "nics_per_node": "DeepEP README test machine: one CX7 400G NIC per GPU",
+                 "nvls_efficiency": _NCCL_NVLS + "[Hopper] = 0.85", "memory_gbps": _HBM,
+                 "cpu_vendor": "assumption"}),
+    System(
         name="pcie-l40s-8",
         description="8x L40S on PCIe Gen4 x16 (no NVLink), 4x 200G NICs (one per 2 GPUs); assumed layout",
         gpus_per_node=8, arch="sm89", intra=PCIE_GEN4, nic=ETH_200G, nics_per_node=4, nvls=False,
@@ -327,7 +354,7 @@ _BY_NAME = {s.name: s for s in _PRESETS}
 
 
 def list_systems() -> list[System]:
-    """The built-in presets: dgx-a100, dgx-h100, dgx-h200, b200-8, p5en, pcie-l40s-8."""
+    """The built-in presets: dgx-a100, dgx-h100, dgx-h200, b200-8, p5en, h800-8, pcie-l40s-8."""
     return list(_PRESETS)
 
 
