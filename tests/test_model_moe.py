@@ -183,7 +183,8 @@ def test_node_aware_dedup_and_modes() -> None:
     # De-duplication: a token crosses the network at most once per remote node (3 of them) ...
     assert normal.network_bytes < 4096 * 3 * token_bytes("moe_dispatch", "fp8", 7168)
     # ... while LL sends every remote selection (8 * 24/32 per token) on its own.
-    assert ll.network_bytes == pytest.approx(4096 * 8 * 24 / 32 * token_bytes("moe_dispatch", "fp8", 7168, mode="low_latency"))
+    message = token_bytes("moe_dispatch", "fp8", 7168, mode="low_latency")
+    assert ll.network_bytes == pytest.approx(4096 * 8 * 24 / 32 * message)
     assert ll.network_bytes > 1.5 * normal.network_bytes
     loop = predict_moe(H800, "moe_dispatch", mode="low_latency", nvlink_in_low_latency=False, **shape)
     assert loop.nvlink_bytes == 0 and loop.network_bytes > ll.network_bytes

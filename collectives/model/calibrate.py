@@ -75,7 +75,8 @@ def fit_alpha_beta(sizes: Sequence[float], times_us: Sequence[float]) -> tuple[f
     s = np.asarray(sizes, dtype=np.float64)
     t = np.asarray(times_us, dtype=np.float64)
     if s.shape != t.shape or s.ndim != 1 or len(s) < 2:
-        raise ValueError(f"fit_alpha_beta: need matching 1-D sizes and times with >= 2 points, got {s.shape}, {t.shape}")
+        raise ValueError(f"fit_alpha_beta: need matching 1-D sizes and times with >= 2 points, "
+                         f"got {s.shape}, {t.shape}")
     if not np.all(np.isfinite(t)) or np.any(t <= 0) or np.any(s < 0):
         raise ValueError("fit_alpha_beta: times must be finite and > 0, sizes >= 0")
     if len(np.unique(s)) < 2:
@@ -149,7 +150,8 @@ def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any
     for (op, transport, algorithm, ranks), points in sorted(groups.items()):
         sizes = [p[0] for p in points]
         if len(set(sizes)) < 2:
-            logger.warning("%s: %s %s/%s on %d ranks has one size only; not fitted", where, op, transport, algorithm, ranks)
+            logger.warning("%s: %s %s/%s on %d ranks has one size only; not fitted",
+                           where, op, transport, algorithm, ranks)
             continue
         times = [p[1] for p in points]
         alpha, beta = fit_alpha_beta(sizes, times)
@@ -196,7 +198,8 @@ def calibrate(run: Mapping[str, Any] | str | Path, *, name: str = "local") -> Sy
     shown = min(all_reduce or at_ranks, key=lambda t: t["beta_us_per_byte"])
     intra = Link("shm", shown["bandwidth_gbps"] or 1.0, shown["alpha_us"])
     device = str(env.get("device", "cpu"))
-    described = f"fitted from {where}: {env.get('hostname', '?')} ({env.get('cpu_model', '?')}), {ranks} ranks, {device}"
+    described = (f"fitted from {where}: {env.get('hostname', '?')} ({env.get('cpu_model', '?')}), "
+                 f"{ranks} ranks, {device}")
     return System(
         name=name, description=described, gpus_per_node=ranks, arch="host", intra=intra, nic=None,
         nics_per_node=0, nvls=False,

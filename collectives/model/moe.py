@@ -12,7 +12,7 @@ ranks (``experts / ep`` each), ranks evenly on nodes (``gpus_per_node`` each).
 
 Two kernels:
 
-* ``normal`` (DeepEP's high-throughput kernels, ``csrc/kernels/legacy/intranode.cu`` and
+* ``normal`` (DeepEP's high-throughput kernels, ``DeepEP:csrc/kernels/legacy/intranode.cu`` and
   ``internode.cu``): one node: each token goes once to every distinct destination rank over
   NVLink. Several nodes: node-aware de-duplication -- a token crosses the network once per
   destination node, landing on the GPU with the same local index (rail-optimised, one NIC per
@@ -33,9 +33,9 @@ sends fp8 (1 byte per element plus one float32 scale per 128 elements, DeepEP's
 
 ``algbw`` follows DeepEP's bandwidth convention so that it compares with DeepEP's tables
 directly: the bytes of the token copies the rank handles on its bottleneck path, own-rank or
-own-node copies included, over the time (``tests/legacy/test_intranode.py``: received tokens x
-hidden; ``test_internode.py``: tokens x destination nodes; ``test_low_latency.py``: tokens x
-selections x message bytes). ``nvlink_bytes`` and ``network_bytes`` are the bytes that really
+own-node copies included, over the time (``DeepEP:tests/legacy/test_intranode.py``: received
+tokens x hidden; ``test_internode.py``: tokens x destination nodes; ``test_low_latency.py``:
+tokens x selections x message bytes). ``nvlink_bytes`` and ``network_bytes`` are the bytes that really
 cross each link.
 
 Where it misses (checked against DeepEP's, pplx-kernels' and UCCL-EP's published tables):
@@ -61,11 +61,11 @@ MOE_OPS = ("moe_dispatch", "moe_combine")
 MODES = ("normal", "low_latency")
 DISPATCH_DTYPES = ("fp8", "bf16")
 
-# DeepEP per_token_cast_to_fp8 (deep_ep/utils/math.py): one float32 scale per 128 elements.
+# DeepEP per_token_cast_to_fp8 (DeepEP:deep_ep/utils/math.py): one float32 scale per 128 elements.
 FP8_SCALE_BLOCK = 128
 FP8_SCALE_BYTES = 4
 BF16_BYTES = 2
-# DeepEP tests/legacy/test_low_latency.py: an LL dispatch message is
+# DeepEP:tests/legacy/test_low_latency.py: an LL dispatch message is
 # hidden + hidden / 128 * 4 + 16 bytes (an int4 of source-token info per message).
 LL_DISPATCH_HEADER_BYTES = 16
 # Fixed cost of one GPU-initiated expert-parallel all-to-all kernel (launch, flag hand-shakes,
@@ -366,7 +366,10 @@ def predict_moe(system: System, op: str, *, tokens: int, hidden: int, topk: int,
         # Every selection is a message to its expert's rank; own-rank ones stay in HBM.
         same_node_peers = topk * (local - 1) / ep
         other_nodes = topk * (ep - local) / ep
-        nvlink_copies, network_copies = (0.0, same_node_peers + other_nodes) if loopback else (same_node_peers, other_nodes)
+        if loopback:  # same-node messages through the NIC as well
+            nvlink_copies, network_copies = 0.0, same_node_peers + other_nodes
+        else:
+            nvlink_copies, network_copies = same_node_peers, other_nodes
         logical_copies = float(topk)  # DeepEP: every selection's message bytes
         messages = nvlink_copies + network_copies
 
