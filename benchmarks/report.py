@@ -119,6 +119,91 @@ def compare_runs(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> lis
     return lines
 
 
+# ---- a measured run beside the model's prediction (--predict) ------------------------------------
+PREDICTED = Table([Column("op", 14), Column("size", 12, unit="(B)"), Column("type", 9), Column("peer", 8, align="<", gap=2),
+                   Column("time", 10, ".2f", "(us)", gap=2), Column("busbw", 9, ".3f", "(GB/s)"),
+                   Column("time", 10, ".2f", "(us)", gap=2), Column("busbw", 9, ".3f", "(GB/s)"),
+                   Column("error", 7, "+.1f", "(%)"), Column("algorithm", align="<", gap=2)],
+                  groups=[("measured", 4, 5), ("predicted", 6, 9)])
+
+
+def run_shape(run: Mapping[str, Any]) -> tuple[int, int]:
+    """(nodes, ranks) a saved run was made with (its env; the rows' nranks for older runs)."""
+    env = run.get("env", {})
+    ranks = int(env.get("nranks") or max((int(r.get("nranks") or 0) for r in run["rows"]), default=0))
+    return int(env.get("nodes") or 1), ranks
+
+
+def predicted_beside(rows: Sequence[Mapping[str, Any]], system: Any, *, nodes: int, ranks: int,
+                     peers: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Each measured point with the model's prediction for the same op, size, dtype, nodes and ranks.
+
+    Args:
+        rows: :class:`common.Row` dicts of one run.
+        system: a :class:`collectives.model.System`.
+        nodes, ranks: the run's shape (:func:`run_shape`); ranks per node = ranks / nodes.
+        peers: the measured peers to compare (None: ``auto`` when the run has it, else every peer).
+
+    Returns:
+        Dicts with op, size, dtype, peer, measured ``time_us``/``busbw`` (each peer's better checked
+        variant, :func:`common.best_algbw`), ``pred_time_us``, ``pred_algbw``, ``pred_busbw``,
+        ``algorithm``, ``protocol`` and ``error_pct`` = 100 (predicted - measured) / measured time.
+        Raises ValueError (the model's) for a shape the system cannot hold.
+    """
+    from collectives.model import predict_collective
+
+    if peers is None:
+        have = list(dict.fromkeys(r["transport"] for r in rows))
+        peers = ["auto"] if "auto" in have else have
+    cache: dict[tuple, Any] = {}
+    out = []
+    for r in rows:
+        algbw, busbw = best_algbw(r), best_algbw(r, bus=True)
+        if r["transport"] not in peers or not algbw or r["size"] <= 0:
+            continue
+        key = (r["op"], r["size"], r["dtype"])
+        if key not in cache:
+            cache[key] = predict_collective(system, r["op"], r["size"], nodes=nodes, gpus_per_node=ranks // nodes,
+                                            dtype=r["dtype"])
+        p = cache[key]
+        measured_us = r["size"] / algbw / 1e3  # algbw = size / time (GB/s = 1e3 B/us)
+        out.append(dict(op=r["op"], size=r["size"], dtype=r["dtype"], peer=r["transport"], time_us=measured_us,
+                        busbw=busbw, pred_time_us=p.time_us, pred_algbw=p.algbw, pred_busbw=p.busbw,
+                        algorithm=p.algorithm, protocol=p.protocol,
+                        error_pct=100.0 * (p.time_us - measured_us) / measured_us))
+    return out
+
+
+def prediction_lines(points: Sequence[Mapping[str, Any]], system_name: str) -> list[str]:
+    """The table of :func:`predicted_beside` and the mean absolute error per op, peer and size range."""
+    lines = [f"# measured vs predicted ({system_name}); error = (predicted - measured) / measured time",
+             *PREDICTED.header()]
+    order = {key: i for i, key in enumerate(dict.fromkeys((p["op"], p["peer"], p["dtype"]) for p in points))}
+    points = sorted(points, key=lambda p: (order[p["op"], p["peer"], p["dtype"]], p["size"]))
+    lines += [PREDICTED.line(p["op"], p["size"], p["dtype"], p["peer"], p["time_us"], p["busbw"], p["pred_time_us"],
+                             p["pred_busbw"], p["error_pct"], f"{p['algorithm']}/{p['protocol']}") for p in points]
+    table = Table([Column("op", 14, align="<", gap=2), Column("peer", 8, align="<"), Column("sizes", 11, align="<"),
+                   Column("n", 3), Column("mean |error|", 12, ".1f", "(%)"), Column("max |error|", 11, ".1f", "(%)")])
+    lines += ["", f"# prediction error ({system_name}) per op and size range", *table.header()]
+    for op, peer in dict.fromkeys((p["op"], p["peer"]) for p in points):
+        for rname, lo, hi in RANGES + (("all", 0, 1 << 62),):
+            errs = [abs(p["error_pct"]) for p in points if p["op"] == op and p["peer"] == peer and lo <= p["size"] <= hi]
+            if errs:
+                lines.append(table.line(op, peer, rname, len(errs), sum(errs) / len(errs), max(errs)))
+    return lines
+
+
+def prediction_overlay(points: Sequence[Mapping[str, Any]], label: str) -> dict[str, dict[str, list]]:
+    """op -> {label (+ dtype when several): [(size, predicted algbw, predicted busbw)]}: the dashed
+    lines :func:`plot.plot_runs` draws over the measured ones."""
+    several = len({p["dtype"] for p in points}) > 1
+    out: dict[str, dict[str, set]] = {}
+    for p in points:
+        name = f"{label} {p['dtype']}" if several else label
+        out.setdefault(p["op"], {}).setdefault(name, set()).add((p["size"], p["pred_algbw"], p["pred_busbw"]))
+    return {op: {k: sorted(v) for k, v in by.items()} for op, by in out.items()}
+
+
 def describe_run(label: str, run: Mapping[str, Any]) -> str:
     """One ``#`` line saying where and with what a saved run was made."""
     e = run.get("env", {})
@@ -140,8 +225,19 @@ def _labels(paths: Sequence[str]) -> list[str]:
               help="Plot every run's algbw and busbw vs size on one figure.")
 @click.option("--labels", default=None, help="Comma-separated names of the runs (default: file names).")
 @click.option("--title", default="", help="Figure title.")
-def report(files: tuple[str, ...], plot_path: str | None, labels: str | None, title: str) -> None:
-    """Summarize saved runs (`moecomm bench --json/--csv`): ratio tables, and one figure with all runs."""
+@click.option("--predict", "predict_system", default=None, metavar="SYSTEM",
+              help="Put the model's prediction for SYSTEM (moecomm predict --list-systems, or local with "
+                   "--calibrate) beside each run, at the run's ranks and nodes; --plot draws it dashed.")
+@click.option("--system-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="With the prediction: the system described in a JSON file instead of --predict.")
+@click.option("--calibrate", "calibrate_run", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="With --predict local: fit the system to this `moecomm bench --json` run.")
+@click.option("--peer", "peer_names", default=None,
+              help="With --predict: the measured peers to compare, comma-separated [default: auto, else all].")
+def report(files: tuple[str, ...], plot_path: str | None, labels: str | None, title: str, predict_system: str | None,
+           system_file: str | None, calibrate_run: str | None, peer_names: str | None) -> None:
+    """Summarize saved runs (`moecomm bench --json/--csv`): ratio tables, and one figure with all runs;
+    with --predict, the model's prediction and its error beside every measured point."""
     from .output import load_run
 
     try:
@@ -165,13 +261,54 @@ def report(files: tuple[str, ...], plot_path: str | None, labels: str | None, ti
         click.echo("")
         for line in cross:
             click.echo(line)
+    overlay: dict[str, dict[str, list]] = {}
+    if predict_system or system_file or calibrate_run:
+        overlay = _echo_predictions(names, runs, predict_system, system_file, calibrate_run, peer_names)
     if plot_path:
         from .plot import plot_runs
 
         try:
             fig = plot_runs([(n if len(runs) > 1 else "", r["rows"]) for n, r in zip(names, runs)], plot_path,
-                            title=title or "moecomm report: " + ", ".join(names))
+                            title=title or "moecomm report: " + ", ".join(names), predicted=overlay)
         except (OSError, ValueError) as e:
             raise click.ClickException(f"no plot written: {e}") from None
         click.echo(f"# wrote {fig.path.resolve()}")
     sys.stdout.flush()
+
+
+def _echo_predictions(names: Sequence[str], runs: Sequence[Mapping[str, Any]], predict_system: str | None,
+                      system_file: str | None, calibrate_run: str | None,
+                      peer_names: str | None) -> dict[str, dict[str, list]]:
+    """``report --predict``: print each run against the prediction; returns the lines to plot dashed."""
+    from .options import comma_list
+    from .predict import resolve_system, system_summary
+
+    system = resolve_system(predict_system, system_file, calibrate_run, option="--predict")
+    click.echo("\n" + system_summary(system))
+    overlay: dict[str, dict[str, list]] = {}
+    for name, run in zip(names, runs):
+        nodes, ranks = run_shape(run)
+        if ranks < 1 or ranks % nodes:
+            click.echo(f"# {name}: no prediction: {ranks} ranks on {nodes} nodes is not a whole number per node")
+            continue
+        if ranks // nodes > system.gpus_per_node:
+            raise click.UsageError(f"{name} ran {ranks // nodes} ranks per node; {system.name} has "
+                                   f"{system.gpus_per_node} GPUs per node: predict a system with at least "
+                                   f"{ranks // nodes} (--system-file describes any machine)")
+        peers = comma_list(peer_names) or None
+        unknown = sorted(set(peers or ()) - {r["transport"] for r in run["rows"]})
+        if unknown:
+            raise click.BadParameter(f"{name} has no peer {', '.join(unknown)}; it has "
+                                     f"{', '.join(dict.fromkeys(r['transport'] for r in run['rows']))}",
+                                     param_hint="--peer")
+        try:
+            points = predicted_beside(run["rows"], system, nodes=nodes, ranks=ranks, peers=peers)
+        except ValueError as e:
+            raise click.UsageError(f"{system.name} cannot predict {name} ({ranks} ranks on {nodes} nodes): {e}") from None
+        click.echo(f"\n# {name}: {ranks} ranks on {nodes} node(s)")
+        for line in prediction_lines(points, system.name):
+            click.echo(line)
+        label = f"predicted ({system.name}, {ranks} ranks)"
+        for op, lines in prediction_overlay(points, label).items():
+            overlay.setdefault(op, {}).update(lines)
+    return overlay
