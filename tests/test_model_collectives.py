@@ -419,3 +419,20 @@ def test_prediction_json_row() -> None:
     again = json.loads(json.dumps(row))
     assert again["time_us"] == row["time_us"] and math.isclose(again["busbw"], row["busbw"])
     assert again["candidates"][0]["algorithm"] == row["algorithm"]
+
+
+def test_calibrated_terms_hold_over_their_fitted_sizes() -> None:
+    # a two-shot term fitted on large sizes only (alpha 0) must not win at 24 B
+    terms = [{"algorithm": "shm/one_shot", "ranks": 2, "alpha_us": 9.0, "beta_us_per_byte": 9e-5,
+              "min_bytes": 8, "max_bytes": 131072},
+             {"algorithm": "shm/two_shot", "ranks": 2, "alpha_us": 0.0, "beta_us_per_byte": 1e-4,
+              "min_bytes": 524288, "max_bytes": 1 << 25}]
+    local = System(name="local", description="fitted", gpus_per_node=2, arch="host",
+                   intra=Link("shm", 10.0, 1.0), nic=None, nics_per_node=0, nvls=False,
+                   calibration={"all_reduce": terms})
+    assert predict_collective(local, "all_reduce", 24).algorithm == "shm/one_shot"
+    assert predict_collective(local, "all_reduce", 1 << 20).algorithm == "shm/two_shot"
+    # between the ranges: the nearer one (393216 is 0.29 ln from 524288, 1.1 from 131072)
+    gap = predict_collective(local, "all_reduce", 393216)
+    assert [c.algorithm for c in gap.candidates] == ["shm/two_shot"]
+    assert predict_collective(local, "all_reduce", 1 << 30).algorithm == "shm/two_shot"  # extrapolated above

@@ -469,13 +469,33 @@ def _analytical_candidates(f: _Fabric, op: str, size: int) -> list[Candidate]:
 
 
 def _calibrated_candidates(system: System, op: str, size: int, n: int) -> list[Candidate]:
+    """The fitted terms for ``op`` on ``n`` ranks that hold at ``size``.
+
+    A fit holds over the sizes it was fitted on (``min_bytes`` .. ``max_bytes``): a term fitted on
+    large sizes only has no meaningful latency (its alpha can be 0), so at a size no term covers
+    the candidates are the terms whose range is nearest in log(size); terms without a range hold
+    everywhere. Negative fitted coefficients count as 0.
+    """
     terms = [t for t in system.calibration.get(op, ()) if int(t.get("ranks", -1)) == n]
     if not terms:
         fitted = sorted({(o, int(t.get("ranks", -1))) for o, ts in system.calibration.items() for t in ts})
         raise ValueError(f"system {system.name!r} is calibrated, but not for {op} on {n} ranks; "
                          f"fitted (op, ranks): {fitted}. Calibrate from a run with that op and rank count.")
+
+    def distance(term: Any) -> float:
+        low, high = max(1, int(term.get("min_bytes", 0) or 1)), term.get("max_bytes")
+        at = max(1, size)
+        if at < low:
+            return math.log(low / at)
+        if high is not None and at > int(high):
+            return math.log(at / int(high))
+        return 0.0
+
+    nearest = min(distance(t) for t in terms)
     out = []
     for t in terms:
+        if distance(t) > nearest:
+            continue
         alpha = max(0.0, float(t["alpha_us"]))
         beta = max(0.0, float(t["beta_us_per_byte"]))
         out.append(Candidate(str(t["algorithm"]), str(t.get("protocol", "fitted")), alpha + beta * size,
