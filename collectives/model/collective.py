@@ -71,8 +71,12 @@ Known misses (benchmarks/results/model-validation.md has the numbers):
   not modelled; small-message all_to_all at many ranks is optimistic.
 - EFA latency differs by generation: the per-hop figure fitted on p5 (EFA v2) over-predicts the
   2x p6-b200 8 B all_reduce (50.6 us measured) and under-predicts 2x p4de (EFA v1, 164 us).
-- Mid-size multi-node all_reduce (32 KiB - 256 MiB) is 15-35% optimistic on EFA: pipeline start-up
-  over a high-latency network costs more than NCCL's per-hop latencies say.
+- LL over EFA carries far less than NCCL's LL ceiling: 2x p5 all_reduce grows from 69 us at 8 B
+  to 135 us at 64 KiB (aws-samples/awsome-distributed-training), ~2 GB/s, where the model adds 3 us.
+  Mid-size multi-node all_reduce (32 KiB - 256 MiB) on EFA is 15-45% optimistic for that reason
+  and because pipeline start-up over a high-latency network costs more than NCCL's per-hop
+  latencies say. 2-node NVLS tree reaches its plateau later than the model (437 GB/s measured at
+  1 GiB on 2x p5, 505 predicted; 479 vs 523 at 8 GiB).
 """
 
 from __future__ import annotations

@@ -375,6 +375,16 @@ def get_system(name: str) -> System:
                          f"(or describe your machine in a JSON system file)") from None
 
 
+def read_json_file(path: str | Path, what: str) -> Any:
+    """The parsed JSON of a file; an unreadable file or bad JSON raises ValueError naming ``what`` and the path."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {path} is not valid JSON: {exc}") from exc
+
+
 def load_system_file(path: str | Path) -> System:
     """A System from a JSON file in :meth:`System.to_dict`'s form.
 
@@ -385,12 +395,7 @@ def load_system_file(path: str | Path) -> System:
         The System. An unreadable file, bad JSON or a bad description raises ValueError naming the file.
     """
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read system file {path}: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"system file {path} is not valid JSON: {exc}") from exc
+    data = read_json_file(path, "system file")
     try:
         return System.from_dict(data)
     except (ValueError, TypeError) as exc:
