@@ -70,7 +70,12 @@ Known misses (benchmarks/results/model-validation.md has the numbers):
 - all_to_all: per-peer costs of NCCL's grouped send/recv beyond the network post overhead are
   not modelled; small-message all_to_all at many ranks is optimistic.
 - EFA latency differs by generation: the per-hop figure fitted on p5 (EFA v2) over-predicts the
-  2x p6-b200 8 B all_reduce (50.6 us measured) and under-predicts 2x p4de (EFA v1, 164 us).
+  2x p6-b200 8 B all_reduce (50.6 us measured) and under-predicts 2x p4de (EFA v1, 164 us). An
+  unmodelled alternative: aws-ofi-nccl forces NCCL_PROTO=simple where EFA cannot promise in-order
+  128-byte writes (src/platform-aws.cpp, "LL/LL128 protocols can lead to data corruption without
+  data delivery ordering"; p5en is exempted). With Simple only and no extra EFA latency NCCL's own
+  table gives 66.8 us (nvls_tree) for 2x p5 at 8 B (69.1 measured), but which instances ran
+  Simple-only is not stated in the sources, so the model does not assume it.
 - LL over EFA carries far less than NCCL's LL ceiling: 2x p5 all_reduce grows from 69 us at 8 B
   to 135 us at 64 KiB (aws-samples/awsome-distributed-training), ~2 GB/s, where the model adds 3 us.
   Mid-size multi-node all_reduce (32 KiB - 256 MiB) on EFA is 15-45% optimistic for that reason
