@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import math
@@ -39,6 +40,7 @@ from ._arrays import (
 from ._creation import create_transports
 from ._device import resolve_device
 from ._shared import SharedState, live
+from .prediction import predict_plan, transport_settings
 from .selection import Plan, choose_transport
 from .topology import Topology
 
@@ -129,6 +131,7 @@ class Communicator:
         local_error: Exception | None = None
         self.timeout = 0.0  # set below once checked
         self.settings: dict[str, Any] = {}
+        self._transport_settings: dict[str, Any] = {}
         self.device = torch.device("cpu")  # set below once checked
         try:
             self.timeout = check_timeout(timeout, source="Communicator: timeout")
@@ -137,6 +140,9 @@ class Communicator:
             self.settings = dict(settings) if settings is not None else resolve_settings(options, source="Communicator")
             if transport not in (None, "auto"):
                 self.settings["transport"] = SETTINGS["transport"].parse(transport, source="transport=")
+            # with the performance model's switch points for this group (agreed at creation)
+            self._transport_settings = transport_settings(self.settings, ranks=self.size,
+                                                          single_node=self.topology.single_node)
         except (TypeError, ValueError) as e:
             local_error = e
         forced = self.settings.get("transport", "auto")
@@ -154,7 +160,7 @@ class Communicator:
         group = GroupInfo(rank=self.rank, size=self.size, timeout=self.timeout, rendezvous=self._rdv,
                           global_ranks=self.global_ranks, pids=list(self.topology.pids),
                           hosts=list(self.topology.node_ids), mpi_comm=self._mpi_comm,
-                          oversubscribed=self.topology.oversubscribed, settings=dict(self.settings),
+                          oversubscribed=self.topology.oversubscribed, settings=self._transport_settings,
                           cuda_device=self.device.index if self.device.type == "cuda" else None)
         try:
             self.transports.update(create_transports(group, self.topology, self.device, self._forced, local_error))
@@ -237,13 +243,20 @@ class Communicator:
             x: [*] the tensor or array that call would get (a supported dtype).
             op, send_counts, src: as for that call (they do not change the choice today).
         Returns:
-            A :class:`Plan`: transport, algorithm, bytes and the reason for the choice.
+            A :class:`Plan`: transport, algorithm, bytes and the reason for the choice, with the
+            performance model's predicted time of this plan and of the runner-up (the best other
+            transport/algorithm of this communicator) where the model covers the call.
         """
         opcode = _OPCODE_BY_NAME.get(collective)
         if opcode is None:
             raise ValueError(f"unknown collective {collective!r}; one of {sorted(_OPCODE_BY_NAME)}")
         t, _, _ = as_tensor(x)
-        return self._select(opcode, t.device.type, t.numel() * t.element_size(), t.dtype, collective)[1]
+        plan = self._select(opcode, t.device.type, t.numel() * t.element_size(), t.dtype, collective)[1]
+        predicted = predict_plan(self.settings, op=collective, transport=plan.transport, algorithm=plan.algorithm,
+                                 nbytes=plan.nbytes, ranks=self.size, nodes=len(self.topology.nodes), device=t.device,
+                                 available=set(self.transports))
+        return dataclasses.replace(plan, predicted_us=predicted.chosen_us, runner_up=predicted.runner_up,
+                                   runner_up_us=predicted.runner_up_us)
 
     # ---- shared call machinery --------------------------------------------------------------
     def _fail_locally(self, opcode: OpCode, device: str, err: Exception) -> NoReturn:

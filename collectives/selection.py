@@ -26,12 +26,15 @@ from transports.base import OpCode
 # tensors stages them through host memory (the communicator warns once when that happens).
 # ``ipc`` is in no chain: emulated ipc (CPU tensors through Triton's interpreter) proves the kernels
 # and is never fast, so CPU calls use it only when forced. On GPUs it serves small calls by size
-# (IPC_MAX_BYTES below), ahead of the chain.
+# (IPC_MAX_BYTES below), ahead of the chain. ``gloo`` (torch.distributed's, transports/gloo.py) is
+# made only when the group spans nodes without MPI (torchrun across nodes) or when forced, so it
+# ends the cross-node chains: where an mpiexec launch gives MPI, gloo is not made at all (it would
+# open a connection between every two ranks for nothing).
 FALLBACK_CHAINS: dict[tuple[str, bool], tuple[str, ...]] = {
     ("cpu", True): ("shm", "mpi"),
-    ("cpu", False): ("mpi",),
+    ("cpu", False): ("mpi", "gloo"),
     ("cuda", True): ("nccl", "shm", "mpi"),
-    ("cuda", False): ("nccl", "mpi"),
+    ("cuda", False): ("nccl", "mpi", "gloo"),
 }
 
 
@@ -65,7 +68,10 @@ class Plan:
     """How one call will run: transport, its algorithm, and why.
 
     op: the collective's name; transport, algorithm: what serves it; nbytes: bytes of this rank's
-    input; reason: why that transport; staged_through_host: device tensors copied via host memory.
+    input; reason: why that transport; staged_through_host: device tensors copied via host memory;
+    predicted_us, runner_up, runner_up_us: the performance model's time for this plan and for the
+    best other plan of this communicator (``transport/algorithm``), filled in by ``comm.plan()``
+    (None where the model has nothing for the call; see :mod:`collectives.prediction`).
     """
 
     op: str
@@ -74,10 +80,18 @@ class Plan:
     nbytes: int
     reason: str
     staged_through_host: bool = False
+    predicted_us: float | None = None
+    runner_up: str | None = None
+    runner_up_us: float | None = None
 
     def __str__(self) -> str:
         host = ", staged through host memory" if self.staged_through_host else ""
-        return f"{self.op} of {self.nbytes} B -> {self.transport}/{self.algorithm} ({self.reason}{host})"
+        text = f"{self.op} of {self.nbytes} B -> {self.transport}/{self.algorithm} ({self.reason}{host})"
+        if self.predicted_us is not None:
+            text += f"; predicted {self.predicted_us:.1f} us"
+            if self.runner_up is not None and self.runner_up_us is not None:
+                text += f", runner-up {self.runner_up} {self.runner_up_us:.1f} us"
+        return text
 
 
 def candidate_chain(device: str, single_node: bool) -> tuple[str, ...]:

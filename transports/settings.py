@@ -74,8 +74,14 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
        "per-rank staging slot of the shm transport in bytes (rounded up to 4 KiB); larger messages go in rounds",
        "transports.shm", agree=True, minimum=4096),
     _s("MOECOMM_SHM_ONE_SHOT_MAX", int, None,
-       "largest all_reduce in bytes that shm runs one-shot (default: the per-size table in transports/shm.py)",
+       "largest all_reduce in bytes that shm runs one-shot (default: where the performance model's fitted "
+       "one-shot and two-shot times cross for the group's rank count, see MOECOMM_MODEL_FILE)",
        "transports.shm", agree=True, minimum=0),
+    _s("MOECOMM_MODEL_FILE", str, None,
+       "a calibrated performance model of this machine (`moecomm predict --system local --calibrate RUN.json "
+       "--save-system F.json`): it sets the default switch points and comm.plan()'s predicted times "
+       "(default: the calibration shipped in collectives/model/calibrations/)",
+       "collectives.prediction"),
     _s("MOECOMM_SHM_SPIN", int, None,
        "busy-poll turns of an shm wait before it yields (default 400, 16 when ranks outnumber cores)",
        "transports.shm", minimum=0),

@@ -69,12 +69,13 @@ _STATE_ABORTED, _STATE_CLOSED = 1, 2  # 0: running
 # ~100 us of copying, so more rounds cost nothing measurable.
 DEFAULT_SLOT_BYTES = 1 << 20
 
-# all_reduce: one-shot (every rank reduces each window from all slots: 1 sync a round) up to this
-# many bytes, two-shot (reduce-scatter + all-gather through the slots: 2 syncs a round, 1/n of the
-# additions per rank) above. Keyed by group size; from benchmarks/results/shm-allreduce-tuning.txt
-# (`python -m benchmarks.tune_shm`): one-shot won at <= 64 KiB and two-shot at >= 256 KiB for 2, 3
-# and 4 ranks, so the switch sits between them.
-ONE_SHOT_MAX_BYTES = {1: 1 << 62, 2: 128 << 10, 3: 128 << 10, 4: 128 << 10}
+# all_reduce: one-shot (every rank reduces each window from all slots: 1 sync a round) up to
+# settings["shm_one_shot_max"] bytes, two-shot (reduce-scatter + all-gather through the slots: 2 syncs
+# a round, 1/n of the additions per rank) above. The communicator fills that setting in from the
+# performance model (collectives/prediction.py: where the fitted one-shot and two-shot lines cross for
+# the group's size). This fallback serves a transport made without it (a GroupInfo built by hand, a
+# model without shm fits): 64 KiB, the largest size at which one-shot won for 2, 3 and 4 ranks in
+# benchmarks/results/shm-allreduce-tuning.txt.
 ONE_SHOT_MAX_BYTES_DEFAULT = 64 << 10
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
@@ -150,8 +151,8 @@ class SharedMemoryTransport(Transport):
         self._yield_iters = int(settings["shm_yield"])
         _tight_timer_slack()
         one_shot = settings["shm_one_shot_max"]
-        self._one_shot_limit = int(one_shot) if one_shot is not None else ONE_SHOT_MAX_BYTES.get(
-            n, ONE_SHOT_MAX_BYTES_DEFAULT)
+        self._one_shot_limit = int(one_shot) if one_shot is not None else (
+            1 << 62 if n == 1 else ONE_SHOT_MAX_BYTES_DEFAULT)
         log.debug("shm transport up: segment %s, %d ranks, slot %d B, oversubscribed=%s",
                   self.segment_name, n, self.slot_bytes, oversubscribed)
 

@@ -1,0 +1,53 @@
+"""Fit the host model the library ships (its default shm switch point and plan() predictions).
+
+    mpiexec -n 2 moecomm bench --quiet --json bench-2.json
+    python -m benchmarks.tune_shm --nprocs 2 --slots 1M --json tune-2.json        # and 3, 4 ranks
+    python -m benchmarks.calibrate_host bench-2.json tune-2.json tune-3.json tune-4.json \\
+        --out collectives/model/calibrations/host-2vcpu.json
+
+The runs' rows are pooled (one fit per op, transport, algorithm and rank count; ``tune_shm`` measures
+both shm all_reduce algorithms at every size, ``bench`` each where the transport runs it) and fitted by
+:func:`collectives.model.calibrate`; the System's sources name every run (host, time, command).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import click
+
+from collectives.model.calibrate import calibrate
+
+from .output import load_run
+
+
+@click.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="System JSON to write.")
+@click.option("--name", default="host-2vcpu", show_default=True, help="The fitted system's name.")
+def main(runs: tuple[str, ...], out: str, name: str) -> None:
+    """Pool RUNS (moecomm bench / tune_shm --json files) and save the fitted System as JSON."""
+    loaded = [load_run(r) for r in runs]
+    rows = []
+    for run in loaded:
+        ranks = run.get("env", {}).get("nranks")
+        rows += [{**row, "nranks": row.get("nranks") or ranks} for row in run["rows"]]
+    pooled = {**loaded[0], "rows": rows}
+    system = calibrate(pooled, name=name)
+    made = "; ".join(f"{Path(r).name}: {run['env'].get('hostname', '?')} {run['env'].get('time', '?')} "
+                     f"`{run['env'].get('command', '?')}`" for r, run in zip(runs, loaded))
+    env = loaded[0]["env"]
+    system = dataclasses.replace(
+        system, description=f"{env.get('cpu_model', '?')}, {env.get('cpus', '?')} CPUs: host transports fitted "
+                            f"from {len(runs)} runs",
+        sources={**system.sources, "calibration": f"least squares in relative error (collectives.model.calibrate) "
+                                                  f"over the pooled rows of: {made}"})
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(system.to_dict(), indent=1) + "\n")
+    click.echo(f"saved {out}: {sum(len(t) for t in system.calibration.values())} fitted terms")
+
+
+if __name__ == "__main__":
+    main()
