@@ -142,3 +142,8 @@ def _torchrun_store(rank: int, timeout: float) -> Any:
             store, _ = bound_store_server(addr, port, timeout)  # listen only where we were told
         _torchrun_stores[(addr, port)] = store
     return store
+
+
+from .torch_backend import register as _register_torch_backend  # noqa: E402 - needs the names above
+
+_register_torch_backend()  # torch.distributed.init_process_group("moecomm")

@@ -1,0 +1,149 @@
+"""``MoecommProcessGroup``: a ``torch.distributed.ProcessGroup`` whose calls run on a Communicator.
+
+The collectives are in :mod:`._collectives`; this class adds the group's identity (backend and
+group names), shutdown, point-to-point messages and coalescing blocks.
+
+Every call runs to completion before it returns (CUDA tensors through NCCL: queued on the current
+stream) and returns a finished Work whose future holds the outputs; calls therefore complete in
+the order they were issued, the same order on every rank. Errors are the Communicator's: a shape,
+dtype or op that differs across ranks raises ValueError on every rank naming the ranks, a rank
+that dies or never arrives makes the others raise TimeoutError (CollectiveTimeoutError /
+PeerFailedError) naming it, within the timeout given to ``init_process_group``. A bad argument
+found here on one rank (a wrong output size, an unsupported op) raises there and makes the
+peers' matching call raise ValueError, through :meth:`Communicator.reject`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._collectives import Collectives
+from ._mpi import free_mpi_communicator
+from ._ops import SourceWork, completed
+from ._p2p import StoreMailbox
+
+log = logging.getLogger("collectives")
+
+BACKEND_NAME = "moecomm"
+
+
+class MoecommProcessGroup(Collectives, dist.ProcessGroup):
+    """torch.distributed's view of a moecomm :class:`~collectives.Communicator` (one per process group).
+
+    Created by ``init_process_group("moecomm")`` / ``new_group(backend="moecomm")`` (see
+    :mod:`collectives.torch_backend`), not directly.
+
+    Args:
+        comm: the Communicator of this group's ranks.
+        store: the store torch handed in (point-to-point messages go through it).
+        prefix: store key prefix of this group's incarnation.
+        global_ranks: [size] world rank of each group rank.
+        mpi_comm: the group's MPI communicator under mpiexec (freed at shutdown), else None.
+    """
+
+    def __init__(self, comm: Any, store: Any, prefix: str, global_ranks: Sequence[int], *, mpi_comm: Any = None):
+        super().__init__(comm.rank, comm.size)  # the (store, rank, size) form cannot make a Python subclass
+        self.comm = comm
+        self._mpi_comm = mpi_comm
+        self._global_ranks = list(global_ranks)
+        self._mailbox = StoreMailbox(store, f"{prefix}/p2p", comm.rank, global_ranks, comm.timeout)
+        self._moecomm_group_name = ""
+        self._moecomm_group_desc = ""
+
+    # ---- identity -----------------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        """Returns: "moecomm"."""
+        return BACKEND_NAME
+
+    def _get_backend_name(self) -> str:
+        return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:
+        """Record the group's name (torch registers the group under it for functional collectives)."""
+        self._moecomm_group_name = str(name)
+        super()._set_group_name(name)
+
+    def getGroupName(self) -> str:
+        """Returns: the name torch gave this group."""
+        return self._moecomm_group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self.setGroupName(name)
+
+    @property
+    def group_name(self) -> str:
+        """The name torch gave this group."""
+        return self._moecomm_group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        """Record the group's description."""
+        self._moecomm_group_desc = str(desc)
+        super()._set_group_desc(desc)
+
+    def getGroupDesc(self) -> str:
+        """Returns: the group's description."""
+        return self._moecomm_group_desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self.setGroupDesc(desc)
+
+    @property
+    def group_desc(self) -> str:
+        """The group's description."""
+        return self._moecomm_group_desc
+
+    def __repr__(self) -> str:
+        return f"MoecommProcessGroup(rank={self.rank()}, size={self.size()}, comm={self.comm!r})"
+
+    # ---- shutdown -----------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Close the communicator: peers waiting on this rank raise instead of waiting (a call in
+        flight in another thread ends first, within the timeout)."""
+        self.comm.close()
+
+    def shutdown(self) -> None:
+        """Close the communicator (``destroy_process_group`` calls this); later calls raise."""
+        self.comm.close()
+        free_mpi_communicator(self._mpi_comm)
+        self._mpi_comm = None
+
+    # ---- point to point (through the store, see _p2p) ------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:
+        """Leave ``tensors[0]`` for group rank ``dstRank`` (returns once it is stored).
+
+        Returns:
+            A finished Work; its future holds ``tensors``.
+        """
+        self._mailbox.send(self._one(tensors, "send"), dstRank, tag)
+        return completed(list(tensors))
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
+        """Receive the next message from group rank ``srcRank`` with ``tag`` into ``tensors[0]``.
+
+        Returns:
+            A finished Work; its future holds ``tensors``.
+        """
+        t = self._one(tensors, "recv")
+        self._mailbox.recv(t, srcRank, tag)
+        return completed(list(tensors), [t])
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        """Receive the next message with ``tag`` from any rank into ``tensors[0]``.
+
+        Returns:
+            A finished Work whose ``_source_rank()`` is the sender's group rank.
+        """
+        t = self._one(tensors, "recv")
+        return SourceWork(list(tensors), self._mailbox.recv_any(t, tag))
+
+    # ---- coalescing (calls already run one by one, in order) ---------------------------------
+    def start_coalescing(self, device: torch.device) -> None:
+        """Nothing to do: the calls inside the block run as they are made, in order."""
+
+    def end_coalescing(self, device: torch.device) -> dist.Work:
+        """Returns: a finished Work (every call of the block has already run)."""
+        return completed([])
