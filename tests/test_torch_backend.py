@@ -350,19 +350,25 @@ def test_every_collective_ddp_fsdp_and_errors(nprocs, tmp_path):
 
 
 def test_registration_and_a_hash_store_group_of_one():
-    """Registered once, for cpu and cuda; a world of one over a HashStore works and shuts down."""
+    """Registered once, for cpu and cuda; a world of one over a HashStore with moecomm options
+    (pg_options) works and shuts down; pg_options that are not a dict raise TypeError."""
     assert register() and register()
     assert list(dist.Backend._plugins).count("MOECOMM") == 1
     assert dist.Backend.backend_capability["moecomm"] == ["cpu", "cuda"]
-    dist.init_process_group("moecomm", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("moecomm", store=dist.HashStore(), rank=0, world_size=1,
+                            pg_options={"shm_slot_bytes": 1 << 16, "transport": "shm"})
     try:
+        pg = dist.group.WORLD
+        assert isinstance(pg, MoecommProcessGroup) and pg.comm.settings["shm_slot_bytes"] == 1 << 16
         x = torch.randn(5)
         y = x.clone()
         dist.all_reduce(y, op=RED.AVG)
         assert torch.equal(x, y)
-        assert isinstance(dist.group.WORLD, MoecommProcessGroup)
+        kind, msg = outcome(lambda: dist.new_group([0], pg_options=["not", "a", "dict"]))
+        assert kind == "TypeError" and "pg_options" in msg, (kind, msg)
     finally:
         dist.destroy_process_group()
+    assert pg.comm.closed
 
 
 def _env(**extra: str) -> dict:
@@ -402,7 +408,7 @@ def test_init_under_mpiexec_from_pmi_rank_and_size():
 
 
 def _faults(comm, init_method: str) -> dict:
-    """Rank 2 skips an all-reduce of the world group, then rank 1 dies in DDP's backward over a new group."""
+    """Rank 2 skips an all-reduce of the world group, rank 0 aborts a group, rank 1 dies in DDP's backward."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     r = comm.rank
@@ -415,6 +421,11 @@ def _faults(comm, init_method: str) -> dict:
             report["timeout"] = outcome(lambda: dist.all_reduce(torch.ones(4)))
             report["timeout_s"] = time.monotonic() - t0
         comm.barrier()  # rank 2 waits here (launch's own communicator) until ranks 0 and 1 gave up
+        aborted = dist.new_group(backend="moecomm", timeout=datetime.timedelta(seconds=30))
+        if r == 0:
+            aborted.abort()
+        comm.barrier()
+        report["abort"] = outcome(lambda: dist.all_reduce(torch.ones(4), group=aborted))
         group = dist.new_group(backend="moecomm", timeout=datetime.timedelta(seconds=30))
         model = DDP(torch.nn.Linear(8, 8), process_group=group)
         model(torch.randn(2, 8)).sum().backward()
@@ -430,7 +441,9 @@ def _faults(comm, init_method: str) -> dict:
 
 def test_a_rank_that_never_arrives_or_dies_makes_the_others_raise(tmp_path):
     """Rank 2 skips an all-reduce: ranks 0 and 1 raise a timeout naming it after the 3 s given to
-    init_process_group; then rank 1 dies in DDP's backward: ranks 0 and 2 raise PeerFailedError."""
+    init_process_group; rank 0 aborts a group: the others' next call on it raises PeerFailedError
+    naming rank 0 (rank 0's own raises CommunicatorBrokenError); then rank 1 dies in DDP's backward:
+    ranks 0 and 2 raise PeerFailedError naming it."""
     reports = collectives.launch(_faults, 3, f"file://{tmp_path / 'store'}", timeout=60.0, return_exceptions=True)
     assert isinstance(reports[1], collectives.RankFailedError) and "exit code 3" in str(reports[1]), reports
     for rep in reports[:2]:
@@ -438,6 +451,9 @@ def test_a_rank_that_never_arrives_or_dies_makes_the_others_raise(tmp_path):
             kind, msg = rep["timeout"]
             assert kind == "CollectiveTimeoutError" and "[2]" in msg and 2.5 < rep["timeout_s"] < 30, rep
     assert isinstance(reports[0], dict) and isinstance(reports[2], dict), reports
+    assert reports[0]["abort"][0] == "CommunicatorBrokenError", reports[0]
+    kind, msg = reports[2]["abort"]
+    assert kind == "PeerFailedError" and "rank 0" in msg, reports[2]
     for rep in (reports[0], reports[2]):
         kind, msg = rep["death"]
         assert kind == "PeerFailedError" and "rank 1" in msg and rep["death_s"] < 30, rep
