@@ -457,3 +457,22 @@ def test_a_rank_that_never_arrives_or_dies_makes_the_others_raise(tmp_path):
     for rep in (reports[0], reports[2]):
         kind, msg = rep["death"]
         assert kind == "PeerFailedError" and "rank 1" in msg and rep["death_s"] < 30, rep
+
+
+def test_bench_ddp_runs_both_backends_and_checks_them(tmp_path):
+    """`moecomm bench-ddp` on 2 ranks: a row per backend, the ratio, matching parameters, the JSON run."""
+    from click.testing import CliRunner
+
+    from benchmarks.bench_ddp import bench_ddp
+
+    out = tmp_path / "ddp.json"
+    res = CliRunner().invoke(bench_ddp, ["--width", "40", "--depth", "2", "--batch", "3", "--bucket-mb", "0.002",
+                                         "-n", "2", "--reps", "2", "-w", "1", "--json", str(out)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    rows = {line.split()[0]: line.split() for line in res.output.splitlines() if line.startswith(" ")}
+    assert set(rows) == {"local", "moecomm", "gloo"} and rows["moecomm"][-1] == rows["gloo"][-1] == "ok", res.output
+    buckets = re.search(r"\((\d+) buckets\)", res.output)
+    assert "faster than gloo's" in res.output and buckets and int(buckets.group(1)) >= 2, res.output
+    run = json.loads(out.read_text())
+    assert run["schema"] == "moecomm-bench-ddp/1" and run["max_param_diff"] == 0.0
+    assert {r["backend"] for r in run["rows"]} == {"local", "moecomm", "gloo"} and run["env"]["ranks"] == 2
