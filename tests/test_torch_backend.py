@@ -208,7 +208,8 @@ def _check_async_coalesced_aliases(r: int, n: int) -> None:
 
 
 def _check_functional_p2p_groups(r: int, n: int) -> None:
-    """Functional collectives, send/recv (and from any source), barrier, new_group."""
+    """Functional collectives, send/recv (and from any source, and batched), object collectives,
+    barrier, new_group."""
     import torch.distributed._functional_collectives as fc
 
     pg = dist.group.WORLD
@@ -234,6 +235,17 @@ def _check_functional_p2p_groups(r: int, n: int) -> None:
         dist.send(msgs[1], 0, tag=5)
     if r == 0:
         assert dist.recv(box, tag=5) == 1 and torch.equal(box, msgs[1]), "recv from any source"
+    ring = torch.empty(4, 3, dtype=torch.float64)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, msgs[r], (r + 1) % n),
+                                    dist.P2POp(dist.irecv, ring, (r - 1) % n)])
+    assert all(w.wait() for w in works) and torch.equal(ring, msgs[(r - 1) % n]), "batch_isend_irecv"
+    # object collectives (pickles as uint8 tensors, sizes as int64)
+    objs = [None] * n
+    dist.all_gather_object(objs, {"rank": r, "pad": "x" * (7 * r)})
+    assert objs == [{"rank": q, "pad": "x" * (7 * q)} for q in range(n)], objs
+    box_list = [("from", r)]
+    dist.broadcast_object_list(box_list, src=n - 1)
+    assert box_list == [("from", n - 1)], box_list
     dist.barrier()
     # a sub-group of the first and last rank; the others are not members
     ends = dist.new_group([0, n - 1])

@@ -54,7 +54,10 @@ def reduction(op: Any, dtype: torch.dtype) -> tuple[str, float | torch.Tensor | 
         return name, None
     if not dtype.is_floating_point:
         raise TypeError(f"PREMUL_SUM needs a floating dtype (as in NCCL), got {dtype}")
-    return name, op.factor
+    factor = getattr(op, "factor", None)
+    if factor is None:  # a bare RedOpType.PREMUL_SUM, or a torch that does not expose the factor
+        raise TypeError("PREMUL_SUM without its factor: pass dist._make_nccl_premul_sum(factor)")
+    return name, factor
 
 
 def completed(outputs: Any, tensors: Sequence[torch.Tensor] = ()) -> dist.Work:
