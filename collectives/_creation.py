@@ -1,10 +1,15 @@
 """Creating a communicator's transports, collectively.
 
 One exchange first carries every rank's argument error (if any), the settings every rank must share,
-and whether NCCL and ipc can come up there (their creation is collective, so only where every rank
-can). Then the transports are created, and a second exchange drops any transport that did not come
-up on every rank, so that no two ranks ever pick different transports for one call, except NCCL
+and whether NCCL, ipc and gloo can come up there (their creation is collective, so only where every
+rank can). Then the transports are created, and a second exchange drops any transport that did not
+come up on every rank, so that no two ranks ever pick different transports for one call, except NCCL
 on GPUs, whose failure is an error: dropping it would move every CUDA tensor through host memory.
+
+Which transports are made: shm on one node, mpi under an MPI launch, NCCL and ipc where every rank
+has them, and gloo (torch.distributed's, over the rendezvous's store) when the group spans nodes and
+there is no MPI (torchrun across nodes), or when forced. A group that spans nodes with no transport
+between them raises at creation, saying how to launch instead.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 
 import torch
 
-from transports import transport_class
+from transports import TRANSPORT_NAMES, transport_class
 from transports.base import GroupInfo, Transport
 from transports.settings import agreed_items, check_settings_agree
 
@@ -42,15 +47,21 @@ def create_transports(group: GroupInfo, topology: Topology, device: torch.device
         wanted.append("shm")
     if group.mpi_comm is not None:
         wanted.append("mpi")
+    from transports.gloo import gloo_usable
     from transports.ipc import ipc_available
     from transports.nccl import nccl_module
+
+    # gloo opens a connection between every two ranks: only where nothing else crosses nodes, or forced
+    gloo_wanted = forced == "gloo" or (not topology.single_node and group.mpi_comm is None)
+    gloo_why_not = gloo_usable(group.rendezvous) if gloo_wanted else None
 
     # One exchange: this rank's argument error if any, the settings every rank must share, and
     # whether NCCL and ipc are there (their creation is collective, so only if every rank has them).
     mine = {"error": None if local_error is None else f"{type(local_error).__name__}: {local_error}",
             "settings": agreed_items(group.settings) if local_error is None else {},
             "nccl": local_error is None and device.type == "cuda" and nccl_module() is not None,
-            "ipc": local_error is None and topology.single_node and ipc_available(group.settings)}
+            "ipc": local_error is None and topology.single_node and ipc_available(group.settings),
+            "gloo": local_error is None and gloo_wanted and gloo_why_not is None}
     facts = [json.loads(b) for b in group.rendezvous.allgather_bytes(json.dumps(mine, sort_keys=True).encode())]
     failed = [(group.global_ranks[r], f["error"]) for r, f in enumerate(facts) if f["error"]]
     if local_error is not None:
@@ -64,10 +75,12 @@ def create_transports(group: GroupInfo, topology: Topology, device: torch.device
         wanted.append("nccl")
     if all(f.get("ipc") for f in facts):  # collective creation, like nccl: only where every rank can
         wanted.append("ipc")
+    if all(f.get("gloo") for f in facts):
+        wanted.append("gloo")
     errors: dict[str, str] = {}
     for name in wanted:
         try:
-            made[name] = transport_class(name)(group)
+            made[name] = _transport_class(name)(group)
         except Exception as e:  # noqa: BLE001 - reported below; peers drop it too
             errors[name] = f"{type(e).__name__}: {e}"
             log.warning("transport %s unavailable on rank %d: %s", name, group.global_ranks[group.rank], e)
@@ -90,7 +103,36 @@ def create_transports(group: GroupInfo, topology: Topology, device: torch.device
         if missing:
             log.warning("transport %s is not used: it did not come up on rank(s) %s", name, missing)
             made.pop(name).close()
+    if not topology.single_node and not forced and not {"mpi", "gloo"} & set(made):
+        for t in made.values():
+            t.close()
+        raise RuntimeError(_no_cross_node_message(topology, group, gloo_why_not, reports))
     return made
+
+
+def _transport_class(name: str) -> type[Transport]:
+    """transports.transport_class, and gloo until the registry lists it (transports/__init__.py)."""
+    if name == "gloo" and "gloo" not in TRANSPORT_NAMES:
+        from transports.gloo import GlooTransport
+
+        return GlooTransport
+    return transport_class(name)
+
+
+def _no_cross_node_message(topology: Topology, group: GroupInfo, gloo_why_not: str | None,
+                           reports: list[dict]) -> str:
+    """Why no transport links the nodes of this group, and what to do."""
+    nodes = [topology.hosts[ranks[0]] for ranks in topology.nodes]
+    gloo_errors = [(group.global_ranks[r], rep["errors"]["gloo"]) for r, rep in enumerate(reports)
+                   if "gloo" in rep.get("errors", {})]
+    gloo = (f"gloo failed on rank(s) {[r for r, _ in gloo_errors]} ({gloo_errors[0][1]})" if gloo_errors
+            else f"gloo cannot start ({gloo_why_not})" if gloo_why_not else "gloo did not come up on every rank")
+    return (f"the ranks run on {len(nodes)} nodes ({', '.join(nodes)}) and no transport moves host tensors "
+            f"between nodes: mpi needs a launch by mpiexec/mpirun with mpi4py installed, and {gloo}. To fix: "
+            "launch with mpiexec (pip install mpi4py, plus an MPI such as the mpich wheel), or under torchrun "
+            "use a torch build with gloo (torch.distributed.is_gloo_available()) and make sure every node can "
+            "reach the others on the address that reaches MASTER_ADDR (or set GLOO_SOCKET_IFNAME); "
+            "every rank aborted the creation.")
 
 
 def _gpu_identity(device: torch.device) -> str | None:

@@ -26,12 +26,15 @@ from transports.base import OpCode
 # tensors stages them through host memory (the communicator warns once when that happens).
 # ``ipc`` is in no chain: emulated ipc (CPU tensors through Triton's interpreter) proves the kernels
 # and is never fast, so CPU calls use it only when forced. On GPUs it serves small calls by size
-# (IPC_MAX_BYTES below), ahead of the chain.
+# (IPC_MAX_BYTES below), ahead of the chain. ``gloo`` (torch.distributed's, transports/gloo.py) is
+# made only when the group spans nodes without MPI (torchrun across nodes) or when forced, so it
+# ends the cross-node chains: where an mpiexec launch gives MPI, gloo is not made at all (it would
+# open a connection between every two ranks for nothing).
 FALLBACK_CHAINS: dict[tuple[str, bool], tuple[str, ...]] = {
     ("cpu", True): ("shm", "mpi"),
-    ("cpu", False): ("mpi",),
+    ("cpu", False): ("mpi", "gloo"),
     ("cuda", True): ("nccl", "shm", "mpi"),
-    ("cuda", False): ("nccl", "mpi"),
+    ("cuda", False): ("nccl", "mpi", "gloo"),
 }
 
 

@@ -18,17 +18,29 @@ from .model import GpuTopology
 
 
 def node_identity() -> str:
-    """This machine's identity, the same for every process on it.
+    """The identity of this process's node: processes with the same one can share memory.
+
+    Hostname, kernel boot id (new at every boot of every machine) and the device number of the
+    ``/dev/shm`` file system, which POSIX shared memory lives in. Ranks on different machines differ even
+    when their containers share a hostname; containers or network-namespace "nodes" of one machine differ
+    when they have their own hostname or their own /dev/shm (the multi-node testbed's nodes have both:
+    benchmarks/testbed.py), so the shm transport is never picked between processes that cannot share a
+    segment. The hostname stays in as well: machines restored from one VM snapshot share a boot id; ranks
+    that could share memory but carry different hostnames are merely treated as two nodes (correct, slower).
 
     Returns:
-        Hostname plus the kernel boot id: two containers with one hostname on different machines differ.
+        ``<hostname>/<boot id>/shm:<device of /dev/shm in hex>`` (``shm:-`` where there is no /dev/shm).
     """
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        shm = f"{os.stat('/dev/shm').st_dev:x}"
+    except OSError:
+        shm = "-"
+    return f"{socket.gethostname()}/{boot}/shm:{shm}"
 
 
 def local_facts() -> bytes:
