@@ -29,6 +29,8 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping
 
+from transports.settings import DERIVED
+
 log = logging.getLogger("collectives")
 
 # The calibration shipped with the package (package data; see pyproject.toml).
@@ -145,6 +147,7 @@ def transport_settings(settings: Mapping[str, Any], *, ranks: int, single_node: 
         limit = shm_one_shot_limit(host_model(settings), ranks)
         if limit is not None:
             out["shm_one_shot_max"] = limit
+            out[DERIVED] = [*out.get(DERIVED, ()), "shm_one_shot_max"]  # for the agreement's message
             log.debug("shm one-shot limit for %d ranks: %d B (performance model)", ranks, limit)
     return out
 

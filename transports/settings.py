@@ -152,9 +152,16 @@ def parse_options(options: Mapping[str, Any], *, source: str = "moecomm") -> dic
             for name, value in options.items() if value is not None}
 
 
+# Key of a settings mapping that lists the settings a rank left unset and the collectives layer
+# filled in for the group (e.g. shm_one_shot_max from the performance model), so that a
+# disagreement can say where a value came from.
+DERIVED = "derived_settings"
+
+
 def agreed_items(values: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of resolved ``values`` that every rank must share (see :attr:`Setting.agree`)."""
-    return {k: v for k, v in values.items() if SETTINGS[k].agree}
+    """The part of resolved ``values`` that every rank must share (see :attr:`Setting.agree`), with
+    the :data:`DERIVED` list if there is one."""
+    return {k: v for k, v in values.items() if k == DERIVED or SETTINGS[k].agree}
 
 
 def markdown_table(fmt: Callable[[Any], str] = repr) -> str:
@@ -183,12 +190,17 @@ def check_timeout(timeout: Any, *, source: str = "timeout") -> float:
 
 def check_settings_agree(per_rank: list[dict], global_ranks: Sequence[int]) -> None:
     """ValueError naming each rank's value of every agreed setting that differs across ranks."""
+    def show(d: Mapping[str, Any], name: str) -> str:
+        v = d.get(name)
+        if v is None:
+            return "unset"
+        return f"unset, so {v!r} for this group" if name in d.get(DERIVED, ()) else repr(v)
+
     diffs = []
-    for name in sorted(set().union(*per_rank)):
+    for name in sorted(set().union(*per_rank) - {DERIVED}):
         vals = [d.get(name) for d in per_rank]
         if any(v != vals[0] for v in vals):
-            shown = ", ".join(f"rank {global_ranks[r]}: {'unset' if v is None else repr(v)}"
-                              for r, v in enumerate(vals))
+            shown = ", ".join(f"rank {global_ranks[r]}: {show(d, name)}" for r, d in enumerate(per_rank))
             diffs.append(f"{SETTINGS[name].env} ({shown})")
     if diffs:
         raise ValueError("ranks disagree on settings that must be equal on every rank: " + "; ".join(diffs)
