@@ -47,7 +47,7 @@ COLLECTIVE_TABLE = Table(
     groups=[("predicted", 6, 11), ("runner-up", 12, 13)])
 MOE_TABLE = Table(
     [Column("op", 12), Column("mode", 11), Column("ep", 5), Column("nodes", 5), Column("tokens", 7),
-     Column("hidden", 6), Column("topk", 4), Column("experts", 7), Column("dtype", 5),
+     Column("hidden", 6), Column("topk", 4), Column("experts", 7), Column("dispatch", 8),
      Column("time", 10, ".2f", "(us)", gap=2), Column("algbw", 9, ".2f", "(GB/s)"),
      Column("nvlink", 10, ".3f", "(MB/rank)"), Column("network", 10, ".3f", "(MB/rank)"),
      Column("ranks/tok", 9, ".3f"), Column("nodes/tok", 9, ".3f"), Column("bottleneck", 10, align="<", gap=2)])
@@ -108,11 +108,11 @@ def resolve_system(name: str | None, system_file: str | None, calibrate_run: str
 
 
 def system_summary(system: "System") -> str:
-    """One ``#`` line: the system's name, GPUs, links and NICs, as the predictions use them."""
-    nic = (f"{system.nics_per_node}x {system.nic.name} {system.nic.bandwidth_gbps:g} GB/s "
-           f"({system.nic_bandwidth_per_gpu():g} GB/s per GPU)" if system.nic else "no network (one node)")
-    return (f"# {system.name}: {system.description}; {system.gpus_per_node} GPUs/node, {system.intra.name} "
-            f"{system.intra.bandwidth_gbps:g} GB/s per GPU, {nic}, NVLS {'yes' if system.nvls else 'no'}")
+    """Two ``#`` lines: the system's name and description, then its GPUs, links and NICs as the model uses them."""
+    nic = (f"network {system.nic_bandwidth_per_gpu():g} GB/s ({system.nics_per_node}x {system.nic.name} of "
+           f"{system.nic.bandwidth_gbps:g} GB/s per node)" if system.nic else "no network (one node only)")
+    return (f"# {system.name}: {system.description}\n# {system.gpus_per_node} GPUs (ranks) per node; per GPU: {system.intra.name} "
+            f"{system.intra.bandwidth_gbps:g} GB/s, {nic}; NVLS {'yes' if system.nvls else 'no'}; GB/s = 1e9 B/s")
 
 
 def systems_lines(systems: Sequence["System"]) -> list[str]:
@@ -322,7 +322,7 @@ def _check_kind(ctx: click.Context, moe: bool) -> None:
 @click.option("-d", "--dtype", "--datatype", "dtype", default="float32", show_default=True,
               help=f"Data type(s): {', '.join(DTYPES)} (or float, half, bf16, ...), comma-separated, or all.")
 # DeepSeek-V3's MoE shape (hidden 7168, top-8 of 256 routed experts) at DeepEP's normal-kernel
-# benchmark batch of 4096 tokens (deepseek-ai/DeepEP README, tests/test_internode.py)
+# benchmark batch of 4096 tokens (github.com/deepseek-ai/DeepEP: README, and its internode test)
 @click.option("--tokens", type=COUNT, default=4096, show_default=True, help="MoE: tokens per rank.")
 @click.option("--hidden", type=COUNT, default=7168, show_default=True, help="MoE: hidden size.")
 @click.option("--topk", type=COUNT, default=8, show_default=True, help="MoE: experts per token.")
@@ -348,8 +348,7 @@ def predict(ctx: click.Context, system_name: str | None, system_file: str | None
             save_system: str | None, list_systems: bool, ops: str, nodes: str, gpus_per_node: int | None,
             minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, dtype: str, tokens: int,
             hidden: int, topk: int, experts: int, topk_groups: int | None, ep: str, dispatch_dtype: str, mode: str,
-            algorithms: str | None,
-            json_path: str | None, csv_path: str | None, plot_path: str | None) -> None:
+            algorithms: str | None, json_path: str | None, csv_path: str | None, plot_path: str | None) -> None:
     """Predict collective or MoE all-to-all performance on a machine from the analytical model.
 
     Collectives: an nccl-tests-style table (the sizes, counts and bus factors of `moecomm bench`)
@@ -479,4 +478,5 @@ def _plot(rows: Sequence[Mapping[str, Any]], path: str, system: "System") -> Non
 
 def sizes_text(byte_sizes: Sequence[int]) -> str:
     """``8 B .. 8 GiB (16 sizes)`` for a header line."""
-    return f"{format_size(byte_sizes[0])} .. {format_size(byte_sizes[-1])} ({len(byte_sizes)} sizes)"
+    count = f"{len(byte_sizes)} size{'s' if len(byte_sizes) > 1 else ''}"
+    return f"{format_size(byte_sizes[0])} .. {format_size(byte_sizes[-1])} ({count})"
