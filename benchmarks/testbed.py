@@ -48,7 +48,7 @@ STATE_ROOT = Path("/run/moecomm-testbed")
 FAMILY = "mtb"  # every name a testbed makes starts with this
 NODE_IFACE = "tb0"  # the node's interface, the same name in every node (so `mpiexec -iface tb0` fits all)
 DEFAULT_SUBNETS = ("10.77.0.0/24", "10.78.0.0/24", "10.79.0.0/24", "172.30.77.0/24")
-TOOLS = ("ip", "tc", "nsenter", "unshare", "mount", "umount", "hostname")
+TOOLS = ("ip", "tc", "nsenter", "unshare", "mount", "umount", "hostname", "taskset")
 _live: set["Testbed"] = set()
 _lock = threading.Lock()
 
@@ -172,6 +172,7 @@ class Node:
     address: str
     netns: str
     pid: int = 0  # the node's holder process: it keeps the mount and UTS namespaces (`nsenter -t pid` enters them)
+    cpus: str = ""  # the CPUs its processes run on (a kernel cpulist); "" for any
 
 
 _SSH_SCRIPT = """#!/bin/sh
@@ -189,7 +190,7 @@ case "$host" in
 {cases}
   *) echo "testbed ssh: unknown host $host (nodes: {names})" >&2; exit 255 ;;
 esac
-exec nsenter --target "$pid" --net --mount --uts --wd="$PWD" -- /bin/sh -c "$*"
+exec nsenter --target "$pid" --net --mount --uts --wd="$PWD" -- $pin /bin/sh -c "$*"
 """
 
 
@@ -205,11 +206,14 @@ class Testbed:
         persistent: leave it up when this process exits (the CLI's ``testbed up``); otherwise it is torn
             down at exit, and a later ``up`` removes it if this process crashed.
         shm_bytes: size of every node's private /dev/shm.
+        pin_cpus: run each node's processes on its own share of this process's CPUs (:func:`split_cpus`),
+            as real nodes have their own: without it every rank sees all CPUs, believes its node is not
+            oversubscribed, and busy-polls while the ranks of the other nodes wait for a core.
     """
 
     def __init__(self, nodes: int, *, rate: str | int | float | None = None, delay_ms: float | None = None,
                  subnet: str | None = None, name: str | None = None, persistent: bool = False,
-                 shm_bytes: int = 1 << 30):
+                 shm_bytes: int = 1 << 30, pin_cpus: bool = True):
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= 99:
             raise ValueError(f"testbed: nodes must be an int in 1..99, got {nodes!r}")
         self.tag = name if name is not None else FAMILY + secrets.token_hex(2)
@@ -224,6 +228,7 @@ class Testbed:
         self.subnet_wanted = subnet
         self.persistent = persistent
         self.shm_bytes = int(shm_bytes)
+        self.pin_cpus = pin_cpus
         self.dir = STATE_ROOT / self.tag
         self.bridge = f"{self.tag}br"
         self.nodes: list[Node] = []
@@ -250,7 +255,8 @@ class Testbed:
         remove_leftovers(keep_persistent=True, also=self.tag)
         self.subnet = choose_subnet(self.subnet_wanted, self.size)
         hosts = list(self.subnet.hosts())
-        self.nodes = [Node(i, f"node{i}", str(hosts[i]), f"{self.tag}n{i}") for i in range(self.size)]
+        cpus = split_cpus(self.size) if self.pin_cpus else [""] * self.size
+        self.nodes = [Node(i, f"node{i}", str(hosts[i]), f"{self.tag}n{i}", cpus=cpus[i]) for i in range(self.size)]
         with _lock:
             _live.add(self)
         _install_exit_handlers()
@@ -308,7 +314,7 @@ class Testbed:
         holder.stdout.close()
         holder.stderr.close()
         self._procs.append(holder)
-        return Node(n.index, n.hostname, n.address, n.netns, holder.pid)
+        return Node(n.index, n.hostname, n.address, n.netns, holder.pid, n.cpus)
 
     def _shape(self, tc: list[str], dev: str) -> None:
         """Limit what leaves ``dev``: netem (delay, and rate if asked) where the kernel has it, else tbf."""
@@ -328,7 +334,8 @@ class Testbed:
             "latency", "200ms")
 
     def _write_ssh_script(self) -> None:
-        cases = "\n".join(f'  {n.hostname}|{n.address}) pid={n.pid} ;;' for n in self.nodes)
+        cases = "\n".join(f'  {n.hostname}|{n.address}) pid={n.pid}; pin="{" ".join(_pin(n))}" ;;'
+                          for n in self.nodes)
         path = self.dir / "ssh"
         path.write_text(_SSH_SCRIPT.format(cases=cases, names=" ".join(n.hostname for n in self.nodes)))
         path.chmod(0o755)
@@ -388,7 +395,8 @@ class Testbed:
     def command(self, i: int, argv: Sequence[str]) -> list[str]:
         """``argv`` wrapped to run inside node ``i``'s namespaces, in the current directory."""
         n = self.node(i)
-        return ["nsenter", f"--target={n.pid}", "--net", "--mount", "--uts", f"--wd={os.getcwd()}", "--", *argv]
+        return ["nsenter", f"--target={n.pid}", "--net", "--mount", "--uts", f"--wd={os.getcwd()}", "--", *_pin(n),
+                *argv]
 
     def popen(self, i: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` in node ``i`` (its own process group; killed by :meth:`down`).
@@ -465,11 +473,39 @@ class Testbed:
     def describe(self) -> str:
         """One line per node: hostname, address, namespace; then the shaping."""
         lines = [f"testbed {self.tag}: {self.size} node(s) on {self.subnet}, bridge {self.bridge}"]
-        lines += [f"  {n.hostname}  {n.address}  netns {n.netns}" for n in self.nodes]
+        lines += [f"  {n.hostname}  {n.address}  netns {n.netns}  cpus {n.cpus or 'all'}" for n in self.nodes]
         shaping = ", ".join(x for x in (f"rate {self.rate_bps / 1e6:g} Mbit/s" if self.rate_bps else "",
                                         f"delay {self.delay_ms:g} ms" if self.delay_ms else "") if x)
         lines.append(f"  links: {shaping or 'unshaped'} (each direction of every node's link)")
         return "\n".join(lines)
+
+
+def split_cpus(nodes: int) -> list[str]:
+    """Each node's share of this process's CPUs, as kernel cpulists: disjoint, contiguous, as even as it goes
+    (the first nodes get one more); with fewer CPUs than nodes, node i gets CPU i modulo their number (shared).
+
+    Args:
+        nodes: how many nodes.
+    Returns:
+        [nodes] cpulists such as "0-3".
+    """
+    from collectives.topology.formats import format_cpulist
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < nodes:
+        return [str(cpus[i % len(cpus)]) for i in range(nodes)]
+    share, extra = divmod(len(cpus), nodes)
+    out, at = [], 0
+    for i in range(nodes):
+        k = share + (1 if i < extra else 0)
+        out.append(format_cpulist(cpus[at: at + k]))
+        at += k
+    return out
+
+
+def _pin(n: Node) -> list[str]:
+    """The taskset prefix that keeps a command on node ``n``'s CPUs (empty when it is not pinned)."""
+    return ["taskset", "-c", n.cpus] if n.cpus else []
 
 
 def _kill_group(p: subprocess.Popen) -> None:
@@ -486,6 +522,13 @@ def _kill_group(p: subprocess.Popen) -> None:
 def _netns_pids(netns: str) -> list[int]:
     p = _sh("ip", "netns", "pids", netns, check=False, quiet=True)
     return [int(x) for x in p.stdout.split() if x.isdigit()]
+
+
+def remove(tag: str) -> None:
+    """Remove testbed ``tag`` (whoever made it): stop every process in its nodes, delete its namespaces,
+    links and state. Nothing happens for a tag that is not up."""
+    state = next((s for s in testbeds() if s["tag"] == tag), None)
+    _teardown(tag, len(state.get("nodes", [])) if state else None)
 
 
 def _teardown(tag: str, nodes: int | None = None) -> None:
@@ -618,7 +661,9 @@ def _install_exit_handlers() -> None:
 
 
 def node_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment for a job in the nodes: launcher variables of an enclosing job removed.
+    """This process's environment for a job in the nodes: launcher variables of an enclosing job removed, and
+    this Python's bin directory first on PATH (as in an activated virtual environment), so that the nodes
+    run the same python, torchrun, mpiexec and moecomm.
 
     Args:
         extra: variables to set on top.
@@ -628,5 +673,6 @@ def node_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     drop = ("PMI_", "HYDRA_", "MPI_LOCAL", "OMPI_", "PMIX_", "MASTER_", "TORCHELASTIC_", "GROUP_", "LOCAL_")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(drop) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", os.defpath)])
     env.update(extra or {})
     return env
