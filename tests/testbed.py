@@ -16,6 +16,9 @@ import pytest
 from benchmarks.testbed import STATE_ROOT, Testbed, link_names, netns_names, unavailable
 
 
+KINDS = ("net", "mnt", "uts", "ipc")  # the node's own namespaces (the PID namespace is the host's)
+
+
 def skip_without_namespaces() -> None:
     """Skip the calling test, saying why, where this machine cannot make the testbed."""
     why = unavailable()
@@ -24,10 +27,10 @@ def skip_without_namespaces() -> None:
 
 
 def namespace_inodes(tb: Testbed) -> set[tuple[str, int]]:
-    """The (kind, inode) of every node's network, mount and UTS namespace (read from its holder)."""
+    """The (kind, inode) of every node's network, mount, UTS and IPC namespace (read from its holder)."""
     out = set()
     for n in tb.nodes:
-        for kind in ("net", "mnt", "uts"):
+        for kind in KINDS:
             out.add((kind, os.stat(f"/proc/{n.pid}/ns/{kind}").st_ino))
     return out
 
@@ -36,7 +39,7 @@ def processes_in(inodes: set[tuple[str, int]]) -> list[int]:
     """Pids of every process of this machine that is in one of these namespaces."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        for kind in ("net", "mnt", "uts"):
+        for kind in KINDS:
             try:
                 if (kind, os.stat(f"/proc/{pid}/ns/{kind}").st_ino) in inodes:
                     found.append(int(pid))
@@ -52,8 +55,19 @@ def leftovers(tag: str, inodes: set[tuple[str, int]]) -> list[str]:
     left += [f"link {n}" for n in link_names() if n.startswith(tag)]
     if (STATE_ROOT / tag).exists():
         left.append(f"state directory {STATE_ROOT / tag}")
-    left += [f"process {pid} in a node's namespaces" for pid in processes_in(inodes)]
+    left += [f"process {pid} ({_describe(pid)}) in a node's namespaces" for pid in processes_in(inodes)]
     return left
+
+
+def _describe(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[:2]
+        return f"{cmd or '?'}, state {state[0]}, parent {state[1]}"
+    except (OSError, IndexError):
+        return "gone"
 
 
 @pytest.fixture
