@@ -48,7 +48,7 @@ GOAL_LATENCY = 25.0                # each small-message all_reduce latency at 2-
 GOAL_MOE = 25.0                    # each MoE dispatch/combine time
 GOAL_LOCAL = 20.0                  # local calibrate-then-predict check, sizes >= 64 KiB
 LOCAL_MIN_SIZE = 64 * KiB
-# Tokens simulated to reproduce DeepEP's group-limited routing (tests/legacy/test_internode.py);
+# Tokens simulated to reproduce DeepEP's group-limited routing (DeepEP:tests/legacy/test_internode.py);
 # the expectation's standard error is then well under 0.1%.
 DEEPEP_ROUTING_SAMPLES = 1 << 16
 DEEPEP_ROUTING_SEED = 13
@@ -100,7 +100,7 @@ def build_system(name: str, variants: Mapping[str, Any]) -> System:
 def _deepep_group_limited_nodes(nodes: int, experts: int, topk: int, groups: int) -> float:
     """E[distinct destination nodes per token] under DeepEP's test routing, by simulation.
 
-    Reproduces ``tests/legacy/test_internode.py``: i.i.d. scores ``|N(0, 1)| + 1`` per expert,
+    Reproduces ``DeepEP:tests/legacy/test_internode.py``: i.i.d. scores ``|N(0, 1)| + 1`` per expert,
     the ``groups`` nodes with the highest maximum score, then ``topk`` over those nodes' experts.
     """
     rng = np.random.default_rng(DEEPEP_ROUTING_SEED)
@@ -128,7 +128,7 @@ def _uniform_distinct(k: int, bins: int, items: int) -> float:
 def deepep_bytes(point: Mapping[str, Any]) -> float:
     """The bytes DeepEP's own benchmark divides by the time for a normal-kernel point.
 
-    ``tests/legacy/test_intranode.py``: received tokens (all ranks' tokens that hit this rank) x
+    ``DeepEP:tests/legacy/test_intranode.py``: received tokens (all ranks' tokens that hit this rank) x
     hidden x bytes per element; ``test_internode.py``: tokens x destination nodes (own node
     included) x hidden x bytes per element. FP8 dispatch counts ``hidden * (1 + 4/128)`` bytes
     per token (the test's ``fp8_factor``), BF16 combine ``2 * hidden``. The expectation is exact
