@@ -10,7 +10,7 @@ import click
 from transports.settings import TRANSPORT_CHOICES
 
 from . import sweep as sw
-from .common import ALL_OPS, DTYPES, OPS, REDOPS, format_size, parse_dtypes, parse_ops, parse_redops, sizes
+from .common import ALL_OPS, DTYPES, OPS, REDOPS, format_size, parse_dtypes, parse_ops, parse_redops, sweep_sizes
 from .options import BYTES, COUNT, FIGURE, NONNEGATIVE, SECONDS, comma_list
 from .peers import EXTERNAL
 from .ranks import on_ranks
@@ -132,13 +132,10 @@ def _sweep_options(minbytes: int, maxbytes: int, stepfactor: int | None, stepbyt
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint=hint) from None
 
-    if minbytes > maxbytes:
-        raise click.BadParameter(f"-b {format_size(minbytes)} is larger than -e {format_size(maxbytes)}: "
-                                 "no size to measure", param_hint="-b/-e")
-    if stepfactor is None:
-        stepfactor = 1 if stepbytes > 0 else 4
-    if stepfactor <= 1 and stepbytes <= 0:
-        raise click.BadParameter("need -f > 1 or -i > 0 to step from -b to -e", param_hint="-f/-i")
+    try:
+        size_list = sweep_sizes(minbytes, maxbytes, stepfactor, stepbytes)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="-b/-e/-f/-i") from None
     transports = comma_list(transport)
     bad = [t for t in transports if t not in TRANSPORT_CHOICES]
     if bad:
@@ -152,7 +149,7 @@ def _sweep_options(minbytes: int, maxbytes: int, stepfactor: int | None, stepbyt
         raise click.BadParameter("peers are measured with --compare only", param_hint="--peers")
     return dict(ops=parsed(parse_ops, ops, "--ops"), dtypes=parsed(parse_dtypes, dtype, "-d"),
                 redops=parsed(parse_redops, redop, "-o"), compare=compare,
-                sizes=sizes(minbytes, maxbytes, stepfactor if stepfactor > 1 else 0, stepbytes if stepfactor <= 1 else 0),
+                sizes=size_list,
                 transports=transports or None, peers=peer_list or None)
 
 
