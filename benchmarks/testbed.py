@@ -273,8 +273,11 @@ class Testbed:
     def _create(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._write_state()  # first, so that a crash from here on leaves a state a later up() can clean
-        (self.dir / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n"
-                                        + "".join(f"{n.address} {n.hostname}\n" for n in self.nodes))
+        # IPv4-mapped forms too: torch's TCPStore sees its peers as ::ffff:a.b.c.d and looks their names up
+        # (without them every connection logs "The hostname of the client socket cannot be retrieved")
+        (self.dir / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n::ffff:127.0.0.1 localhost\n"
+                                        + "".join(f"{n.address} {n.hostname}\n::ffff:{n.address} {n.hostname}\n"
+                                                  for n in self.nodes))
         _sh("ip", "link", "add", self.bridge, "type", "bridge")
         _sh("ip", "link", "set", self.bridge, "up")
         for n in self.nodes:
