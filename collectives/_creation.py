@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from transports import TRANSPORT_NAMES, transport_class
+from transports import transport_class
 from transports.base import GroupInfo, Transport
 from transports.settings import agreed_items, check_settings_agree
 
@@ -80,7 +80,7 @@ def create_transports(group: GroupInfo, topology: Topology, device: torch.device
     errors: dict[str, str] = {}
     for name in wanted:
         try:
-            made[name] = _transport_class(name)(group)
+            made[name] = transport_class(name)(group)
         except Exception as e:  # noqa: BLE001 - reported below; peers drop it too
             errors[name] = f"{type(e).__name__}: {e}"
             log.warning("transport %s unavailable on rank %d: %s", name, group.global_ranks[group.rank], e)
@@ -108,15 +108,6 @@ def create_transports(group: GroupInfo, topology: Topology, device: torch.device
             t.close()
         raise RuntimeError(_no_cross_node_message(topology, group, gloo_why_not, reports))
     return made
-
-
-def _transport_class(name: str) -> type[Transport]:
-    """transports.transport_class, and gloo until the registry lists it (transports/__init__.py)."""
-    if name == "gloo" and "gloo" not in TRANSPORT_NAMES:
-        from transports.gloo import GlooTransport
-
-        return GlooTransport
-    return transport_class(name)
 
 
 def _no_cross_node_message(topology: Topology, group: GroupInfo, gloo_why_not: str | None,
