@@ -34,10 +34,12 @@ from .bench_moe import bench_moe  # noqa: E402
 from .bench_tp import bench_tp  # noqa: E402
 from .gpu_validate import validate_gpu  # noqa: E402
 from .predict import predict  # noqa: E402
+from .testbed_cli import testbed  # noqa: E402
 from .topo import topo  # noqa: E402
 
 main.add_command(bench_moe)
 main.add_command(bench_tp)
+main.add_command(testbed)
 main.add_command(topo)
 main.add_command(validate_gpu)
 main.add_command(predict)
