@@ -30,6 +30,7 @@ main.add_command(doctor)
 
 
 # Commands that live in their own modules.
+from .bench_ddp import bench_ddp  # noqa: E402
 from .bench_moe import bench_moe  # noqa: E402
 from .bench_tp import bench_tp  # noqa: E402
 from .gpu_validate import validate_gpu  # noqa: E402
@@ -37,6 +38,7 @@ from .predict import predict  # noqa: E402
 from .testbed_cli import testbed  # noqa: E402
 from .topo import topo  # noqa: E402
 
+main.add_command(bench_ddp)
 main.add_command(bench_moe)
 main.add_command(bench_tp)
 main.add_command(testbed)
