@@ -17,6 +17,15 @@ def mpi_communicator(rdv: StoreRendezvous, options: Mapping[str, Any]) -> Any:
     Collective over the group: the members agree over the store whether MPI is there on all of
     them (a member without it would leave the others inside MPI_Comm_create_group), then the
     world group uses COMM_WORLD and a sub-group MPI_Comm_create_group, which only its members call.
+    MPI cannot bound that call by a timeout; it starts only after the store exchange (bounded) has
+    seen every member arrive.
+
+    Args:
+        rdv: the group's store rendezvous.
+        options: moecomm settings by option name (``"launch"`` overrides the launch detection).
+
+    Returns:
+        An mpi4py communicator of the group's ranks in group-rank order, or None.
     """
     mine: dict[str, Any] = {"mpi": None}
     try:
