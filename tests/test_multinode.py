@@ -87,9 +87,6 @@ def test_job_across_nodes(make_testbed, tmp_path, launcher, nodes, ppn):  # noqa
     assert shm_segments() <= before, "moecomm segments left in the host's /dev/shm"
     for r in off_victim_node:  # on the victim's node torchrun's agent may stop the others first
         kill = reports[r].get("kill")
-        if launcher == "mpiexec" and kill and kill["error"] == "Exception" and "OFI call" in kill["message"]:
-            pytest.xfail("the mpi transport lets MPICH's error from its notice to the dead rank escape instead "
-                         "of naming it (request to transports/mpi.py's owner, issue 15)")
         assert kill and kill["error"] in ("PeerFailedError", "CollectiveTimeoutError"), (r, kill, log_text)
         assert victim in kill["missing"] and re.search(rf"rank(\(s\))? \[?([0-9]+, )*{victim}\b", kill["message"]), \
             (r, kill)

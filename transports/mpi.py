@@ -27,6 +27,7 @@ import logging
 import os
 import secrets
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -146,10 +147,12 @@ class MPITransport(Transport):
         self._token = self._notes.bcast(secrets.randbits(62) if self.rank == 0 else None, root=0)
         self._note_in = np.zeros((self.size, _NOTICE_LEN), dtype=np.int64)
         self._note_reqs = [self._notes.Irecv(self._note_in[r], source=r, tag=_NOTICE_TAG) for r in self._peers]
-        self._note_sends: list = []  # (request, buffer) of notices not yet sent
+        self._note_sends: list = []  # (request, buffer, peer) of notices not yet sent
         self._closed_after: dict[int, int] = {}  # group rank -> steps it completed before it closed
         self._failed_at: dict[int, tuple[int, int, list[int], int]] = {}  # rank -> (step, kind, ranks, count)
         self._heard: dict[int, int] = {}  # rank -> step it waited in when it asked or answered "who is here?"
+        # peers MPI refused to send a notice to (a dead process on another node: OFI reports an error)
+        self._unreachable: set[int] = set()
 
     def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
         names = {OpCode.ALL_REDUCE: "Iallreduce", OpCode.ALL_GATHER: "Iallgather",
@@ -227,6 +230,10 @@ class MPITransport(Transport):
                 causes.append((0, CollectiveTimeoutError(
                     f"mpi {what} cannot complete on rank {me}: rank {self._ranks[r]} timed out waiting for "
                     f"rank(s) {_listed(ranks, count)}, which never arrived, and gave up", ranks)))
+            elif step >= at and ranks:  # it named the cause (a rank that died, e.g. on its node)
+                causes.append((2, PeerFailedError(
+                    f"rank(s) {_listed(ranks, count)} failed (rank {self._ranks[r]} saw it and aborted) while rank "
+                    f"{me} waited in mpi {what}", ranks)))
             elif step >= at:
                 causes.append((3, PeerFailedError(f"rank {self._ranks[r]} aborted after a failure while rank {me} "
                                                   f"waited for it in mpi {what}", [self._ranks[r]])))
@@ -248,7 +255,7 @@ class MPITransport(Transport):
             if self.MPI.Request.Testall(reqs):
                 return True
             time.sleep(1e-3)
-        self._fail(str(failure), _FAILED)
+        self._fail(str(failure), _FAILED, failure.missing_ranks)  # the peers learn who failed, not just that we did
         raise failure
 
     def _time_out(self, what: str, known_missing: list[int] | None) -> None:
@@ -260,6 +267,7 @@ class MPITransport(Transport):
         for r in self._peers:
             if r not in self._closed_after and r not in gone:
                 self._send(r, _QUERY, step)
+        gone |= self._unreachable
         grace_end = time.monotonic() + min(1.0, max(0.2, 0.1 * self.timeout))
 
         def silent() -> list[int]:
@@ -269,12 +277,14 @@ class MPITransport(Transport):
         while [r for r in silent() if r not in gone] and time.monotonic() < grace_end:
             time.sleep(2e-3)
             self._poll_notices()
-        missing = list(known_missing) if known_missing else silent()
+        missing = list(known_missing) if known_missing else sorted(set(silent()) | self._unreachable)
         if not missing:  # everyone is waiting; those in an earlier call hold the others up
             missing = sorted(r for r, at in self._heard.items() if at < step)
         why = {"T": "is stopped", "t": "is stopped by a debugger", "X": "is gone", "Z": "is gone"}
         notes = [f"rank {self._ranks[r]}: pid {self._local_pids[r]} {why[states[r]]}" for r in missing
                  if states.get(r) in why]
+        notes += [f"rank {self._ranks[r]}: MPI cannot reach it (its process is probably gone)" for r in missing
+                  if r in self._unreachable]
         names = [self._ranks[r] for r in missing]
         self._fail(f"{what} timed out", _TIMED_OUT, names)
         who = f"rank(s) {names} never arrived" if names else \
@@ -292,12 +302,30 @@ class MPITransport(Transport):
 
     # ---- notices --------------------------------------------------------------------------
     def _send(self, peer: int, kind: int, step: int, ranks=()) -> None:
+        """Post one notice to ``peer``. A peer MPI cannot reach (its process died on another node;
+        MPICH over OFI raises, where over shared memory the pid check finds it) is recorded in
+        ``_unreachable`` and named by :meth:`_time_out` instead of the MPI error escaping."""
+        if peer in self._unreachable:
+            return
         msg = np.zeros(_NOTICE_LEN, dtype=np.int64)
         ranks = list(ranks)
         msg[:4] = (self._token, kind, step, len(ranks))
         msg[4 : 4 + min(len(ranks), _NOTICE_RANKS)] = ranks[:_NOTICE_RANKS]
-        self._note_sends = [(q, m) for q, m in self._note_sends if not q.Test()]
-        self._note_sends.append((self._notes.Isend(msg, dest=peer, tag=_NOTICE_TAG), msg))
+        self._note_sends = [(q, m, to) for q, m, to in self._note_sends if not self._sent(q, to)]
+        try:
+            self._note_sends.append((self._notes.Isend(msg, dest=peer, tag=_NOTICE_TAG), msg, peer))
+        except self.MPI.Exception as e:
+            self._unreachable.add(peer)
+            log.debug("mpi notice to rank %d failed: %s", self._ranks[peer], e)
+
+    def _sent(self, request: Any, peer: int) -> bool:
+        """Whether a notice's send is done (or failed: then its peer is unreachable)."""
+        try:
+            return bool(request.Test())
+        except self.MPI.Exception as e:
+            self._unreachable.add(peer)
+            log.debug("mpi notice to rank %d failed: %s", self._ranks[peer], e)
+            return True
 
     def _poll_notices(self) -> None:
         reqs = self._note_reqs
@@ -459,7 +487,7 @@ class MPITransport(Transport):
                     self._send(r, _CLOSED, self._done)
             end = time.monotonic() + 1.0  # small messages leave at once; a vanished peer must not hold us
             while self._note_sends and time.monotonic() < end:
-                self._note_sends = [(q, m) for q, m in self._note_sends if not q.Test()]
+                self._note_sends = [(q, m, to) for q, m, to in self._note_sends if not self._sent(q, to)]
                 if self._note_sends:
                     time.sleep(1e-3)
             for q in self._note_reqs:

@@ -121,11 +121,14 @@ def kill_stage(victim: int) -> dict:
     # default action would end them before they report what they raised.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     comm = collectives.init(timeout=4.0)
-    comm.barrier()
-    if comm.rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     try:
+        # The victim leaves the barrier once its own part is done; its last message may still be in
+        # flight when it dies, so a survivor may already see the death here.
+        comm.barrier()
+        if comm.rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
         comm.all_reduce(torch.randn(1 << 14))
     except Exception as e:  # noqa: BLE001 - reported to the test
         return {"error": type(e).__name__, "message": str(e), "missing": list(getattr(e, "missing_ranks", [])),
