@@ -487,4 +487,9 @@ def build_peers(comm, *, transports: Sequence[str] | None, compare: bool, peers:
                 warnings.simplefilter("ignore")
                 init_torch_distributed(comm, backend, timeout)
             out.append(TorchPeer(comm.rank, comm.size, backend, mdev))
+    # moecomm's own gloo/nccl transports share a name with torch.distributed's backends: rows must not collide
+    external = {p.name for p in out if not isinstance(p, MoecommPeer)}
+    for p in out:
+        if isinstance(p, MoecommPeer) and p.name in external:
+            p.name = f"moecomm-{p.name}"
     return out, notes

@@ -153,7 +153,8 @@ class Communicator:
             self._state.shut("its creation failed")
             raise ValueError(
                 f"transport {self._forced!r} is not available here (available: {available}): "
-                "shm needs all ranks on one node; mpi needs a launch by mpirun/mpiexec")
+                "shm needs all ranks on one node; mpi needs a launch by mpirun/mpiexec; gloo needs torch with gloo "
+                "and a store rendezvous (torchrun or collectives.launch)")
         live.add(self)
 
     def _make_transports(self, local_error: Exception | None) -> None:

@@ -146,4 +146,4 @@ def choose_transport(opcode: OpCode, device: str, single_node: bool, available: 
             return name, f"first available of {'>'.join(chain)} for {device} tensors on {where}"
     raise RuntimeError(
         f"no transport can serve {device} tensors here (available: {sorted(available)}); "
-        "launch with mpirun for multi-node runs")
+        "launch with mpiexec (mpi) or torchrun (gloo: torch.distributed with gloo) for multi-node runs")
