@@ -209,7 +209,7 @@ def _check_async_coalesced_aliases(r: int, n: int) -> None:
 
 def _check_functional_p2p_groups(r: int, n: int) -> None:
     """Functional collectives, send/recv (and from any source, and batched), object collectives,
-    barrier, new_group."""
+    barrier, new_group, a 2-d DeviceMesh."""
     import torch.distributed._functional_collectives as fc
 
     pg = dist.group.WORLD
@@ -257,6 +257,18 @@ def _check_functional_p2p_groups(r: int, n: int) -> None:
         assert dist.get_process_group_ranks(ends) == [0, n - 1]
     else:
         assert ends == dist.GroupMember.NON_GROUP_MEMBER
+    # a 2-d DeviceMesh: each dimension is a moecomm group of its own (the "dp" one of a single rank)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, n), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh.get_group("dp"), mesh.get_group("tp")
+    assert isinstance(dp, MoecommProcessGroup) and isinstance(tp, MoecommProcessGroup)
+    assert (dp.size(), tp.size()) == (1, n)
+    v, w = xs[r].clone(), xs[r].clone()
+    dist.all_reduce(v, group=tp)
+    dist.all_reduce(w, group=dp)
+    assert_reduced(v, xs, "sum", "DeviceMesh tp")
+    assert torch.equal(w, xs[r]), "a group of one leaves the tensor as it is"
     dist.barrier()
 
 
