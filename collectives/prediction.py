@@ -4,9 +4,9 @@ Two uses, both from a calibrated model of this machine (a System fitted from ``m
 ``tune_shm --json`` runs by :func:`collectives.model.calibrate`):
 
 - **Switch points.** The shm transport's one-shot/two-shot all_reduce switch is where the fitted
-  lines of the two algorithms cross (:func:`shm_one_shot_limit`). It is computed per communicator
-  (it depends on the rank count) into the settings the transports get; ``shm_one_shot_max`` is an
-  agreed setting, so ranks whose models differ raise ``ValueError`` at creation instead of running
+  (piecewise) predictions of the two algorithms first cross (:func:`shm_one_shot_limit`). It is
+  computed per communicator (it depends on the rank count) into the settings the transports get;
+  ``shm_one_shot_max`` is an agreed setting, so ranks whose models differ raise ``ValueError`` at creation instead of running
   different algorithms. An explicit ``MOECOMM_SHM_ONE_SHOT_MAX`` still wins. (ipc vs nccl on GPUs
   stays the measured-nowhere table in :mod:`collectives.selection` until a GPU run is calibrated.)
 - **Predicted times** for :meth:`Communicator.plan`: the chosen plan's and the runner-up's.
@@ -18,7 +18,8 @@ GPU's architecture (dgx-a100 / dgx-h100 / b200-8) unless the model file describe
 
 Fits exist for the rank counts a run measured. For another count the nearest fitted one is rescaled
 by the algorithm's traffic (bytes moved per byte of size: ``n - 1`` for one-shot, the bus factor
-otherwise) with its latency kept; oversubscription (more ranks than cores) is not modelled.
+otherwise) with its latency and size segments kept; oversubscription (more ranks than cores) is not
+modelled.
 """
 
 from __future__ import annotations
@@ -106,33 +107,35 @@ def shm_one_shot_limit(system: Any, ranks: int) -> int | None:
     """Largest all_reduce (bytes of one rank's buffer) the shm transport should run one-shot.
 
     Args:
-        system: a calibrated System with shm one_shot and two_shot all_reduce fits.
+        system: a calibrated System with shm one_shot and two_shot all_reduce fits (one line each
+            or piecewise, several size segments per algorithm).
         ranks: ranks in the shm group.
     Returns:
-        One byte below the fitted lines' crossover; unbounded when one-shot is never slower (or for
-        one rank), 0 when two-shot is never slower; None when the model has no fit for the two
-        algorithms (the transport then keeps its own default).
+        One byte below the first size where one-shot, faster at small sizes, stops being faster
+        (:func:`collectives.model.calibrate.crossover_bytes` on the piecewise predictions);
+        unbounded when one-shot is never slower (or for one rank), 0 when two-shot is faster at
+        small sizes; None when the model has no fit for the two algorithms (the transport then
+        keeps its own default).
     """
-    from .model.calibrate import crossover_bytes
+    from .model.calibrate import comparison_start, crossover_bytes, fitted_time_us
 
     if ranks <= 1:
         return _UNBOUNDED
     scaled = at_ranks(system, ranks)
+    names = ("shm/one_shot", "shm/two_shot")
     try:
-        cross = crossover_bytes(scaled, "all_reduce", "shm/one_shot", "shm/two_shot", ranks=ranks)
+        cross = crossover_bytes(scaled, "all_reduce", *names, ranks=ranks)
+        small = comparison_start(scaled, "all_reduce", *names, ranks=ranks)  # where crossover_bytes starts
+        one_us, two_us = (fitted_time_us(scaled, "all_reduce", name, small, ranks=ranks) for name in names)
     except ValueError as e:
         log.debug("no shm one-shot/two-shot fit in model %s: %s", system.name, e)
         return None
-    one, two = (next(t for t in scaled.calibration["all_reduce"] if t["algorithm"] == name)
-                for name in ("shm/one_shot", "shm/two_shot"))
-    if cross is not None and one["alpha_us"] < two["alpha_us"]:
+    if cross is not None and one_us <= two_us:
         return max(cross - 1, 0)  # one-shot (fewer rounds) wins below the crossing
     if cross is not None:  # two-shot faster at small sizes, one-shot at large: fits that make no sense
         log.warning("performance model %s: shm two-shot fits faster than one-shot below %d B on %d ranks; "
                     "running two-shot at every size", system.name, cross, ranks)
         return 0
-    one_us = one["alpha_us"] + one["beta_us_per_byte"] * (1 << 20)
-    two_us = two["alpha_us"] + two["beta_us_per_byte"] * (1 << 20)
     return _UNBOUNDED if one_us <= two_us else 0
 
 

@@ -1,6 +1,8 @@
 """Calibration of the performance model from `moecomm bench --json` runs
-(collectives/model/calibrate.py): the relative-error alpha-beta fit, round trips from synthetic runs
-with known terms, the crossover the shm switch point uses, and the fit of a real run of this repo."""
+(collectives/model/calibrate.py): the relative-error alpha-beta fit, the piecewise fit (size segments
+for a CPU's cache regimes, and no segments bought by noise), round trips from synthetic runs with
+known terms, the crossover the shm switch point uses (also on segmented fits), and the fit of a real
+run of this repo."""
 
 from __future__ import annotations
 
@@ -13,7 +15,17 @@ import numpy as np
 import pytest
 
 from collectives.model import System, predict_collective
-from collectives.model.calibrate import calibrate, crossover_bytes, fit_alpha_beta, fit_run, traffic_factor
+from collectives.model.calibrate import (
+    calibrate,
+    comparison_start,
+    crossover_bytes,
+    fit_alpha_beta,
+    fit_run,
+    fit_segments,
+    fitted_time_us,
+    traffic_factor,
+)
+from collectives.model.systems import Link
 
 REAL_RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cpu-compare-mpiexec.json"
 SIZES = [8 * 4 ** i for i in range(12)]  # 8 B .. 32 MiB, moecomm bench's default sweep
@@ -160,3 +172,168 @@ def test_real_run_predicts_its_own_rows() -> None:
     # shm is this machine's faster transport at every size for all_gather: the pick says so too.
     for size in (64, 1 << 20):
         assert predict_collective(system, "all_gather", size, nodes=1, gpus_per_node=2).algorithm == "shm/pull"
+
+
+# ---------------------------------------------------------------------------------------------
+# Piecewise fits
+# ---------------------------------------------------------------------------------------------
+FINE_SIZES = [8 * 2 ** i for i in range(23)]  # 8 B .. 32 MiB, moecomm bench -f 2
+CLIFF = 2 << 20  # the synthetic machine's bandwidth halves above 2 MiB (a last-level cache)
+FAST = (12.0, 1e-4)  # alpha us, beta us/B up to CLIFF
+
+
+def _two_regime_run(noise: float, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    alpha, beta = FAST
+    rows = [_row("all_gather", "shm", "pull", size,
+                 (alpha + beta * (1 if size <= CLIFF else 2) * size) * math.exp(rng.normal(0.0, noise)))
+            for size in FINE_SIZES]
+    return {"schema": "moecomm-bench/1", "env": {"nranks": 2}, "options": {}, "notes": [], "rows": rows}
+
+
+def test_two_cache_regimes_are_fitted_as_two_segments_at_the_cliff() -> None:
+    for seed in range(5):
+        terms = fit_run(_two_regime_run(noise=0.02, seed=seed))["all_gather"]
+        assert [t["segment"] for t in terms] == [0, 1], seed
+        low, high = terms
+        assert (low["min_bytes"], low["max_bytes"]) == (8, CLIFF), seed
+        assert (high["min_bytes"], high["max_bytes"]) == (2 * CLIFF, FINE_SIZES[-1]), seed
+        assert low["points"] + high["points"] == len(FINE_SIZES)
+        assert low["alpha_us"] == pytest.approx(FAST[0], rel=0.1)
+        assert low["beta_us_per_byte"] == pytest.approx(FAST[1], rel=0.05)
+        assert high["beta_us_per_byte"] == pytest.approx(2 * FAST[1], rel=0.05)  # its alpha is lost in noise
+        assert high["bandwidth_gbps"] == pytest.approx(low["bandwidth_gbps"] / 2, rel=0.1)
+        assert all(t["algorithm"] == "shm/pull" and t["rms_relative_error"] < 0.04 for t in terms)
+    # one line cannot: its relative error is several times the noise
+    sizes = np.array(FINE_SIZES, dtype=float)
+    times = np.array([r["time_us"] for r in _two_regime_run(noise=0.02, seed=0)["rows"]])
+    [one] = fit_segments(sizes, times, max_segments=1)
+    piecewise = fit_run(_two_regime_run(0.02, 0))["all_gather"]
+    assert one.rms_relative_error > 3 * max(t["rms_relative_error"] for t in piecewise)
+
+
+def test_noise_on_one_line_buys_no_segment() -> None:
+    # The criterion's false-split rate is ~0.5% per group at 12 sizes (fit_segments); these 40
+    # noisy single-line groups (10% noise, far above the two-regime test's 2%) must all stay one line.
+    for seed in range(10):
+        for noise in (0.02, 0.1):
+            calibration = fit_run(_synthetic_run(noise=noise, seed=seed))
+            for op, terms in calibration.items():
+                names = [t["algorithm"] for t in terms]
+                split = [(t["algorithm"], t["min_bytes"]) for t in terms]
+                assert len(names) == len(set(names)), (seed, noise, op, split)
+    # exact data: no split (RSS at the floor for every k)
+    sizes = np.array(FINE_SIZES, dtype=float)
+    assert len(fit_segments(sizes, 7.0 + 3e-5 * sizes)) == 1
+
+
+def test_segment_search_is_exact() -> None:
+    # Three regimes with distinct bandwidths and no noise: found at the true breakpoints, every
+    # segment exact.
+    sizes = np.array(FINE_SIZES, dtype=float)
+    times = np.where(sizes <= 4096, 5.0 + 1e-3 * sizes,
+                     np.where(sizes <= CLIFF, 2.0 + 1e-4 * sizes, 3e-4 * sizes))
+    segments = fit_segments(sizes, times)
+    assert [(g.min_bytes, g.max_bytes) for g in segments] == [(8, 4096), (8192, CLIFF), (2 * CLIFF, FINE_SIZES[-1])]
+    for g, (alpha, beta) in zip(segments, [(5.0, 1e-3), (2.0, 1e-4), (0.0, 3e-4)]):
+        assert g.alpha_us == pytest.approx(alpha, abs=1e-6) and g.beta_us_per_byte == pytest.approx(beta, rel=1e-6)
+    # too few sizes for two segments of >= 3: one line
+    assert len(fit_segments(sizes[:5], times[:5])) == 1
+
+
+def _segmented_system() -> System:
+    """one_shot in three segments (a gap between each), two_shot and mpi one line each."""
+    def term(algorithm: str, alpha: float, beta: float, low: int, high: int, segment: int = 0) -> dict:
+        return {"algorithm": algorithm, "ranks": 2, "alpha_us": alpha, "beta_us_per_byte": beta, "protocol": "fitted",
+                "transport": algorithm.split("/")[0], "min_bytes": low, "max_bytes": high, "segment": segment}
+    calibration = {"all_reduce": [
+        term("shm/one_shot", 5.0, 1e-4, 8, 64 << 10, 0),
+        term("shm/one_shot", 2.0, 2e-4, 256 << 10, 4 << 20, 1),
+        term("shm/one_shot", 0.0, 4e-4, 16 << 20, 64 << 20, 2),
+        term("shm/two_shot", 30.0, 1.5e-4, 8, 64 << 20),
+        term("mpi/Iallreduce", 40.0, 5e-5, 8, 64 << 20)]}
+    return System(name="segmented", description="synthetic", gpus_per_node=2, arch="host",
+                  intra=Link("shm", 5.0, 1.0), nic=None, nics_per_node=0, nvls=False, calibration=calibration)
+
+
+def test_fitted_time_follows_the_segments() -> None:
+    system = _segmented_system()
+    def one_shot(size: int) -> float:
+        return fitted_time_us(system, "all_reduce", "one_shot", size, ranks=2)
+    assert one_shot(0) == 5.0 and one_shot(1000) == pytest.approx(5.0 + 0.1)
+    assert one_shot(1 << 20) == pytest.approx(2.0 + 2e-4 * (1 << 20))
+    assert one_shot(1 << 30) == pytest.approx(4e-4 * (1 << 30))  # beyond every range: the last segment
+    # 160 KiB lies in the 64K..256K gap, nearer to 256K in log; the faster neighbour (segment 0) predicts it
+    assert one_shot(160 << 10) == pytest.approx(5.0 + 1e-4 * (160 << 10))
+    # 8 MiB: gap 4M..16M, where segment 1's line is the faster
+    assert one_shot(8 << 20) == pytest.approx(2.0 + 2e-4 * (8 << 20))
+    # predict_collective uses the same rule, and picks among 3-segment and 1-segment algorithms
+    for size in (1000, 160 << 10, 1 << 20, 8 << 20, 32 << 20):
+        p = predict_collective(system, "all_reduce", size, nodes=1, gpus_per_node=2)
+        times = {c.algorithm: c.time_us for c in p.candidates}
+        assert set(times) == {"shm/one_shot", "shm/two_shot", "mpi/Iallreduce"}, size
+        assert times["shm/one_shot"] == pytest.approx(one_shot(size)), size
+        assert p.algorithm == min(times, key=times.__getitem__) and p.time_us == min(times.values())
+    assert predict_collective(system, "all_reduce", 1000).algorithm == "shm/one_shot"
+    assert predict_collective(system, "all_reduce", 32 << 20).algorithm == "mpi/Iallreduce"
+    with pytest.raises(ValueError, match="not fitted"):
+        fitted_time_us(system, "all_reduce", "ring", 8, ranks=2)
+
+
+def _faster_until(system: System, a: str, b: str) -> None:
+    """crossover_bytes against a scan: the faster at the start is faster at every grid size below
+    the crossover, not faster at it; with no crossover, faster (or as fast) everywhere scanned."""
+    cross = crossover_bytes(system, "all_reduce", a, b, ranks=2)
+    start = comparison_start(system, "all_reduce", a, b, ranks=2)
+    def gap(size: int) -> float:
+        return (fitted_time_us(system, "all_reduce", a, size, ranks=2)
+                - fitted_time_us(system, "all_reduce", b, size, ranks=2))
+    sign = 1.0 if gap(start) <= 0 else -1.0
+    top = cross if cross is not None else 1 << 31
+    grid = sorted(({int(x) for x in np.geomspace(start, top, 4000)} | {top - 1}) - {top})
+    assert all(sign * gap(s) < 0 for s in grid if s > start), (a, b, cross)
+    if cross is not None:
+        assert sign * gap(cross) >= 0, (a, b, cross)
+
+
+def test_crossover_on_segmented_fits() -> None:
+    system = _segmented_system()
+    # one_shot segment 1 (2 + 2e-4 s) meets two_shot (30 + 1.5e-4 s) at 28 / 0.5e-4 = 560000 B;
+    # one line of segment 0 would never cross two_shot
+    assert crossover_bytes(system, "all_reduce", "one_shot", "two_shot", ranks=2) == 560_000
+    assert crossover_bytes(system, "all_reduce", "two_shot", "one_shot", ranks=2) == 560_000
+    # one_shot vs mpi: segment 0 (5 + 1e-4 s) meets 40 + 5e-5 s at 700000 B, in segment 1's range,
+    # where 2 + 2e-4 s already lost at 38 / 1.5e-4 = 253334 B: in the 64K..256K gap, segment 0 is
+    # the faster neighbour up to 262144 (256 KiB), so the first size one_shot loses is 256 KiB
+    assert crossover_bytes(system, "all_reduce", "one_shot", "Iallreduce", ranks=2) == 256 << 10
+    for a, b in (("one_shot", "two_shot"), ("one_shot", "Iallreduce"), ("two_shot", "Iallreduce")):
+        _faster_until(system, a, b)
+    # In the 4M..16M gap the faster neighbour changes where segments 1 and 2 cross: with segment 2
+    # at 1000 + 1e-4 s that is 998 / 1e-4 = 9.98 MB, and a flat 2100 us is first reached on
+    # segment 2's line at 11 MB (segment 1's line would say 10.49 MB).
+    cal = [dict(t) for t in system.calibration["all_reduce"] if t["algorithm"] == "shm/one_shot"]
+    cal[2].update(alpha_us=1000.0, beta_us_per_byte=1e-4)
+    cal.append({**cal[0], "algorithm": "mpi/flat", "alpha_us": 2100.0, "beta_us_per_byte": 0.0, "segment": 0})
+    gap_system = System(**{**system.__dict__, "calibration": {"all_reduce": cal}})
+    assert crossover_bytes(gap_system, "all_reduce", "one_shot", "flat", ranks=2) == 11_000_000
+    rng = np.random.default_rng(3)
+    for _ in range(20):  # random piecewise fits: the closed form agrees with the scan
+        cal = _segmented_system().calibration["all_reduce"]
+        for t in cal:
+            t["alpha_us"] = float(rng.uniform(0, 40))
+            t["beta_us_per_byte"] = float(rng.uniform(1e-5, 5e-4))
+        random_system = System(**{**_segmented_system().__dict__, "calibration": {"all_reduce": cal}})
+        _faster_until(random_system, "one_shot", "two_shot")
+        _faster_until(random_system, "Iallreduce", "one_shot")
+
+
+def test_segmented_calibration_round_trips_through_json() -> None:
+    system = calibrate(_two_regime_run(noise=0.02, seed=1), name="cliff")
+    assert len(system.calibration["all_gather"]) == 2
+    again = System.from_dict(json.loads(json.dumps(system.to_dict())))
+    assert again == system
+    for size in (100, CLIFF, 3 << 20, 1 << 30):
+        expected = predict_collective(system, "all_gather", size).time_us
+        assert predict_collective(again, "all_gather", size).time_us == expected
+        assert fitted_time_us(again, "all_gather", "pull", size, ranks=2) == pytest.approx(
+            predict_collective(system, "all_gather", size).time_us)

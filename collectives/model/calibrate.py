@@ -18,6 +18,14 @@ miss, as the predictions are judged. Both terms are kept >= 0 (a negative latenc
 has no meaning): if the free fit makes one negative, it is refitted with that term at 0, which
 is the exact constrained optimum for two parameters.
 
+Piecewise: one line cannot follow a CPU's cache regimes (this VM's busbw peaks at 1.5-6 MiB and
+falls to about half at 24 MiB, benchmarks/results/model-local-check.md), so each group's sorted
+sizes are split into at most :data:`MAX_SEGMENTS` contiguous segments of at least
+:data:`MIN_SEGMENT_SIZES` distinct sizes, each its own line. The breakpoints are found by exact
+search (dynamic programming over the ~12 sizes of a sweep) minimising the total squared relative
+residual; the number of segments by an information criterion whose charge per segment was set by
+simulation (:func:`fit_segments`), so noise does not buy segments.
+
 Rows used: the library's own transports (``library == "moecomm"``), not the peers (gloo, mpi4py:
 the library cannot choose them) and not ``auto`` (its rows repeat a transport's under another
 name); rows that failed their check (``wrong > 0``) are dropped. ``tune_shm --json`` runs carry
@@ -26,16 +34,19 @@ non-default slot sizes as their own transport (``shm/slot 1M``), so they are fit
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .collective import OPS, bus_factor
+from .segments import fitted_segment
 from .systems import Link, System
 
 logger = logging.getLogger(__name__)
@@ -97,6 +108,95 @@ def fit_alpha_beta(sizes: Sequence[float], times_us: Sequence[float]) -> tuple[f
     return min(candidates)[1]
 
 
+MAX_SEGMENTS = 3  # cache regimes of a CPU: in L2, in the last-level cache, in DRAM
+MIN_SEGMENT_SIZES = 3  # a line through 2 sizes has no residual: its fit error would say nothing
+# Below this RMS relative error two fits are equally exact: no timing repeats to 0.1% between runs
+# (the local runs' small sizes vary by 10-30%), so a split that only removes rounding error is noise.
+RMS_FLOOR = 1e-3
+SEGMENT_PENALTY = 8.0  # ln(points) per extra segment: false splits ~0.5% (simulation in fit_segments)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One line of a piecewise fit: ``time_us = alpha_us + beta_us_per_byte * size`` on its sizes."""
+
+    alpha_us: float
+    beta_us_per_byte: float
+    min_bytes: int
+    max_bytes: int
+    points: int
+    rms_relative_error: float
+
+
+def _criterion(rss: float, points: int, segments: int, penalty: float) -> float:
+    """Information criterion of a piecewise fit: ``P ln(RSS / P) + penalty (k - 1) ln P``."""
+    rss = max(rss, points * RMS_FLOOR ** 2)
+    return points * math.log(rss / points) + penalty * (segments - 1) * math.log(points)
+
+
+def fit_segments(sizes: Sequence[float], times_us: Sequence[float], *, max_segments: int = MAX_SEGMENTS,
+                 min_sizes: int = MIN_SEGMENT_SIZES, penalty: float = SEGMENT_PENALTY) -> list[Segment]:
+    """Piecewise alpha-beta fit: contiguous size segments, each fitted by :func:`fit_alpha_beta`.
+
+    For each number of segments k = 1 .. ``max_segments`` the breakpoints minimising the total
+    squared relative residual (RSS) are found exactly (dynamic programming over the distinct
+    sizes; a segment holds every point of its sizes). The k kept minimises
+    ``P ln(RSS / P) + penalty (k - 1) ln P`` over the ``P`` points (relative residuals ~ log
+    residuals), the fewest segments on a tie: each extra segment must cut the RSS by
+    ``P ** (penalty / P)``, with 12 points and the default 8: 5.2x (the RMS 2.3x), with 23 points
+    3x. BIC would charge 3 ln P per segment (two coefficients and a breakpoint), but the exact
+    search over breakpoints with 3-size segments (one residual degree of freedom each) fits noise
+    far better than 3 free parameters would: on one line with 2-10% log-normal noise, 12 sizes of
+    a x4 sweep, BIC's 3 split 34% of 400 simulated runs, 6 split 3%, 8 split 0.5% (and none of
+    100 runs of a 23-size x2 sweep), while a bandwidth halving above 2 MiB on the x2 sweep was
+    split at 2 MiB in 99 of 100 runs with 2% noise. RSS under :data:`RMS_FLOOR` counts as the floor.
+
+    Args:
+        sizes: bytes per point (``[P]``, >= 0), at least two distinct values.
+        times_us: measured times, us (``[P]``, > 0).
+        max_segments: most segments, >= 1.
+        min_sizes: fewest distinct sizes per segment, >= 2.
+        penalty: the criterion's charge per extra segment, in units of ln P.
+
+    Returns:
+        The segments, smallest sizes first; one segment when fewer than ``2 * min_sizes`` sizes.
+    """
+    s = np.asarray(sizes, dtype=np.float64)
+    t = np.asarray(times_us, dtype=np.float64)
+    if max_segments < 1 or min_sizes < 2:
+        raise ValueError(f"fit_segments: max_segments >= 1 and min_sizes >= 2, got {max_segments}, {min_sizes}")
+    if s.shape != t.shape or s.ndim != 1:
+        raise ValueError(f"fit_segments: need matching 1-D sizes and times, got {s.shape}, {t.shape}")
+    distinct = np.unique(s)
+    m = len(distinct)
+
+    @functools.lru_cache(maxsize=None)
+    def line(i: int, j: int) -> tuple[float, Segment]:
+        """The fit of distinct sizes i .. j-1: (squared relative residual, segment)."""
+        inside = (s >= distinct[i]) & (s <= distinct[j - 1])
+        alpha, beta = fit_alpha_beta(s[inside], t[inside])
+        misses = (alpha + beta * s[inside] - t[inside]) / t[inside]
+        rss = float(misses @ misses)
+        return rss, Segment(alpha, beta, int(distinct[i]), int(distinct[j - 1]), int(inside.sum()),
+                            math.sqrt(rss / len(misses)))
+
+    if m < 2 * min_sizes:
+        return [line(0, m)[1]]
+    # best[k][j]: (rss, segments) of the best split of distinct sizes 0 .. j-1 into k segments
+    best: list[dict[int, tuple[float, list[Segment]]]] = [{}, {j: (line(0, j)[0], [line(0, j)[1]])
+                                                              for j in range(min_sizes, m + 1)}]
+    for k in range(2, max_segments + 1):
+        best.append({})
+        for j in range(k * min_sizes, m + 1):
+            options = [(best[k - 1][i][0] + line(i, j)[0], best[k - 1][i][1] + [line(i, j)[1]])
+                       for i in range((k - 1) * min_sizes, j - min_sizes + 1) if i in best[k - 1]]
+            if options:
+                best[k][j] = min(options, key=lambda o: o[0])
+    fits = [(_criterion(best[k][m][0], len(s), k, penalty), k, best[k][m][1])
+            for k in range(1, len(best)) if m in best[k]]
+    return min(fits, key=lambda f: (f[0], f[1]))[2]
+
+
 def _load(run: Mapping[str, Any] | str | Path) -> tuple[Mapping[str, Any], str]:
     if isinstance(run, (str, Path)):
         path = Path(run)
@@ -131,8 +231,11 @@ def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any
     Returns:
         ``{op: [term, ...]}``; a term is ``{"algorithm": "transport/algorithm", "ranks",
         "alpha_us", "beta_us_per_byte", "protocol": "fitted", "transport", "min_bytes",
-        "max_bytes", "points", "rms_relative_error", "moved_bytes_per_size", "bandwidth_gbps"}``,
-        fastest-at-the-largest-size first.
+        "max_bytes", "segment", "points", "rms_relative_error", "moved_bytes_per_size",
+        "bandwidth_gbps"}``. An algorithm fitted piecewise (:func:`fit_segments`) has one term per
+        size segment (``segment`` 0, 1, ... smallest sizes first; ``min_bytes`` .. ``max_bytes``
+        the sizes it was fitted on, ``points`` its rows, ``rms_relative_error`` its own fit's).
+        Algorithms fastest-at-their-largest-size first, each algorithm's segments together.
     """
     data, where = _load(run)
     groups: dict[tuple[str, str, str, int], list[tuple[float, float]]] = defaultdict(list)
@@ -146,29 +249,30 @@ def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any
             continue
         key = (row["op"], str(row["transport"]), str(row.get("algorithm") or row["transport"]), ranks)
         groups[key].append((float(row["size"]), time_us))
-    calibration: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    calibration: dict[str, list[list[dict[str, Any]]]] = defaultdict(list)  # op -> one term list per group
     for (op, transport, algorithm, ranks), points in sorted(groups.items()):
         sizes = [p[0] for p in points]
         if len(set(sizes)) < 2:
             logger.warning("%s: %s %s/%s on %d ranks has one size only; not fitted",
                            where, op, transport, algorithm, ranks)
             continue
-        times = [p[1] for p in points]
-        alpha, beta = fit_alpha_beta(sizes, times)
-        misses = [(alpha + beta * s - t) / t for s, t in points]
         factor = traffic_factor(op, algorithm, ranks)
-        calibration[op].append({
-            "algorithm": f"{transport}/{algorithm}", "ranks": ranks, "alpha_us": alpha, "beta_us_per_byte": beta,
-            "protocol": "fitted", "transport": transport, "min_bytes": int(min(sizes)), "max_bytes": int(max(sizes)),
-            "points": len(points), "rms_relative_error": math.sqrt(sum(m * m for m in misses) / len(misses)),
-            "moved_bytes_per_size": factor,
+        calibration[op].append([{
+            "algorithm": f"{transport}/{algorithm}", "ranks": ranks, "alpha_us": seg.alpha_us,
+            "beta_us_per_byte": seg.beta_us_per_byte, "protocol": "fitted", "transport": transport,
+            "min_bytes": seg.min_bytes, "max_bytes": seg.max_bytes, "segment": index, "points": seg.points,
+            "rms_relative_error": seg.rms_relative_error, "moved_bytes_per_size": factor,
             # moved bytes per us / 1e3 = GB/s; None where the fit found no size dependence
-            "bandwidth_gbps": factor / beta / 1e3 if beta > 0 else None,
-        })
+            "bandwidth_gbps": factor / seg.beta_us_per_byte / 1e3 if seg.beta_us_per_byte > 0 else None,
+        } for index, seg in enumerate(fit_segments(sizes, [p[1] for p in points]))])
     if not calibration:
         raise ValueError(f"{where}: no moecomm rows with two or more sizes to fit (peers and `auto` are not fitted)")
-    return {op: sorted(terms, key=lambda t: (t["ranks"], t["alpha_us"] + t["beta_us_per_byte"] * t["max_bytes"]))
-            for op, terms in calibration.items()}
+
+    def at_largest(group: list[dict[str, Any]]) -> tuple[int, float]:
+        last = group[-1]
+        return last["ranks"], last["alpha_us"] + last["beta_us_per_byte"] * last["max_bytes"]
+
+    return {op: [t for group in sorted(groups_, key=at_largest) for t in group] for op, groups_ in calibration.items()}
 
 
 def calibrate(run: Mapping[str, Any] | str | Path, *, name: str = "local") -> System:
@@ -208,21 +312,89 @@ def calibrate(run: Mapping[str, Any] | str | Path, *, name: str = "local") -> Sy
         calibration=calibration)
 
 
-def _term(system: System, op: str, algorithm: str, ranks: int) -> Mapping[str, Any]:
+def _segments(system: System, op: str, algorithm: str, ranks: int) -> list[Mapping[str, Any]]:
+    """The fitted terms (segments) of one algorithm, named ``transport/algorithm`` or bare when unique."""
     terms = [t for t in system.calibration.get(op, ()) if int(t.get("ranks", -1)) == ranks]
-    exact = [t for t in terms if t["algorithm"] == algorithm]
-    bare = [t for t in terms if str(t["algorithm"]).rsplit("/", 1)[-1] == algorithm]
-    found = exact or bare
+    names = list(dict.fromkeys(str(t["algorithm"]) for t in terms))
+    found = [algorithm] if algorithm in names else [n for n in names if n.rsplit("/", 1)[-1] == algorithm]
     if len(found) != 1:
-        names = ", ".join(str(t["algorithm"]) for t in terms) or "none"
         why = "is ambiguous" if found else "is not fitted"
         raise ValueError(f"system {system.name!r}: algorithm {algorithm!r} {why} for {op} on {ranks} ranks "
-                         f"(fitted: {names}); name it as transport/algorithm")
-    return found[0]
+                         f"(fitted: {', '.join(names) or 'none'}); name it as transport/algorithm")
+    return [t for t in terms if t["algorithm"] == found[0]]
+
+
+def _line(term: Mapping[str, Any]) -> tuple[float, float]:
+    return max(0.0, float(term["alpha_us"])), max(0.0, float(term["beta_us_per_byte"]))  # as collective.py
+
+
+def fitted_time_us(system: System, op: str, algorithm: str, size: int, *, ranks: int) -> float:
+    """Predicted time of one fitted algorithm (its piecewise prediction, whether or not it is the fastest).
+
+    Args:
+        system: a calibrated System (:func:`calibrate`).
+        op: the op.
+        algorithm: ``transport/algorithm``, or a bare name when one transport has it (``"one_shot"``).
+        size: the nccl-tests size column in bytes, >= 0.
+        ranks: rank count of the fits.
+
+    Returns:
+        ``alpha + beta * size`` (us) of the segment that predicts ``size``
+        (:func:`collectives.model.segments.fitted_segment`, as ``predict_collective`` chooses it:
+        the one holding ``size``, in a gap the faster neighbour, beyond all the nearest).
+
+    Raises:
+        ValueError: an algorithm not fitted (or ambiguous) for that op and rank count.
+    """
+    alpha, beta = _line(fitted_segment(_segments(system, op, algorithm, ranks), size))
+    return alpha + beta * size
+
+
+def _knots(segments: Sequence[Mapping[str, Any]]) -> set[int]:
+    """Sizes around which the segment predicting a size can change (fitted_segment's rule): range
+    ends, and in a gap between two segments the size where their lines cross."""
+    out: set[int] = set()
+    ranges = sorted(((max(1, int(t.get("min_bytes", 0) or 1)), t.get("max_bytes"), t) for t in segments),
+                    key=lambda r: r[0])
+    for low, high, _ in ranges:
+        out.update((low - 1, low))
+        if high is not None:
+            out.update((int(high), int(high) + 1))
+    for (_, high, lower), (low, _, upper) in zip(ranges, ranges[1:]):
+        (alpha_l, beta_l), (alpha_u, beta_u) = _line(lower), _line(upper)
+        if high is not None and low > int(high) and beta_l != beta_u:
+            crossing = (alpha_u - alpha_l) / (beta_l - beta_u)
+            if int(high) < crossing < low:
+                out.update(range(math.floor(crossing) - 1, math.floor(crossing) + 3))
+    return out
+
+
+def comparison_start(system: System, op: str, algorithm_a: str, algorithm_b: str, *, ranks: int) -> int:
+    """Smallest size at which two fitted algorithms are compared: the larger of their smallest fitted sizes.
+
+    Below it one algorithm's fit is extrapolated beyond its data (a term fitted on large sizes only
+    can have alpha 0), so "faster at small sizes" means faster here.
+
+    Args:
+        system, op, algorithm_a, algorithm_b, ranks: as :func:`crossover_bytes`.
+
+    Returns:
+        The size in bytes, >= 1.
+
+    Raises:
+        ValueError: an algorithm not fitted (or ambiguous) for that op and rank count.
+    """
+    return max(1, *(min(max(1, int(t.get("min_bytes", 0) or 1)) for t in _segments(system, op, name, ranks))
+                    for name in (algorithm_a, algorithm_b)))
 
 
 def crossover_bytes(system: System, op: str, algorithm_a: str, algorithm_b: str, *, ranks: int) -> int | None:
-    """Size where two fitted algorithms' predicted times cross.
+    """First size at which the algorithm faster at small sizes stops being faster (piecewise fits).
+
+    "Small sizes" start at :func:`comparison_start` (the larger of the two algorithms' smallest
+    fitted sizes). Each algorithm predicts with :func:`fitted_time_us`, so segmented fits are followed
+    exactly: between the sizes where either algorithm changes segment both are lines, and their
+    crossing is solved in closed form.
 
     Args:
         system: a calibrated System (:func:`calibrate`).
@@ -233,17 +405,42 @@ def crossover_bytes(system: System, op: str, algorithm_a: str, algorithm_b: str,
         ranks: rank count of the fits.
 
     Returns:
-        The smallest integer size (bytes) from which the algorithm with the lower latency is no
-        longer faster (the lines' intersection, rounded up), or None when the lines do not cross
-        at a positive size (one algorithm is faster, or as fast, everywhere).
+        The smallest integer size (bytes) >= the start at which the algorithm faster at the start
+        is no longer faster (as fast or slower), or None when it stays faster at every larger size.
 
     Raises:
-        ValueError: an algorithm not fitted for that op and rank count.
+        ValueError: an algorithm not fitted (or ambiguous) for that op and rank count.
     """
-    a = _term(system, op, algorithm_a, ranks)
-    b = _term(system, op, algorithm_b, ranks)
-    d_alpha = float(b["alpha_us"]) - float(a["alpha_us"])
-    d_beta = float(a["beta_us_per_byte"]) - float(b["beta_us_per_byte"])
-    if d_beta == 0.0 or d_alpha / d_beta <= 0.0:
-        return None
-    return math.ceil(d_alpha / d_beta)
+    a = _segments(system, op, algorithm_a, ranks)
+    b = _segments(system, op, algorithm_b, ranks)
+    start = comparison_start(system, op, algorithm_a, algorithm_b, ranks=ranks)
+
+    def lines(size: int) -> tuple[tuple[float, float], tuple[float, float]]:
+        return _line(fitted_segment(a, size)), _line(fitted_segment(b, size))
+
+    def gap(size: int) -> float:  # > 0: b faster
+        (alpha_a, beta_a), (alpha_b, beta_b) = lines(size)
+        return (alpha_a + beta_a * size) - (alpha_b + beta_b * size)
+
+    # The faster one at the start (on a tie, the one with the lower per-byte cost there).
+    (_, beta_a), (_, beta_b) = lines(start)
+    sign = 1.0 if gap(start) < 0 or (gap(start) == 0 and beta_a <= beta_b) else -1.0  # sign * gap < 0: faster
+    knots = sorted(k for k in _knots(a) | _knots(b) | {start} if k >= start)
+    for low, high in zip(knots, [*knots[1:], None]):
+        if sign * gap(low) >= 0 and low > start:
+            return low
+        # On (low, high) both algorithms keep the segment they have at low + 1: the gap is linear.
+        (alpha_a, beta_a), (alpha_b, beta_b) = lines(low + 1)
+        d_alpha, d_beta = sign * (alpha_a - alpha_b), sign * (beta_a - beta_b)  # gap = d_alpha + d_beta s < 0
+        if d_beta > 0:
+            crossing = max(low + 1, math.ceil(-d_alpha / d_beta))
+            # the division rounds (by far less than a byte): settle on the first integer where the
+            # evaluated times agree
+            for _ in range(2):
+                if crossing > low + 1 and sign * gap(crossing - 1) >= 0:
+                    crossing -= 1
+                elif sign * gap(crossing) < 0:
+                    crossing += 1
+            if high is None or crossing < high:
+                return crossing
+    return None

@@ -88,8 +88,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
+from .segments import fitted_segment, segment_time, span_distance
 from .systems import NET_HOP_US, NVLINK_HOP_US, PCI_HOP_US, System
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
@@ -478,37 +479,34 @@ def _analytical_candidates(f: _Fabric, op: str, size: int) -> list[Candidate]:
 
 
 def _calibrated_candidates(system: System, op: str, size: int, n: int) -> list[Candidate]:
-    """The fitted terms for ``op`` on ``n`` ranks that hold at ``size``.
+    """The fitted terms for ``op`` on ``n`` ranks that hold at ``size``, one per algorithm.
 
     A fit holds over the sizes it was fitted on (``min_bytes`` .. ``max_bytes``): a term fitted on
-    large sizes only has no meaningful latency (its alpha can be 0), so at a size no term covers
-    the candidates are the terms whose range is nearest in log(size); terms without a range hold
-    everywhere. Negative fitted coefficients count as 0.
+    large sizes only has no meaningful latency (its alpha can be 0), so at a size outside an
+    algorithm's whole fitted span (its lowest ``min_bytes`` .. its highest ``max_bytes``) the
+    candidates are the algorithms whose span is nearest in log(size); terms without a range hold
+    everywhere. An algorithm fitted piecewise (several terms, collectives.model.calibrate) predicts
+    with :func:`fitted_segment`; a size in the gap between two of its segments is inside its span,
+    so the algorithm stays in the running. Negative fitted coefficients count as 0.
     """
     terms = [t for t in system.calibration.get(op, ()) if int(t.get("ranks", -1)) == n]
     if not terms:
         fitted = sorted({(o, int(t.get("ranks", -1))) for o, ts in system.calibration.items() for t in ts})
         raise ValueError(f"system {system.name!r} is calibrated, but not for {op} on {n} ranks; "
                          f"fitted (op, ranks): {fitted}. Calibrate from a run with that op and rank count.")
-
-    def distance(term: Any) -> float:
-        low, high = max(1, int(term.get("min_bytes", 0) or 1)), term.get("max_bytes")
-        at = max(1, size)
-        if at < low:
-            return math.log(low / at)
-        if high is not None and at > int(high):
-            return math.log(at / int(high))
-        return 0.0
-
-    nearest = min(distance(t) for t in terms)
-    out = []
+    by_algorithm: dict[str, list[Mapping[str, Any]]] = {}
     for t in terms:
-        if distance(t) > nearest:
+        by_algorithm.setdefault(str(t["algorithm"]), []).append(t)
+    distance = {name: span_distance(segments, size) for name, segments in by_algorithm.items()}
+    nearest = min(distance.values())
+    out = []
+    for name, segments in by_algorithm.items():
+        if distance[name] > nearest:
             continue
+        t = fitted_segment(segments, size)
         alpha = max(0.0, float(t["alpha_us"]))
-        beta = max(0.0, float(t["beta_us_per_byte"]))
-        out.append(Candidate(str(t["algorithm"]), str(t.get("protocol", "fitted")), alpha + beta * size,
-                             "latency" if alpha >= beta * size else "bandwidth"))
+        out.append(Candidate(name, str(t.get("protocol", "fitted")), segment_time(t, size),
+                             "latency" if alpha >= segment_time(t, size) - alpha else "bandwidth"))
     return out
 
 

@@ -1,0 +1,72 @@
+"""Which fitted term predicts a size: the size segments of calibrated algorithms (collectives.model.calibrate).
+
+A fitted term holds over the sizes it was fitted on (``min_bytes`` .. ``max_bytes``); an algorithm
+fitted piecewise has one term per size segment. :func:`fitted_segment` picks the term of one
+algorithm for a size, :func:`span_distance` says how far a size lies outside an algorithm's whole
+fitted span (``predict_collective`` keeps the algorithms whose span is nearest).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+
+def _log_distance(low: int, high: int | None, size: int) -> float:
+    """How far ``size`` lies outside ``[low, high]`` in log(size) (0 inside; ``high`` None: unbounded)."""
+    at, low = max(1, size), max(1, low)
+    if at < low:
+        return math.log(low / at)
+    if high is not None and at > high:
+        return math.log(at / high)
+    return 0.0
+
+
+def _fitted_range(term: Mapping[str, Any]) -> tuple[int, int | None]:
+    high = term.get("max_bytes")
+    return int(term.get("min_bytes", 0) or 1), None if high is None else int(high)
+
+
+def segment_time(term: Mapping[str, Any], size: int) -> float:
+    """``alpha + beta * size`` (us) of one fitted term, negative coefficients counted as 0."""
+    return max(0.0, float(term["alpha_us"])) + max(0.0, float(term["beta_us_per_byte"])) * size
+
+
+def fitted_segment(segments: Sequence[Mapping[str, Any]], size: int) -> Mapping[str, Any]:
+    """Of one algorithm's fitted terms (its size segments), the one that predicts ``size``.
+
+    Args:
+        segments: the terms of one op, rank count and algorithm (``min_bytes``/``max_bytes`` each;
+            a term without them holds everywhere), at least one.
+        size: bytes (the nccl-tests size column), >= 0.
+
+    Returns:
+        The term whose range holds ``size`` (the lowest-starting one if several do). In the gap
+        between two segments, the one of the two that predicts the shorter time there: a cache
+        cliff of bandwidth ratio r lies somewhere in the gap, and the faster side misses a size
+        beyond it by at most ``1 - 1/r`` (-50% for r = 2) where the slower side misses one before it
+        by up to ``r - 1`` (+100%); on this VM's local check (benchmarks/results/model-local-check.md)
+        the nearest-in-log choice predicted 1.5 MiB all_gather +163%, this one -19%. Below or
+        above every range: the nearest one (the first or last segment, extrapolated).
+    """
+    if not segments:
+        raise ValueError("fitted_segment: no terms given")
+    at = max(1, size)
+    ranges = [(t, *_fitted_range(t)) for t in segments]
+    holding = [(low, i) for i, (t, low, high) in enumerate(ranges) if _log_distance(low, high, size) == 0.0]
+    if holding:
+        return segments[min(holding)[1]]
+    below = [(high, i) for i, (t, low, high) in enumerate(ranges) if high is not None and high < at]
+    above = [(low, i) for i, (t, low, high) in enumerate(ranges) if low > at]
+    if below and above:
+        lower, upper = segments[max(below)[1]], segments[min(above)[1]]
+        return lower if segment_time(lower, size) <= segment_time(upper, size) else upper
+    return segments[max(below)[1]] if below else segments[min(above)[1]]
+
+
+def span_distance(segments: Sequence[Mapping[str, Any]], size: int) -> float:
+    """How far ``size`` lies outside one algorithm's fitted span (its lowest ``min_bytes`` .. highest
+    ``max_bytes``), in log(size); 0 inside it, gaps between segments included."""
+    ranges = [_fitted_range(t) for t in segments]
+    highs = [high for _, high in ranges]
+    return _log_distance(min(low for low, _ in ranges), None if None in highs else max(highs), size)
