@@ -9,7 +9,7 @@ expert-parallel dispatch/combine, ``calibrate`` fits a System from a ``moecomm b
     p.time_us, p.busbw, p.algorithm, p.protocol, p.bottleneck
 """
 
-from .calibrate import calibrate, crossover_bytes
+from .calibrate import calibrate, crossover_bytes, fitted_time_us
 from .collective import (
     ALGORITHMS,
     NCCL_ALGORITHMS,
@@ -27,4 +27,4 @@ from .systems import Link, System, get_system, list_systems, load_system_file
 __all__ = ["ALGORITHMS", "NCCL_ALGORITHMS", "OPS", "PROTOCOLS", "Candidate", "Prediction", "bus_factor",
            "dtype_bytes", "predict_collective", "Link", "System", "get_system", "list_systems", "load_system_file",
            "MOE_OPS", "MODES", "DISPATCH_DTYPES", "MoEPrediction", "expected_distinct", "predict_moe",
-           "calibrate", "crossover_bytes"]
+           "calibrate", "crossover_bytes", "fitted_time_us"]
