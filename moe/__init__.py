@@ -7,9 +7,12 @@
     y = disp.combine(expert_fn(recv_x), handle, r.weights)
 """
 
-from .dispatcher import DispatchHandle, DispatchLayout, ExpertDispatcher
+from .dispatcher import ExpertDispatcher
+from .internode import NodeAwareHandle, NodeAwareLayout
+from .records import DispatchHandle, DispatchLayout, DispatchTraffic
 from .layer import GroupedExperts, MoELayer, SharedExpert, gather_state_dict, shard_state_dict
 from .router import RouterOutput, RouterScores, TopKRouter
 
 __all__ = ["TopKRouter", "RouterOutput", "RouterScores", "ExpertDispatcher", "DispatchLayout", "DispatchHandle",
+           "DispatchTraffic", "NodeAwareLayout", "NodeAwareHandle",
            "MoELayer", "GroupedExperts", "SharedExpert", "gather_state_dict", "shard_state_dict"]

@@ -36,6 +36,11 @@ Wire format of a dispatched row (``uint8``, every part starting at a multiple of
 Packing the slot ids (and weights) into the row keeps dispatch to one count exchange plus one
 all-to-all, and lets ``combine`` run as a single all-to-all when dispatch was given the weights.
 
+When the group spans several nodes (equal ranks per node), the dispatcher takes the node-aware
+path of :mod:`moe.internode` instead: a token crosses the network once per destination node and is
+forwarded inside the node; its layout and handle have the same attributes. The records and the
+all-to-all helpers both paths use are in :mod:`moe.records`.
+
 Collective calls per step: dispatch = 1 all_gather (counts; + 1 when capacity dropping has to
 rank an over-full expert) + 1 all_to_all; combine = 1 all_to_all (+1 small one for the weights
 when dispatch did not get them); backward: dispatch 1, combine 2 (rows out, weight grads back).
@@ -49,8 +54,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,136 +62,16 @@ from collectives.agreement import agree, rank_label, reject
 from collectives.protocols import CommunicatorLike, check_communicator
 from transports.base import dtype_code, dtype_name
 
+from .records import (DispatchHandle, DispatchLayout, DispatchTraffic, _acc_dtype, _all_to_all, _round8,
+                      _sum_rows, _tensor_id)
 from .router import is_positive_int, shape_or_type
+
+if TYPE_CHECKING:
+    from .internode import NodeAwareHandle, NodeAwareLayout
 
 log = logging.getLogger("moe")
 
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulate 16-bit sums in float32 (and float64 in float64)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _round8(n: int) -> int:
-    return (n + 7) // 8 * 8
-
-
-@dataclass
-class DispatchLayout:
-    """Who sends which token where: the result of the one count exchange (:meth:`ExpertDispatcher.get_dispatch_layout`).
-
-    Attributes (notation in the module docstring):
-        num_tokens, top_k, hidden, dtype, requires_grad: T, k, H, x.dtype and whether x
-            required grad, for the x this layout was made for.
-        send_token_idx: [S] int64, the token of each sent row (rows by destination rank, then token).
-        send_slot_ids: [S, k] int32, for each sent row the destination-local expert (0..L-1) of
-            each of the token's k slots, or -1 where that slot goes elsewhere or nowhere.
-        send_counts: [P] Python ints, rows sent to each rank.
-        send_weights: [S, k] the weights' dtype, the router weights travelling with the rows (0 for
-            other ranks' slots); None when dispatch got no weights.
-        weights, weights_id: a copy of those weights [T, k] and the identity of the tensor given
-            (combine checks it gets the same values); None without weights.
-        dropped: [T, k] bool, the pairs removed by the capacity limit.
-        counts: [P, E] int64 (CPU), kept pairs per (source rank, expert); the same on every rank.
-        global_tokens_per_expert: [E] int64 (CPU), pairs per expert over all ranks, before dropping.
-        num_global_tokens: T_global. capacity: C, or None (dropless).
-        tokens_per_expert: [L] int64 (CPU), the pairs this rank receives per local expert (sums to N).
-        recv_counts: [P] Python ints, rows this rank receives from each rank in dispatch; None when
-            capacity dropping changed the rows after the count exchange (dispatch then gets them
-            from the all_to_all).
-    """
-
-    num_tokens: int
-    top_k: int
-    hidden: int
-    dtype: torch.dtype
-    requires_grad: bool
-    send_token_idx: torch.Tensor
-    send_slot_ids: torch.Tensor
-    send_counts: list[int]
-    send_weights: torch.Tensor | None
-    weights: torch.Tensor | None
-    weights_id: tuple | None
-    dropped: torch.Tensor
-    counts: torch.Tensor
-    global_tokens_per_expert: torch.Tensor
-    num_global_tokens: int
-    capacity: int | None
-    tokens_per_expert: torch.Tensor
-    recv_counts: list[int] | None = None
-
-
-@dataclass
-class DispatchHandle:
-    """Everything ``combine`` and the backward passes need, cached by ``dispatch``.
-
-    Attributes (notation in the module docstring):
-        layout: the :class:`DispatchLayout` of the dispatch.
-        recv_counts: [P] Python ints, rows received from each rank (they sum to R).
-        pair_row: [N] int64, for each row of ``recv_x`` the received row (0..R-1) it copies.
-        pair_slot: [N] int64, the source token's slot (0..k-1) of each pair.
-        pair_weight: [N] the weights' dtype, the router weight of each pair; None when dispatch
-            got no weights.
-    Properties: ``dropped`` ([T, k] bool, ``layout.dropped``), ``tokens_per_expert`` ([L] int64),
-    ``num_recv_rows`` (R) and ``num_recv_pairs`` (N).
-    """
-
-    layout: DispatchLayout
-    recv_counts: list[int] = field(default_factory=list)
-    pair_row: torch.Tensor | None = None
-    pair_slot: torch.Tensor | None = None
-    pair_weight: torch.Tensor | None = None
-
-    @property
-    def dropped(self) -> torch.Tensor:
-        return self.layout.dropped
-
-    @property
-    def tokens_per_expert(self) -> torch.Tensor:
-        return self.layout.tokens_per_expert
-
-    @property
-    def num_recv_rows(self) -> int:
-        return int(sum(self.recv_counts))
-
-    @property
-    def num_recv_pairs(self) -> int:
-        return 0 if self.pair_row is None else int(self.pair_row.numel())
-
-
-def _all_to_all(comm: CommunicatorLike, x: torch.Tensor, send_counts: list[int], recv_counts: list[int] | None,
-                *, return_counts: bool = False):
-    """comm.all_to_all of x's rows; ``recv_counts``: the rows from each rank when known (checked by the
-    communicator against what the peers send), else None: exchanged there."""
-    if comm.size == 1:  # nothing crosses a process boundary; skip the copy
-        return (x, [x.shape[0]]) if return_counts else x
-    if recv_counts is not None:
-        out = comm.all_to_all(x, send_counts, recv_counts=recv_counts)
-        return (out, list(recv_counts)) if return_counts else out
-    if return_counts:
-        out, rc = comm.all_to_all(x, send_counts, return_counts=True)
-        return out, [int(c) for c in rc.tolist()]
-    return comm.all_to_all(x, send_counts)
-
-
-def _sum_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int, *,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """out[i] = sum of src rows j with index[j] == i: [num_rows, H] in out_dtype (default src.dtype).
-
-    Accumulates in float32 for 16-bit inputs (float64 for float64).
-    """
-    acc = _acc_dtype(src.dtype)
-    out = torch.zeros((num_rows, src.shape[1]), dtype=acc, device=src.device)
-    out.index_add_(0, index, src if src.dtype == acc else src.to(acc))
-    want = src.dtype if out_dtype is None else out_dtype
-    return out if want == acc else out.to(want)
-
-
-def _tensor_id(t: torch.Tensor) -> tuple:
-    """Same storage, view and version => same values (detach() and views of one tensor share the version)."""
-    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t._version)
 
 
 class _DispatchAllToAll(torch.autograd.Function):
@@ -301,18 +185,36 @@ class ExpertDispatcher:
             the pairs with the lowest router weight (ties: the later of (rank, token, slot) is
             dropped, so the result does not depend on how tokens are split over ranks, as long as
             the split is contiguous in rank order).
+        node_aware: None (default) takes the node-aware path (:mod:`moe.internode`: a token crosses
+            the network once per destination node, forwarded inside the node) exactly when the group
+            spans several nodes with equal ranks per node, which depends only on ``comm.topology``,
+            so every rank chooses alike; False forces the flat path (one row per (token, rank)
+            over one all-to-all); True requires the node-aware path (ValueError where the topology
+            does not allow it). ``self.node_aware`` tells which was taken. The node-aware path
+            splits ``comm`` into two sub-groups: call :meth:`close` when done.
     """
 
-    def __init__(self, comm: CommunicatorLike, num_experts: int, *, capacity_factor: float | None = None):
+    def __init__(self, comm: CommunicatorLike, num_experts: int, *, capacity_factor: float | None = None,
+                 node_aware: bool | None = None):
+        from .internode import node_placement
+
         check_communicator(comm, "ExpertDispatcher")
         err = None
+        placement = node_placement(comm)
         if not is_positive_int(num_experts):
             err = ValueError(f"num_experts must be a positive int, got {num_experts!r}")
         elif capacity_factor is not None and (isinstance(capacity_factor, bool) or not (
                 isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor) and capacity_factor > 0)):
             err = ValueError(f"capacity_factor must be None or a positive number, got {capacity_factor!r}")
-        agree(comm, "ExpertDispatcher", {"num_experts": num_experts, "capacity_factor": capacity_factor}, error=err,
-              hint="Construct the dispatcher with the same num_experts and capacity_factor on every rank.")
+        elif node_aware not in (None, True, False):
+            err = ValueError(f"node_aware must be None, True or False, got {node_aware!r}")
+        elif node_aware and placement is None:
+            err = ValueError("node_aware=True needs a group that spans several nodes with equal ranks per node "
+                             f"(comm.topology.nodes: {getattr(getattr(comm, 'topology', None), 'nodes', None)})")
+        agree(comm, "ExpertDispatcher", {"num_experts": num_experts, "capacity_factor": capacity_factor,
+                                         "node_aware (-1: auto)": -1 if node_aware is None else int(node_aware)},
+              error=err, hint="Construct the dispatcher with the same num_experts, capacity_factor and node_aware "
+                              "on every rank.")
         if num_experts % comm.size:  # agreed values: every rank raises
             raise ValueError(f"ExpertDispatcher: num_experts={num_experts} is not divisible by the number of "
                              f"ranks {comm.size}; each rank must own the same number of experts")
@@ -321,10 +223,26 @@ class ExpertDispatcher:
         self.num_local_experts = num_experts // comm.size
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.first_local_expert = comm.rank * self.num_local_experts
+        # the node of each rank (None: one node): for the traffic counters of either path
+        self._node_of = None if placement is None else placement[0]
+        self.node_aware = placement is not None and node_aware is not False
+        self._path = None
+        if self.node_aware:
+            from .internode import NodeAwarePath
+
+            self._path = NodeAwarePath(comm, placement, self.num_local_experts)
+            log.debug("rank %d: node-aware dispatch over %d nodes x %d ranks", comm.global_ranks[comm.rank],
+                      self._path.num_nodes, self._path.ranks_per_node)
+
+    def close(self) -> None:
+        """Close the node-aware path's sub-groups (collective with the other ranks' close; no-op on the flat path)."""
+        if self._path is not None:
+            self._path.close()
+            self._path = None
 
     def __repr__(self) -> str:
         return (f"ExpertDispatcher(rank={self.comm.rank}, size={self.comm.size}, num_experts={self.num_experts}, "
-                f"capacity_factor={self.capacity_factor})")
+                f"capacity_factor={self.capacity_factor}, node_aware={self.node_aware})")
 
     # ---- layout ---------------------------------------------------------------------------------
     def _check_inputs(self, x: Any, experts: Any, weights: Any, *, need_weights: bool) -> str | None:
@@ -356,7 +274,7 @@ class ExpertDispatcher:
         return None
 
     def get_dispatch_layout(self, x: torch.Tensor, experts: torch.Tensor, *,
-                            weights: torch.Tensor | None = None) -> DispatchLayout:
+                            weights: torch.Tensor | None = None) -> DispatchLayout | NodeAwareLayout:
         """The one count exchange of a dispatch (collective): who sends what where, after capacity dropping.
 
         Args:
@@ -370,10 +288,19 @@ class ExpertDispatcher:
                 the tokens, and :meth:`combine` must then get the same values.
 
         Returns:
-            A :class:`DispatchLayout`, reusable with ``dispatch(..., layout=)`` for any x of the
-            same shape, dtype and requires_grad. Every rank raises ``ValueError`` (naming the ranks
-            and values) if any rank's arguments are invalid or they disagree.
+            A :class:`DispatchLayout` (a :class:`~moe.internode.NodeAwareLayout` on the node-aware
+            path, with the same attributes), reusable with ``dispatch(..., layout=)`` for any x of
+            the same shape, dtype and requires_grad; ``.traffic`` counts the bytes within and across
+            nodes. Every rank raises ``ValueError`` (naming the ranks and values) if any rank's
+            arguments are invalid or they disagree.
         """
+        flat = self._flat_layout(x, experts, weights)
+        if self._path is None:
+            return flat
+        return self._path.layout(flat, experts, weights)
+
+    def _flat_layout(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor | None) -> DispatchLayout:
+        """The flat path's layout (the count exchange; see :meth:`get_dispatch_layout`)."""
         comm, E, L, P = self.comm, self.num_experts, self.num_local_experts, self.comm.size
         err = self._check_inputs(x, experts, weights, need_weights=self.capacity_factor is not None)
         ok_shapes = err is None
@@ -435,12 +362,20 @@ class ExpertDispatcher:
                                                                                          device=x.device)))
             w_copy, w_id = w.clone(), _tensor_id(weights)
         r = comm.rank
+        row_bytes = hidden * x.element_size() if ok_shapes else 0
+        node_of = self._node_of or [0] * P
+        mine = node_of[r]
+        traffic = DispatchTraffic(
+            internode_bytes=sum(c for d, c in enumerate(send_counts) if node_of[d] != mine) * row_bytes,
+            intranode_bytes=sum(c for d, c in enumerate(send_counts) if node_of[d] == mine and d != r) * row_bytes,
+            flat_internode_bytes=sum(c for d, c in enumerate(send_counts) if node_of[d] != mine) * row_bytes)
         return DispatchLayout(num_tokens=T, top_k=k, hidden=hidden, dtype=x.dtype, requires_grad=requires_grad,
                               send_token_idx=send_tok, send_slot_ids=slot_ids, send_counts=send_counts,
                               send_weights=send_w, weights=w_copy, weights_id=w_id,
                               dropped=dropped, counts=counts, global_tokens_per_expert=global_tpe,
                               num_global_tokens=num_global_tokens, capacity=capacity,
-                              tokens_per_expert=counts[:, r * L:(r + 1) * L].sum(0), recv_counts=recv_counts)
+                              tokens_per_expert=counts[:, r * L:(r + 1) * L].sum(0), recv_counts=recv_counts,
+                              traffic=traffic)
 
     def _rows_to_ranks(self, e: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One row per (token, destination rank); the token's slots for that rank ride in the row.
@@ -504,7 +439,8 @@ class ExpertDispatcher:
 
     # ---- dispatch / combine ---------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, experts: torch.Tensor, *, weights: torch.Tensor | None = None,
-                 layout: DispatchLayout | None = None) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+                 layout: DispatchLayout | NodeAwareLayout | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle | NodeAwareHandle]:
         """Send every (token, expert) pair to the expert's rank (collective, differentiable in x).
 
         Args:
@@ -533,11 +469,14 @@ class ExpertDispatcher:
                        f"requires_grad={layout.requires_grad}, k={layout.top_k}); recompute the layout")
             if err is not None:  # the peers are already in dispatch's all-to-all
                 reject(self.comm, ValueError(f"dispatch on {rank_label(self.comm)}: {err}"), on=x)
+        if self._path is not None:
+            return self._path.dispatch(x, layout)
         handle = DispatchHandle(layout)
         recv_x = _DispatchAllToAll.apply(x, handle, self.comm)
         return recv_x, layout.tokens_per_expert, handle
 
-    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor) -> torch.Tensor:
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle | NodeAwareHandle,
+                weights: torch.Tensor) -> torch.Tensor:
         """Bring expert outputs back and sum them per token (collective, differentiable in expert_out and weights).
 
         Args:
@@ -569,4 +508,6 @@ class ExpertDispatcher:
                    "the tokens; pass the same weights (or none to dispatch without a capacity factor)")
         if err is not None:  # the peers are already in combine's all-to-all
             reject(self.comm, ValueError(f"combine on {rank_label(self.comm)}: {err}"), on=expert_out)
+        if self._path is not None:
+            return self._path.combine(expert_out, handle, weights)
         return _CombineAllToAll.apply(expert_out, weights, handle, self.comm)

@@ -116,6 +116,8 @@ class MoELayer(nn.Module):
         capacity_factor: None (dropless) or > 0: see :class:`~moe.dispatcher.ExpertDispatcher`.
         shared_ffn_hidden_size: inner size of a shared expert, 0 for none.
         seed: an int >= 0.
+        node_aware: None (auto: node-aware dispatch when ``comm`` spans nodes), True or False: see
+            :class:`~moe.dispatcher.ExpertDispatcher`.
         router_kwargs: ``score``, ``normalize``, ``aux_loss_coef``, ``z_loss_coef`` of :class:`TopKRouter`.
     """
 
@@ -123,7 +125,8 @@ class MoELayer(nn.Module):
 
     def __init__(self, comm: CommunicatorLike, hidden_size: int, ffn_hidden_size: int, num_experts: int,
                  top_k: int, *, activation: str = "swiglu", capacity_factor: float | None = None,
-                 shared_ffn_hidden_size: int = 0, seed: int = 0, **router_kwargs: Any):
+                 shared_ffn_hidden_size: int = 0, seed: int = 0, node_aware: bool | None = None,
+                 **router_kwargs: Any):
         super().__init__()
         check_communicator(comm, "MoELayer")
         options = {"score": "softmax", "normalize": True, "aux_loss_coef": 0.0, "z_loss_coef": 0.0}
@@ -156,7 +159,7 @@ class MoELayer(nn.Module):
               formats={"activation": lambda i: repr(names[i]), "score": lambda i: repr(SCORES[i])},
               hint="Construct the layer with the same arguments on every rank.")
         self.comm = comm
-        self.dispatcher = ExpertDispatcher(comm, num_experts, capacity_factor=capacity_factor)
+        self.dispatcher = ExpertDispatcher(comm, num_experts, capacity_factor=capacity_factor, node_aware=node_aware)
         self.router = router
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation

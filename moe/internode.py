@@ -1,0 +1,294 @@
+"""Node-aware dispatch/combine for an expert-parallel group that spans nodes (DeepEP's internode design).
+
+Notation as in :mod:`moe.dispatcher`, plus: G nodes of Q ranks each (equal on every node); rank r
+sits on node ``node_of[r]`` at local index ``local_of[r]``. Two sub-groups per rank:
+
+* the rail group: the ranks with this rank's local index, one per node (``comm.split(color=local)``),
+  its rank = the node's index; it is the only group whose traffic crosses nodes;
+* the node group: the ranks of this rank's node (``comm.split(color=node)``), its rank = the local
+  index; its traffic stays inside the node (shm on one host, NVLink on GPUs).
+
+Dispatch: (1) over the rail group, each token goes once to every node that holds at least one of
+its kept experts, to the rank there with the sender's local index (the forwarder), together with
+the node-local expert ids of its slots on that node (``local_of[owner] * L + e % L``; -1 for slots
+elsewhere) and their weights; (2) over the node group, the forwarder passes each row on with the
+flat :class:`~moe.dispatcher.ExpertDispatcher` (num_experts = Q * L), which again sends a row once
+per rank that holds its experts. A token thus crosses the network at most once per destination
+node, however many of its k experts live there.
+
+Combine mirrors it: the node group's combine sums the weighted expert outputs of the node's experts
+per forwarded row on the forwarder, the rail group carries one row per (token, node) back, and the
+source sums the rows of its nodes. The sums run in another order than the flat path's (per node,
+then over nodes): results agree with it within float rounding, not bit for bit.
+
+Received rows (``recv_x``) are grouped by local expert like the flat path's, but within an expert
+ordered by forwarder, then source node and token (the flat path: source rank, token), so the same
+pairs arrive in another order; the expert function sees the same rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from collectives.protocols import CommunicatorLike
+
+from .records import DispatchHandle, DispatchLayout, DispatchTraffic, _all_to_all, _round8, _sum_rows
+
+log = logging.getLogger("moe")
+
+
+def node_placement(comm: CommunicatorLike) -> tuple[list[int], list[int]] | None:
+    """``(node_of, local_of)`` per rank of ``comm`` when it spans several nodes with equal ranks per node, else None.
+
+    Depends only on ``comm.topology.nodes``, which every rank holds alike, so every rank decides the same.
+    A communicator without a topology (a wrapper that does not forward it) counts as one node.
+    """
+    nodes = getattr(getattr(comm, "topology", None), "nodes", None)
+    if not nodes or len(nodes) < 2 or len({len(n) for n in nodes}) != 1 or not hasattr(comm, "split"):
+        return None
+    node_of, local_of = [0] * comm.size, [0] * comm.size
+    for g, ranks in enumerate(nodes):
+        for i, r in enumerate(ranks):
+            node_of[r], local_of[r] = g, i
+    return node_of, local_of
+
+
+def node_rows(owner: torch.Tensor, node_of: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                        torch.Tensor]:
+    """The rail rows of a dispatch: one per (token, destination node) with at least one kept slot there.
+
+    Args:
+        owner: [T, k] int64, the rank owning each slot's expert, P (= ``node_of.numel() - 1``) for a
+            slot not sent (unused or dropped).
+        node_of: [P + 1] int64, the node of each rank; entry P is ``num_nodes`` (nowhere).
+        num_nodes: G.
+    Returns:
+        ``(row_node, row_token, row_slots)``: row_node [S1] int64 and row_token [S1] int64, the
+        destination node and token of each row, ordered by node, then token; row_slots [S1, k]
+        bool, the token's slots that go to that node.
+    """
+    dest = node_of[owner]                                              # [T, k], G for unsent slots
+    to_node = torch.zeros((owner.shape[0], num_nodes + 1), dtype=torch.bool, device=owner.device)
+    to_node.scatter_(1, dest, True)
+    row_node, row_token = to_node[:, :num_nodes].t().nonzero(as_tuple=True)
+    row_slots = dest.index_select(0, row_token) == row_node.unsqueeze(1)
+    return row_node, row_token, row_slots
+
+
+@dataclass
+class NodeAwareLayout:
+    """A dispatch's layout on the node-aware path (:meth:`ExpertDispatcher.get_dispatch_layout` returns it).
+
+    Attributes (notation in :mod:`moe.internode`):
+        flat: the flat :class:`~moe.records.DispatchLayout` of the same call: the agreed counts,
+            capacity dropping and checks (its own rows are not sent).
+        send_token_idx: [S1] int64, the token of each rail row (by destination node, then token).
+        send_slots: [S1, k] bool, the slots of each rail row that go to its node.
+        send_counts, recv_counts: [G] Python ints, rail rows sent to / received from each node.
+        recv_ids: [R1, k] int32, the node-local expert id (0..Q*L-1) of each slot of each received
+            rail row, -1 for slots elsewhere. recv_weights: [R1, k] their weights, or None.
+        inner: the node group's :class:`~moe.records.DispatchLayout` for the R1 received rows.
+        traffic: :class:`~moe.records.DispatchTraffic`, token bytes this rank sends.
+    The flat layout's attributes (``num_tokens``, ``top_k``, ``hidden``, ``dtype``, ``requires_grad``,
+    ``dropped``, ``counts``, ``global_tokens_per_expert``, ``num_global_tokens``, ``capacity``,
+    ``weights``, ``weights_id``) read through; ``tokens_per_expert`` is the inner layout's (the same
+    counts: [L] int64).
+    """
+
+    flat: DispatchLayout
+    send_token_idx: torch.Tensor
+    send_slots: torch.Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+    recv_ids: torch.Tensor
+    recv_weights: torch.Tensor | None
+    inner: DispatchLayout
+    traffic: DispatchTraffic
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("num_tokens", "top_k", "hidden", "dtype", "requires_grad", "dropped", "counts",
+                    "global_tokens_per_expert", "num_global_tokens", "capacity", "weights", "weights_id"):
+            return getattr(self.flat, name)
+        raise AttributeError(name)
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        return self.inner.tokens_per_expert
+
+
+@dataclass
+class NodeAwareHandle:
+    """What combine and the backward passes need: the layout and the node group's handle.
+
+    Properties as :class:`~moe.records.DispatchHandle`: ``dropped`` [T, k] bool,
+    ``tokens_per_expert`` [L] int64, ``num_recv_rows`` (rows received over the node group) and
+    ``num_recv_pairs`` (N, the rows of recv_x).
+    """
+
+    layout: NodeAwareLayout
+    inner: DispatchHandle
+
+    @property
+    def dropped(self) -> torch.Tensor:
+        return self.layout.dropped
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        return self.inner.tokens_per_expert
+
+    @property
+    def num_recv_rows(self) -> int:
+        return self.inner.num_recv_rows
+
+    @property
+    def num_recv_pairs(self) -> int:
+        return self.inner.num_recv_pairs
+
+
+class _RailRows(torch.autograd.Function):
+    """Forward: each token's row to its destination nodes over the rail group. Backward: the row
+    gradients back, summed per token."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, lay: NodeAwareLayout, rail: CommunicatorLike) -> torch.Tensor:
+        rows = x.detach().index_select(0, lay.send_token_idx)
+        ctx.lay, ctx.rail = lay, rail
+        return _all_to_all(rail, rows, lay.send_counts, lay.recv_counts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        lay = ctx.lay
+        back = _all_to_all(ctx.rail, grad.contiguous(), lay.recv_counts, lay.send_counts)
+        return _sum_rows(back, lay.send_token_idx, lay.num_tokens), None, None
+
+
+class _RailReturn(torch.autograd.Function):
+    """Forward: each forwarder's per-row sums back to the source over the rail group, summed per token.
+    Backward: the output gradient to the forwarders."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, lay: NodeAwareLayout, rail: CommunicatorLike) -> torch.Tensor:
+        back = _all_to_all(rail, partial.detach().contiguous(), lay.recv_counts, lay.send_counts)
+        ctx.lay, ctx.rail = lay, rail
+        return _sum_rows(back, lay.send_token_idx, lay.num_tokens)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        lay = ctx.lay
+        g = grad_y.index_select(0, lay.send_token_idx)
+        return _all_to_all(ctx.rail, g, lay.send_counts, lay.recv_counts), None, None
+
+
+class _RailWeights(torch.autograd.Function):
+    """Forward: the router weights of the forwarded rows on the forwarders ([R1, k]; already there
+    when dispatch got them). Backward: their gradients back over the rail group, summed per token."""
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor, lay: NodeAwareLayout, rail: CommunicatorLike) -> torch.Tensor:
+        ctx.lay, ctx.rail = lay, rail
+        if lay.recv_weights is not None:
+            return lay.recv_weights.clone()
+        w = weights.detach().index_select(0, lay.send_token_idx)
+        w = torch.where(lay.send_slots, w, torch.zeros((), dtype=w.dtype, device=w.device))
+        return _all_to_all(rail, w, lay.send_counts, lay.recv_counts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        lay = ctx.lay
+        back = _all_to_all(ctx.rail, grad.contiguous(), lay.recv_counts, lay.send_counts)
+        back = torch.where(lay.send_slots, back, torch.zeros((), dtype=back.dtype, device=back.device))
+        out = torch.zeros((lay.num_tokens, lay.top_k), dtype=grad.dtype, device=grad.device)
+        out.index_add_(0, lay.send_token_idx, back)
+        return out, None, None
+
+
+class NodeAwarePath:
+    """The rail and node groups of one :class:`~moe.dispatcher.ExpertDispatcher`, and its node-aware steps.
+
+    Construction is collective over ``comm`` (two splits and the node group's dispatcher).
+
+    Args:
+        comm: the expert-parallel group. placement: ``(node_of, local_of)`` from :func:`node_placement`.
+        num_local_experts: L.
+    """
+
+    def __init__(self, comm: CommunicatorLike, placement: tuple[list[int], list[int]], num_local_experts: int):
+        from .dispatcher import ExpertDispatcher
+
+        node_of, local_of = placement
+        self.comm, self.L = comm, num_local_experts
+        self.node, self.local = node_of[comm.rank], local_of[comm.rank]
+        self.num_nodes = max(node_of) + 1
+        self.ranks_per_node = comm.size // self.num_nodes
+        self.node_of = torch.tensor(node_of + [self.num_nodes], dtype=torch.int64)
+        self.local_of = torch.tensor(local_of + [0], dtype=torch.int64)
+        self.rail = comm.split(self.local, key=self.node)
+        self.node_group = comm.split(self.node, key=self.local)
+        self.inner = ExpertDispatcher(self.node_group, self.ranks_per_node * num_local_experts, node_aware=False)
+
+    def close(self) -> None:
+        for c in (self.rail, self.node_group):
+            if hasattr(c, "close"):
+                c.close()
+
+    def layout(self, flat: DispatchLayout, experts: torch.Tensor, weights: torch.Tensor | None) -> NodeAwareLayout:
+        """The rail rows' metadata exchange and the node group's layout (collective; see the module docstring).
+
+        Args:
+            flat: the flat layout of this call (checked, agreed, capacity applied).
+            experts: [T, k] int global expert ids; weights: [T, k] float or None.
+        Returns:
+            A :class:`NodeAwareLayout`.
+        """
+        P, L, k, dev = self.comm.size, self.L, flat.top_k, flat.dropped.device
+        e = experts.to(torch.int64)
+        valid = (e >= 0) & ~flat.dropped
+        owner = torch.where(valid, torch.div(e, L, rounding_mode="floor"), torch.full_like(e, P))
+        row_node, row_tok, row_slots = node_rows(owner, self.node_of.to(dev), self.num_nodes)
+        send_counts = torch.bincount(row_node, minlength=self.num_nodes).cpu().tolist()
+        node_local_id = self.local_of.to(dev)[owner] * L + torch.remainder(e, L)
+        ids = torch.where(row_slots, node_local_id.index_select(0, row_tok), torch.full((), -1, device=dev))
+        # one exchange: ids (int32) and weights ride in one uint8 row, each part 8-byte aligned
+        ids_b = _round8(4 * k)
+        w_b = 0 if weights is None else _round8(k * weights.element_size())
+        buf = torch.zeros((row_tok.numel(), ids_b + w_b), dtype=torch.uint8, device=dev)
+        buf[:, :4 * k] = ids.to(torch.int32).contiguous().view(torch.uint8)
+        if weights is not None:
+            w = weights.detach().index_select(0, row_tok)
+            w = torch.where(row_slots, w, torch.zeros((), dtype=w.dtype, device=dev)).contiguous()
+            buf[:, ids_b: ids_b + k * weights.element_size()] = w.view(torch.uint8)
+        recv, recv_counts = _all_to_all(self.rail, buf, send_counts, None, return_counts=True)
+        recv_ids = recv[:, :4 * k].contiguous().view(torch.int32)
+        recv_w = None
+        if weights is not None:
+            recv_w = recv[:, ids_b: ids_b + k * weights.element_size()].contiguous().view(weights.dtype)
+        # only shape, dtype and requires_grad of x matter to the layout: a stride-0 stand-in for the rows
+        stand_in = torch.empty((1, 1), dtype=flat.dtype, device=dev).expand(recv_ids.shape[0], flat.hidden)
+        with torch.set_grad_enabled(flat.requires_grad):
+            inner = self.inner.get_dispatch_layout(stand_in.requires_grad_(flat.requires_grad), recv_ids,
+                                                   weights=recv_w)
+        row_bytes = flat.hidden * flat.dtype.itemsize
+        traffic = DispatchTraffic(
+            internode_bytes=sum(c for g, c in enumerate(send_counts) if g != self.node) * row_bytes,
+            intranode_bytes=sum(c for j, c in enumerate(inner.send_counts) if j != self.local) * row_bytes,
+            flat_internode_bytes=flat.traffic.flat_internode_bytes)
+        return NodeAwareLayout(flat=flat, send_token_idx=row_tok, send_slots=row_slots, send_counts=send_counts,
+                               recv_counts=recv_counts, recv_ids=recv_ids, recv_weights=recv_w, inner=inner,
+                               traffic=traffic)
+
+    def dispatch(self, x: torch.Tensor, lay: NodeAwareLayout) -> tuple[torch.Tensor, torch.Tensor, NodeAwareHandle]:
+        """Rail rows, then the node group's dispatch (collective, differentiable in x). Returns as ``dispatch``."""
+        x1 = _RailRows.apply(x, lay, self.rail)
+        recv_x, tokens_per_expert, inner = self.inner.dispatch(x1, lay.recv_ids, layout=lay.inner)
+        return recv_x, tokens_per_expert, NodeAwareHandle(lay, inner)
+
+    def combine(self, expert_out: torch.Tensor, handle: NodeAwareHandle, weights: torch.Tensor) -> torch.Tensor:
+        """Node group's combine on the forwarders, then one row per (token, node) back (collective)."""
+        lay = handle.layout
+        w1 = _RailWeights.apply(weights, lay, self.rail)
+        partial = self.inner.combine(expert_out, handle.inner, w1)
+        return _RailReturn.apply(partial, lay, self.rail)
