@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -234,6 +234,13 @@ class ExpertDispatcher:
             log.debug("rank %d: node-aware dispatch over %d nodes x %d ranks", comm.global_ranks[comm.rank],
                       self._path.num_nodes, self._path.ranks_per_node)
 
+    def _reject(self, error: Exception, *, step: str, on: torch.Tensor) -> NoReturn:
+        """Raise ``error`` here, skipping ``step``; the peers' next collective raises too (on the node-aware
+        path: in each sub-group where they are next; see :meth:`moe.internode.NodeAwarePath.reject`)."""
+        if self._path is not None:
+            self._path.reject(error, step=step, on=on)
+        reject(self.comm, error, on=on)
+
     def close(self) -> None:
         """Close the node-aware path's sub-groups (collective with the other ranks' close; no-op on the flat path)."""
         if self._path is not None:
@@ -297,7 +304,7 @@ class ExpertDispatcher:
         flat = self._flat_layout(x, experts, weights)
         if self._path is None:
             return flat
-        return self._path.layout(flat, experts, weights)
+        return self._path.relay("layout", self._path.layout, flat, experts, weights)
 
     def _flat_layout(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor | None) -> DispatchLayout:
         """The flat path's layout (the count exchange; see :meth:`get_dispatch_layout`)."""
@@ -468,7 +475,7 @@ class ExpertDispatcher:
                        f"layout ([{layout.num_tokens}, {layout.hidden}] {layout.dtype} "
                        f"requires_grad={layout.requires_grad}, k={layout.top_k}); recompute the layout")
             if err is not None:  # the peers are already in dispatch's all-to-all
-                reject(self.comm, ValueError(f"dispatch on {rank_label(self.comm)}: {err}"), on=x)
+                self._reject(ValueError(f"dispatch on {rank_label(self.comm)}: {err}"), step="dispatch", on=x)
         if self._path is not None:
             return self._path.dispatch(x, layout)
         handle = DispatchHandle(layout)
@@ -507,7 +514,9 @@ class ExpertDispatcher:
             err = ("weights differ from the weights given to dispatch, which travelled with "
                    "the tokens; pass the same weights (or none to dispatch without a capacity factor)")
         if err is not None:  # the peers are already in combine's all-to-all
-            reject(self.comm, ValueError(f"combine on {rank_label(self.comm)}: {err}"), on=expert_out)
+            self._reject(ValueError(f"combine on {rank_label(self.comm)}: {err}"),
+                         step="combine" if getattr(lay, "recv_weights", None) is not None else "combine_weights",
+                         on=expert_out)
         if self._path is not None:
             return self._path.combine(expert_out, handle, weights)
         return _CombineAllToAll.apply(expert_out, weights, handle, self.comm)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -230,6 +230,53 @@ class NodeAwarePath:
         self.node_group = comm.split(self.node, key=self.local)
         self.inner = ExpertDispatcher(self.node_group, self.ranks_per_node * num_local_experts, node_aware=False)
 
+    # The collective stages of each step, in order: a rank that stops in one stage must tell the
+    # groups of the later stages, whose peers would otherwise wait there for it (a rejection is a
+    # participation in the peers' next collective of that group, so it is sent only where they come).
+    STAGES = {"layout": ("rail", "node"), "dispatch": ("rail", "node"),
+              "combine": ("node", "rail"), "combine_weights": ("rail", "node", "rail")}
+
+    def _groups_after(self, step: str, stage: int) -> list[Any]:
+        """The groups of ``step``'s stages after ``stage`` (-1: all), without the failed stage's group, once each."""
+        names = self.STAGES[step]
+        failed = names[stage] if stage >= 0 else None
+        seen: list[str] = []
+        for name in names[stage + 1:]:
+            if name != failed and name not in seen:
+                seen.append(name)
+        return [self.rail if n == "rail" else self.node_group for n in seen]
+
+    def reject(self, error: Exception, *, step: str, on: Any = None) -> NoReturn:
+        """Raise ``error`` here, before ``step`` (a key of STAGES), and make the peers raise in each group they meet next.
+
+        A peer that learns it there tells the groups of its own later stages (:meth:`relay`), so every
+        rank raises instead of waiting for the timeout.
+        """
+        device = on.device.type if isinstance(on, torch.Tensor) else "cpu"
+        for group in self._groups_after(step, -1):
+            try:
+                group.reject(error, device=device)
+            except Exception:  # noqa: BLE001 - reject raises `error` by design; tell the next group too
+                pass
+        error._moecomm_rejected = True  # an enclosing `rejecting` must not tell the peers again
+        raise error
+
+    def relay(self, step: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` for ``step``; ``fn`` sets ``self.stage`` as it enters each stage. An error there
+        (a peer's rejection, a timeout) is passed on to the groups of the later stages, then raised."""
+        self.stage = 0
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            me = self.comm.global_ranks[self.comm.rank]
+            relayed = ValueError(f"node-aware {step} on rank {me} stopped: {type(e).__name__}: {e}")
+            for group in self._groups_after(step, self.stage):
+                try:
+                    group.reject(relayed, device="cpu")
+                except Exception:  # noqa: BLE001 - reject raises by design
+                    pass
+            raise
+
     def close(self) -> None:
         for c in (self.rail, self.node_group):
             if hasattr(c, "close"):
@@ -261,7 +308,9 @@ class NodeAwarePath:
             w = weights.detach().index_select(0, row_tok)
             w = torch.where(row_slots, w, torch.zeros((), dtype=w.dtype, device=dev)).contiguous()
             buf[:, ids_b: ids_b + k * weights.element_size()] = w.view(torch.uint8)
+        self.stage = 0
         recv, recv_counts = _all_to_all(self.rail, buf, send_counts, None, return_counts=True)
+        self.stage = 1
         recv_ids = recv[:, :4 * k].contiguous().view(torch.int32)
         recv_w = None
         if weights is not None:
@@ -282,13 +331,24 @@ class NodeAwarePath:
 
     def dispatch(self, x: torch.Tensor, lay: NodeAwareLayout) -> tuple[torch.Tensor, torch.Tensor, NodeAwareHandle]:
         """Rail rows, then the node group's dispatch (collective, differentiable in x). Returns as ``dispatch``."""
+        return self.relay("dispatch", self._dispatch, x, lay)
+
+    def _dispatch(self, x: torch.Tensor, lay: NodeAwareLayout) -> tuple[torch.Tensor, torch.Tensor, NodeAwareHandle]:
         x1 = _RailRows.apply(x, lay, self.rail)
+        self.stage = 1
         recv_x, tokens_per_expert, inner = self.inner.dispatch(x1, lay.recv_ids, layout=lay.inner)
         return recv_x, tokens_per_expert, NodeAwareHandle(lay, inner)
 
     def combine(self, expert_out: torch.Tensor, handle: NodeAwareHandle, weights: torch.Tensor) -> torch.Tensor:
         """Node group's combine on the forwarders, then one row per (token, node) back (collective)."""
+        step = "combine" if handle.layout.recv_weights is not None else "combine_weights"
+        return self.relay(step, self._combine, expert_out, handle, weights)
+
+    def _combine(self, expert_out: torch.Tensor, handle: NodeAwareHandle, weights: torch.Tensor) -> torch.Tensor:
         lay = handle.layout
-        w1 = _RailWeights.apply(weights, lay, self.rail)
+        travelled = lay.recv_weights is not None
+        w1 = _RailWeights.apply(weights, lay, self.rail)     # a rail stage only when the weights did not travel
+        self.stage = 0 if travelled else 1
         partial = self.inner.combine(expert_out, handle.inner, w1)
+        self.stage += 1
         return _RailReturn.apply(partial, lay, self.rail)

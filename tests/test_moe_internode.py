@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,22 @@ def test_node_aware_across_testbed_nodes(make_testbed, tmp_path, launcher):  # n
         assert rep["hostname"] == f"node{r // ppn}" and rep["nodes"] == [[0, 1], [2, 3]], rep
         assert rep["checks"] >= 30, rep
     assert any(t[0] < t[2] for rep in reports.values() for t in rep["traffic"]), reports
+
+
+def _one_rank_bad_body(comm, nodes):
+    from moe_internode_job import one_rank_bad
+    return one_rank_bad(comm, nodes)
+
+
+def test_a_bad_argument_on_one_rank_fails_every_rank():
+    """Rank 3 passes x of another dtype to dispatch, then weights of another shape to combine. Every rank
+    raises ValueError (a hang would raise the 20 s timeout instead): rank 3 its own message, its peers in a
+    sub-group naming it, and the others naming the peer that relayed it to them (their only news)."""
+    per_rank = collectives.launch(_one_rank_bad_body, 4, ((0, 1), (2, 3)), timeout=20)
+    for case in ("dispatch", "combine"):
+        kinds = [outcomes[case][0] for outcomes in per_rank]
+        texts = [outcomes[case][1] for outcomes in per_rank]
+        assert kinds == ["ValueError"] * 4, (case, per_rank)
+        assert f"{case} on rank 3:" in texts[3], texts
+        assert all(re.search(r"rank\(s\) \[[123]\] rejected", t) for t in texts[:3]), texts
+        assert any("rank(s) [3] rejected" in t for t in texts[:3]), texts

@@ -6,7 +6,8 @@ rank: each local expert receives the same (source token, row) set (compared sort
 id); combine's output and the x / weight gradients agree within float rounding (the sums run in
 another order); the traffic counters equal the counts computed here from the global routing; a
 MoELayer over each path gives the same output, aux loss and gradients. The test also imports it
-with a fake topology (several "nodes" on one host, see ``FakeNodes``).
+with a fake topology (several "nodes" on one host, see ``FakeNodes``), and ``one_rank_bad``: a bad
+argument on one rank makes every rank raise.
 
     python moe_internode_job.py --out DIR     # under mpiexec or torchrun, on the testbed
 """
@@ -151,6 +152,31 @@ def compare_paths(comm: Any, nodes: tuple[tuple[int, ...], ...] | None = None) -
         for d in (flat, aware, capped, capped_flat):
             d.close()
     return {"checks": checks, "traffic": traffic}
+
+
+def one_rank_bad(comm: Any, nodes: tuple[tuple[int, ...], ...] | None = None) -> dict[str, tuple[str, str]]:
+    """The last rank passes a bad argument to dispatch (with a layout) and to combine: every rank must raise
+    ValueError (a hang would raise the communicator's timeout instead). Returns case -> (type, message)."""
+    from spmd import outcome
+
+    c = comm if nodes is None else FakeNodes(comm, nodes)
+    d = ExpertDispatcher(c, E)
+    bad = comm.rank == comm.size - 1
+    try:
+        counts, X, experts, W = _batch(0, comm.size)
+        sl = slice(sum(counts[:comm.rank]), sum(counts[:comm.rank + 1]))
+        x, e, w = X[sl], experts[sl], W[sl]
+        lay = d.get_dispatch_layout(x, e, weights=w)
+        out = {"dispatch": outcome(lambda: d.dispatch(x.float() if bad else x, e, layout=lay))}
+        d2 = ExpertDispatcher(c, E)
+        try:
+            recv, _, handle = d2.dispatch(x, e, weights=w)
+            out["combine"] = outcome(lambda: d2.combine(recv, handle, w[:, :2] if bad else w))
+        finally:
+            d2.close()
+        return out
+    finally:
+        d.close()
 
 
 def _gather_dropped(comm: Any, dropped: torch.Tensor, counts: list[int]) -> torch.Tensor:
