@@ -11,6 +11,15 @@ sort that permutes the (token, expert) pairs; dispatch = gather the pair rows, o
 reverse ``all_to_all_single``, weighted un-permute. The baseline sends one row per (token,
 expert) pair; moecomm one per (token, destination rank).
 
+Across nodes the dispatcher takes its node-aware path (moe/internode.py: a token crosses the
+network once per destination node and is forwarded inside the node); ``moecomm-flat`` then times
+the flat path (``node_aware=False``, one row per (token, rank) over one all-to-all) beside it
+(``--no-compare-flat``: not). ``inter_MB`` / ``intra_MB``: token bytes this rank sends per dispatch
+to other nodes / to other ranks of its node (``DispatchLayout.traffic``; combine sends the same
+back). A summary gives the node-aware / flat ratio of the inter-node bytes, and the ratio the
+routing predicts: per token, expected distinct nodes / expected distinct ranks among its k experts
+(``collectives.model.expected_distinct``; the share of them on other nodes is the same for both).
+
 Bandwidth follows DeepEP's tests: bytes = rows received by this rank, one per (token,
 destination rank), x hidden x element size, for both dispatch and combine (combine sends them
 back) and for both implementations, so GB/s compare like for like; ``moved_MB`` is what the
@@ -40,10 +49,11 @@ from .table import Column, Table
 log = logging.getLogger("benchmarks")
 
 DTYPES = {name: _ALL_DTYPES[name] for name in ("bfloat16", "float16", "float32")}
-IMPLS = ("moecomm", "torch-gloo")
-TABLE = Table([Column("rank", 5), Column("impl", 10), Column("layout_us", 10, ".1f"), Column("dispatch_us", 12, ".1f"),
+IMPLS = ("moecomm", "torch-gloo", "moecomm-flat")
+TABLE = Table([Column("rank", 5), Column("impl", 12), Column("layout_us", 10, ".1f"), Column("dispatch_us", 12, ".1f"),
                Column("disp_GB/s", 10, ".2f"), Column("combine_us", 11, ".1f"), Column("comb_GB/s", 10, ".2f"),
-               Column("recv_rows", 10), Column("moved_MB", 9, ".2f"), Column("check", 6)])
+               Column("recv_rows", 10), Column("moved_MB", 9, ".2f"), Column("inter_MB", 9, ".3f"),
+               Column("intra_MB", 9, ".3f"), Column("check", 6)])
 
 
 def _keep_freed_memory() -> bool:
@@ -108,7 +118,8 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
 
     Returns:
         Every rank's measurements, the same on every rank: [rank][impl] = [rank, impl index,
-        layout s, dispatch s, combine s, received (token, rank) rows, bytes moved, ok].
+        layout s, dispatch s, combine s, received (token, rank) rows, bytes moved, inter-node bytes
+        sent, intra-node bytes sent (-1, -1 for the baseline), ok, nodes].
     """
     from moe import ExpertDispatcher
 
@@ -124,44 +135,58 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
     weights, experts = torch.topk(scores, k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
     disp = ExpertDispatcher(comm, E)
-    impls: dict[str, _Baseline | None] = {"moecomm": None}
+    impls: dict[str, Any] = {"moecomm": disp}
+    if disp.node_aware and o["compare_flat"]:
+        impls["moecomm-flat"] = ExpertDispatcher(comm, E, node_aware=False)
     if o["baseline"]:
         import torch.distributed as dist
 
         init_torch_distributed(comm, "gloo", o["timeout"])
         impls["torch-gloo"] = _Baseline(dist, E)
+    num_nodes = len(getattr(comm.topology, "nodes", ())) or 1
     want = (x.float() * weights.sum(-1, keepdim=True)).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     rows = []
     uniq_rows = 0  # (token, rank) rows this rank receives: set by the moecomm run, which goes first
     with torch.no_grad():
-        for name, base in impls.items():
+        for name, impl in impls.items():
+            base = impl if isinstance(impl, _Baseline) else None
+            d = impl if base is None else disp
             times = {"layout": 0.0, "dispatch": 0.0, "combine": 0.0}
             for it in range(o["warmup"] + o["iters"]):
                 comm.barrier()
                 t0 = time.perf_counter()
-                lay = disp.get_dispatch_layout(x, experts) if base is None else base.layout(experts)
+                lay = d.get_dispatch_layout(x, experts) if base is None else base.layout(experts)
                 t1 = time.perf_counter()
                 if base is None:
-                    recv_x, _, handle = disp.dispatch(x, experts, layout=lay)
+                    recv_x, _, handle = d.dispatch(x, experts, layout=lay)
                 else:
                     recv_x = base.dispatch(x, lay)
                 t2 = time.perf_counter()
-                y = disp.combine(recv_x, handle, weights) if base is None else base.combine(recv_x, lay, weights, T)
+                y = d.combine(recv_x, handle, weights) if base is None else base.combine(recv_x, lay, weights, T)
                 t3 = time.perf_counter()
                 if it >= o["warmup"]:
                     times["layout"] += t1 - t0
                     times["dispatch"] += t2 - t1
                     times["combine"] += t3 - t2
             ok = bool(torch.allclose(y.float(), want.float(), rtol=tol, atol=tol))
-            moved = (handle.num_recv_rows if base is None else recv_x.shape[0]) * H * x.element_size()
+            esz = x.element_size()
             if base is None:
                 uniq_rows = handle.num_recv_rows
+                moved = handle.num_recv_rows * H * esz
+                if d.node_aware:  # the node-aware path also receives its rail rows (this rank's own included)
+                    moved += sum(lay.recv_counts) * H * esz
+                inter, intra = lay.traffic.internode_bytes, lay.traffic.intranode_bytes
+            else:
+                moved, inter, intra = recv_x.shape[0] * H * esz, -1, -1   # not counted for the baseline
             n = o["iters"]
-            rows.append([comm.rank, list(impls).index(name), *(times[p] / n for p in ("layout", "dispatch", "combine")),
-                         uniq_rows, moved, int(ok)])
+            rows.append([comm.rank, IMPLS.index(name), *(times[p] / n for p in ("layout", "dispatch", "combine")),
+                         uniq_rows, moved, inter, intra, int(ok), num_nodes])
     if o["baseline"]:
         impls["torch-gloo"].dist.destroy_process_group()
+    for d in impls.values():
+        if isinstance(d, ExpertDispatcher):
+            d.close()
     gathered = comm.all_gather(torch.tensor(rows, dtype=torch.float64).reshape(1, -1)) if comm.size > 1 else \
         torch.tensor(rows, dtype=torch.float64).reshape(1, -1)
     return gathered.reshape(comm.size, len(rows), -1).tolist()
@@ -182,7 +207,7 @@ def _print_table(stats: list[list[list[float]]], o: dict[str, Any]) -> bool:
     means: dict[int, list[float]] = {}
     for per_rank in stats:
         for r in per_rank:
-            rank, impl, lay_s, disp_s, comb_s, uniq, moved, ok = r
+            rank, impl, lay_s, disp_s, comb_s, uniq, moved, inter, intra, ok, _nodes = r
             nbytes = uniq * o["hidden"] * esz
             all_ok &= bool(ok)
             vals = [lay_s * 1e6, disp_s * 1e6, nbytes / disp_s / 1e9 if disp_s else 0.0,
@@ -190,10 +215,41 @@ def _print_table(stats: list[list[list[float]]], o: dict[str, Any]) -> bool:
             m = means.setdefault(int(impl), [0.0] * 5)
             for i, v in enumerate(vals):
                 m[i] += v / len(stats)
-            click.echo(TABLE.line(int(rank), IMPLS[int(impl)], *vals, int(uniq), moved / 1e6, "ok" if ok else "WRONG"))
+            inter_mb, intra_mb = ("-", "-") if inter < 0 else (inter / 1e6, intra / 1e6)
+            click.echo(TABLE.line(int(rank), IMPLS[int(impl)], *vals, int(uniq), moved / 1e6, inter_mb, intra_mb,
+                                  "ok" if ok else "WRONG"))
     for impl, m in sorted(means.items()):
-        click.echo(TABLE.line("mean", IMPLS[impl], *m, "", "", ""))
+        click.echo(TABLE.line("mean", IMPLS[impl], *m, "", "", "", "", ""))
+    _print_node_summary(stats, o)
     return all_ok
+
+
+def _print_node_summary(stats: list[list[list[float]]], o: dict[str, Any]) -> None:
+    """Node-aware vs flat: inter-node bytes (all ranks) and dispatch + combine time, with the ratios."""
+    from collectives.model import expected_distinct
+
+    by_impl: dict[str, list[list[float]]] = {}
+    for per_rank in stats:
+        for r in per_rank:
+            by_impl.setdefault(IMPLS[int(r[1])], []).append(r)
+    if "moecomm-flat" not in by_impl:
+        return
+    aware, flat = by_impl["moecomm"], by_impl["moecomm-flat"]
+    inter_a, inter_f = sum(r[7] for r in aware), sum(r[7] for r in flat)   # row: see _bench_rank
+    t_a = sum(r[3] + r[4] for r in aware) / len(aware)
+    t_f = sum(r[3] + r[4] for r in flat) / len(flat)
+    tl_a = t_a + sum(r[2] for r in aware) / len(aware)
+    tl_f = t_f + sum(r[2] for r in flat) / len(flat)
+    nodes, ranks = o["nodes"], o["nprocs_run"]
+    k, E = o["top_k"], o["experts"]
+    predicted = expected_distinct(k, nodes, E) / expected_distinct(k, ranks, E)
+    click.echo(f"# inter-node bytes per dispatch, all ranks: node-aware {inter_a / 1e6:.3f} MB, flat "
+               f"{inter_f / 1e6:.3f} MB, ratio {inter_a / inter_f if inter_f else float('nan'):.4f}; routing predicts "
+               f"{predicted:.4f} (expected distinct nodes {expected_distinct(k, nodes, E):.4f} / ranks "
+               f"{expected_distinct(k, ranks, E):.4f} per token, top-{k} of {E} on {nodes} nodes x {ranks // nodes})")
+    click.echo(f"# dispatch + combine, mean over ranks: node-aware {t_a * 1e6:.1f} us, flat {t_f * 1e6:.1f} us, "
+               f"ratio {t_a / t_f if t_f else float('nan'):.3f}; with the layout: node-aware {tl_a * 1e6:.1f} us, "
+               f"flat {tl_f * 1e6:.1f} us, ratio {tl_a / tl_f if tl_f else float('nan'):.3f}")
 
 
 @click.command("bench-moe")
@@ -211,14 +267,16 @@ def _print_table(stats: list[list[list[float]]], o: dict[str, Any]) -> bool:
               help="Scale down for CPU runs: tokens / 8 and hidden / 4 (4096 x 7168 -> 512 x 1792).")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also time torch.distributed all_to_all_single over gloo (plain permutation).")
+@click.option("--compare-flat/--no-compare-flat", default=True, show_default=True,
+              help="Across nodes: also time the flat path (node_aware=False) beside the node-aware one.")
 @click.option("--keep-freed-memory/--no-keep-freed-memory", default=True, show_default=True,
               help="CPU: keep freed memory in the process (glibc mallopt) so timings exclude page faults.")
 @click.option("--timeout", type=SECONDS, default=300.0, show_default=True, help="Communicator timeout in seconds.")
 def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, nprocs: int, iters: int, warmup: int,
-              cpu_scale: bool, baseline: bool, keep_freed_memory: bool, timeout: float) -> None:
+              cpu_scale: bool, baseline: bool, compare_flat: bool, keep_freed_memory: bool, timeout: float) -> None:
     """MoE dispatch / combine time and GB/s per rank (layout separately), with the torch.distributed baseline."""
     o = dict(tokens=tokens, hidden=hidden, top_k=top_k, experts=experts, dtype=dtype, iters=iters, warmup=warmup,
-             baseline=baseline, cpu_scale=cpu_scale, tokens_full=tokens, hidden_full=hidden,
+             baseline=baseline, compare_flat=compare_flat, cpu_scale=cpu_scale, tokens_full=tokens, hidden_full=hidden,
              keep_freed_memory=keep_freed_memory, timeout=timeout)
     if cpu_scale:
         o["tokens"], o["hidden"] = max(tokens // 8, 1), max(hidden // 4, 1)
@@ -233,5 +291,6 @@ def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, np
     if not lead:
         return
     o["nprocs_run"] = len(stats)
+    o["nodes"] = int(stats[0][0][-1])
     if not _print_table(stats, o):
         raise SystemExit(1)

@@ -125,3 +125,25 @@ def test_torch_store_failure_on_rank_0_reaches_every_rank():
     for message in collectives.launch(_store_fails_on_rank_0, 2, timeout=30.0):
         assert message.startswith("rank 0 could not start the torch.distributed store") and \
             "no route to node2" in message, message
+
+
+# ---- node-aware vs flat summary (the numbers come from the rows; checked against hand arithmetic) ----
+def test_node_summary_ratios(capsys):
+    from benchmarks.bench_moe import IMPLS, _print_node_summary
+    from collectives.model import expected_distinct
+
+    aware, flat = IMPLS.index("moecomm"), IMPLS.index("moecomm-flat")
+    # [rank, impl, layout s, dispatch s, combine s, rows, moved, inter B, intra B, ok, nodes]
+    stats = [[[r, aware, 0.001, 0.002, 0.003, 10, 100, 1_000_000 + r, 5, 1, 2],
+              [r, flat, 0.0005, 0.004, 0.006, 10, 100, 2_000_000 + 3 * r, 5, 1, 2]] for r in range(4)]
+    _print_node_summary(stats, {"nodes": 2, "nprocs_run": 4, "top_k": 8, "experts": 64})
+    out = capsys.readouterr().out
+    inter_a, inter_f = sum(1_000_000 + r for r in range(4)), sum(2_000_000 + 3 * r for r in range(4))
+    predicted = expected_distinct(8, 2, 64) / expected_distinct(8, 4, 64)
+    assert f"ratio {inter_a / inter_f:.4f}; routing predicts {predicted:.4f}" in out, out
+    assert f"node-aware {inter_a / 1e6:.3f} MB, flat {inter_f / 1e6:.3f} MB" in out, out
+    assert "node-aware 5000.0 us, flat 10000.0 us, ratio 0.500" in out, out
+    assert "with the layout: node-aware 6000.0 us, flat 10500.0 us" in out, out
+    # without a flat row (one node) nothing is printed
+    _print_node_summary([[row[0]] for row in stats], {"nodes": 1, "nprocs_run": 4, "top_k": 8, "experts": 64})
+    assert capsys.readouterr().out == ""
