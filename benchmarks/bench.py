@@ -137,9 +137,11 @@ def _sweep_options(minbytes: int, maxbytes: int, stepfactor: int | None, stepbyt
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="-b/-e/-f/-i") from None
     transports = comma_list(transport)
-    bad = [t for t in transports if t not in TRANSPORT_CHOICES]
+    # "hierarchical" (collectives/hierarchical.py) is a communicator's composed path, not a settings transport
+    known = (*TRANSPORT_CHOICES, "hierarchical")
+    bad = [t for t in transports if t not in known]
     if bad:
-        raise click.BadParameter(f"unknown transport(s) {bad}; choose from {', '.join(TRANSPORT_CHOICES)}",
+        raise click.BadParameter(f"unknown transport(s) {bad}; choose from {', '.join(known)}",
                                  param_hint="--transport")
     peer_list = comma_list(peers)
     bad = [p for p in peer_list if p not in EXTERNAL]

@@ -40,6 +40,7 @@ from ._arrays import (
 from ._creation import create_transports
 from ._device import resolve_device
 from ._shared import SharedState, live
+from .hierarchical import HierarchicalTransport, hierarchical_shape
 from .prediction import predict_plan, transport_settings
 from .selection import Plan, choose_transport
 from .topology import Topology
@@ -148,6 +149,7 @@ class Communicator:
         forced = self.settings.get("transport", "auto")
         self._forced = None if forced == "auto" else forced
         self._make_transports(local_error)
+        self._add_hierarchical()
         if self._forced and self._forced not in self.transports:
             available = sorted(self.transports)
             self._state.shut("its creation failed")
@@ -168,6 +170,16 @@ class Communicator:
         except (TypeError, ValueError, RuntimeError):
             self._state.shut("its creation failed")
             raise
+
+    def _add_hierarchical(self) -> None:
+        """The hierarchical transport (collectives/hierarchical.py) for a group on several nodes with equal
+        ranks (>1) per node and mpi or gloo between them. Local: its sub-groups are made at its first call."""
+        flat = next((self.transports[n] for n in ("mpi", "gloo") if n in self.transports), None)
+        if flat is None or hierarchical_shape(self.topology) is None:
+            return
+        group = GroupInfo(rank=self.rank, size=self.size, timeout=self.timeout, rendezvous=self._rdv,
+                          global_ranks=self.global_ranks)
+        self.transports["hierarchical"] = HierarchicalTransport(group, self.topology, flat, self._split)
 
     def _bind(self, device: Any) -> torch.device:
         """The checked ``device=`` (see the class docstring), made the current CUDA device."""

@@ -13,6 +13,11 @@ was faster for reduce_scatter and all_to_all from 2 MiB and all_gather at 16 MiB
 serves those sizes: routing by size there would let ranks whose sizes wrongly differ wait in
 different transports (a timeout instead of the ValueError that names the difference), and
 all_to_all sizes differ by design. A single-copy shm path is the fix (see the issue notes).
+
+One host route does go by size: across nodes, all_reduce, all_gather and reduce_scatter at or above
+:data:`HIERARCHICAL_MIN_BYTES` go to the hierarchical transport (collectives/hierarchical.py). That is
+safe because its first step is the flat transport's own signature exchange (the first step of the
+flat call too), so ranks whose sizes wrongly differ still meet and raise the ValueError naming them.
 """
 
 from __future__ import annotations
@@ -50,6 +55,17 @@ _VLLM_CUSTOM_AR_MAX = 8 << 20
 IPC_MAX_BYTES: dict[tuple[OpCode, str], dict[int, int]] = {
     (op, "any"): {n: _VLLM_CUSTOM_AR_MAX for n in range(2, 9)}
     for op in (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER)
+}
+
+
+# Host tensors on several nodes with equal ranks (>1) per node: these ops go to the hierarchical
+# transport (node reduce_scatter > rail collective > node all_gather) from this many bytes of this
+# rank's input. Source: benchmarks/results/testbed-2x2-hierarchical.txt (2 nodes x 2 ranks, links
+# shaped to ~1/10 of the intra-node bandwidth, flat = mpi): hierarchical was 1.4-3.9x faster from
+# 64 KiB to 1 MiB and 0.96-1.42x above, for all three ops; 1 MiB is the smallest size both runs
+# measured. Below it the flat transport keeps serving (one step fewer for latency-bound calls).
+HIERARCHICAL_MIN_BYTES: dict[OpCode, int] = {
+    OpCode.ALL_REDUCE: 1 << 20, OpCode.ALL_GATHER: 1 << 20, OpCode.REDUCE_SCATTER: 1 << 20,
 }
 
 
@@ -134,6 +150,12 @@ def choose_transport(opcode: OpCode, device: str, single_node: bool, available: 
                 f"(available: {sorted(available)}); shm needs all ranks on one node, mpi needs an mpirun launch, "
                 "ipc needs one node and CUDA (or MOECOMM_IPC_EMULATE=1 and triton for CPU tensors)")
         return forced, "forced by transport=/MOECOMM_TRANSPORT"
+    hier = available.get("hierarchical")
+    limit = HIERARCHICAL_MIN_BYTES.get(opcode)
+    if device == "cpu" and not single_node and hier is not None and limit is not None and nbytes is not None \
+            and nbytes >= limit:
+        return "hierarchical", (f"host tensors on {hier.num_nodes} nodes x {hier.local_size} ranks, {nbytes} B >= "
+                                f"{limit} B (selection.HIERARCHICAL_MIN_BYTES)")
     ipc = available.get("ipc")
     if device == "cuda" and single_node and nbytes is not None and ipc is not None and device in ipc.devices:
         limit = ipc_max_bytes(opcode, ipc.size, arch)
