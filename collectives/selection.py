@@ -151,11 +151,11 @@ def choose_transport(opcode: OpCode, device: str, single_node: bool, available: 
                 "ipc needs one node and CUDA (or MOECOMM_IPC_EMULATE=1 and triton for CPU tensors)")
         return forced, "forced by transport=/MOECOMM_TRANSPORT"
     hier = available.get("hierarchical")
-    limit = HIERARCHICAL_MIN_BYTES.get(opcode)
-    if device == "cpu" and not single_node and hier is not None and limit is not None and nbytes is not None \
-            and nbytes >= limit:
+    hier_min = HIERARCHICAL_MIN_BYTES.get(opcode)
+    if device == "cpu" and not single_node and hier is not None and hier_min is not None and nbytes is not None \
+            and nbytes >= hier_min:
         return "hierarchical", (f"host tensors on {hier.num_nodes} nodes x {hier.local_size} ranks, {nbytes} B >= "
-                                f"{limit} B (selection.HIERARCHICAL_MIN_BYTES)")
+                                f"{hier_min} B (selection.HIERARCHICAL_MIN_BYTES)")
     ipc = available.get("ipc")
     if device == "cuda" and single_node and nbytes is not None and ipc is not None and device in ipc.devices:
         limit = ipc_max_bytes(opcode, ipc.size, arch)
@@ -165,7 +165,11 @@ def choose_transport(opcode: OpCode, device: str, single_node: bool, available: 
     for name in chain:
         if name in available:
             where = "one node" if single_node else "several nodes"
-            return name, f"first available of {'>'.join(chain)} for {device} tensors on {where}"
+            reason = f"first available of {'>'.join(chain)} for {device} tensors on {where}"
+            if device == "cpu" and not single_node and hier_min is not None and nbytes is not None:
+                reason += (f"; not hierarchical: {nbytes} B < {hier_min} B (selection.HIERARCHICAL_MIN_BYTES)"
+                           if hier is not None else "; not hierarchical: needs equal ranks (>1) on every node")
+            return name, reason
     raise RuntimeError(
         f"no transport can serve {device} tensors here (available: {sorted(available)}); "
         "launch with mpiexec (mpi) or torchrun (gloo: torch.distributed with gloo) for multi-node runs")

@@ -57,7 +57,8 @@ def check(comm: collectives.Communicator, flat_name: str) -> int:
     plan = comm.plan("all_reduce", big)
     assert plan.transport == "hierarchical" and f"{flat_name} all_reduce" in plan.algorithm \
         and "shm reduce_scatter" in plan.algorithm, plan
-    assert comm.plan("all_reduce", torch.zeros(5)).transport == flat_name
+    small = comm.plan("all_reduce", torch.zeros(5))
+    assert small.transport == flat_name and "not hierarchical: 20 B <" in small.reason, small
     # from here on every size goes hierarchical: the stages, padding and empty tensors under test
     for op in selection.HIERARCHICAL_MIN_BYTES:
         selection.HIERARCHICAL_MIN_BYTES[op] = 0
