@@ -117,7 +117,7 @@ class MoELayer(nn.Module):
         shared_ffn_hidden_size: inner size of a shared expert, 0 for none.
         seed: an int >= 0.
         node_aware: None (auto: node-aware dispatch when ``comm`` spans nodes), True or False: see
-            :class:`~moe.dispatcher.ExpertDispatcher`.
+            :class:`~moe.dispatcher.ExpertDispatcher`; call :meth:`close` when done with the layer.
         router_kwargs: ``score``, ``normalize``, ``aux_loss_coef``, ``z_loss_coef`` of :class:`TopKRouter`.
     """
 
@@ -169,6 +169,10 @@ class MoELayer(nn.Module):
         self.shared = (SharedExpert(hidden_size, shared_ffn_hidden_size, activation, seed)
                        if shared_ffn_hidden_size else None)
         self.last_handle = None
+
+    def close(self) -> None:
+        """Close the dispatcher's sub-groups (the node-aware path's; collective like their creation)."""
+        self.dispatcher.close()
 
     def extra_repr(self) -> str:
         return (f"rank={self.comm.rank}/{self.comm.size}, experts {self.dispatcher.first_local_expert}.."

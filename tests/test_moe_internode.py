@@ -44,19 +44,47 @@ def test_node_rows_dedup_against_a_python_reference():
     assert row_node.numel() < int((owner < P).sum())
 
 
-def _fake_topology_body(comm, nodes):
-    return compare_paths(comm, nodes)
+FAKE_TOPOLOGIES = {"block": ((0, 1), (2, 3)), "interleaved": ((0, 2), (1, 3)), "one-per-node": ((0,), (1,), (2,), (3,))}
 
 
-@pytest.mark.parametrize("nodes", [((0, 1), (2, 3)), ((0, 2), (1, 3)), ((0,), (1,), (2,), (3,))],
-                         ids=["block", "interleaved", "one-per-node"])
-def test_node_aware_matches_flat_with_a_fake_topology(nodes):
-    results = collectives.launch(_fake_topology_body, 4, nodes, timeout=120)
+def _fake_topology_body(comm):
+    from moe_internode_job import one_rank_bad
+
+    out = {name: compare_paths(comm, nodes) for name, nodes in FAKE_TOPOLOGIES.items()}
+    out["bad"] = one_rank_bad(comm, FAKE_TOPOLOGIES["block"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def fake_topology_results():
+    """One launch of 4 ranks on this host for every fake topology and the bad-argument case (timeout 20 s:
+    a hang in the bad-argument case raises the timeout instead of ValueError)."""
+    return collectives.launch(_fake_topology_body, 4, timeout=20)
+
+
+@pytest.mark.parametrize("name", list(FAKE_TOPOLOGIES))
+def test_node_aware_matches_flat_with_a_fake_topology(fake_topology_results, name):
+    nodes = FAKE_TOPOLOGIES[name]
+    results = [res[name] for res in fake_topology_results]
     assert all(res["checks"] >= 30 for res in results), results
     if len(nodes[0]) > 1:   # dedup happened somewhere: fewer inter-node bytes than the flat path in some case
         assert any(t[0] < t[2] for res in results for t in res["traffic"]), results
     else:                   # one rank per node: a node is a rank, so both paths send the same
         assert all(t[0] == t[2] and t[1] == 0 for res in results for t in res["traffic"]), results
+
+
+def test_a_bad_argument_on_one_rank_fails_every_rank(fake_topology_results):
+    """Rank 3 passes x of another dtype to dispatch, then weights of another shape to combine. Every rank
+    raises ValueError: rank 3 its own message, its peers in a sub-group naming it, and the others naming
+    the peer that relayed it to them (their only news)."""
+    per_rank = [res["bad"] for res in fake_topology_results]
+    for case in ("dispatch", "combine"):
+        kinds = [outcomes[case][0] for outcomes in per_rank]
+        texts = [outcomes[case][1] for outcomes in per_rank]
+        assert kinds == ["ValueError"] * 4, (case, per_rank)
+        assert f"{case} on rank 3:" in texts[3], texts
+        assert all(re.search(r"rank\(s\) \[[123]\] rejected", t) for t in texts[:3]), texts
+        assert any("rank(s) [3] rejected" in t for t in texts[:3]), texts
 
 
 @pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
@@ -90,21 +118,3 @@ def test_node_aware_across_testbed_nodes(make_testbed, tmp_path, launcher):  # n
         assert rep["checks"] >= 30, rep
     assert any(t[0] < t[2] for rep in reports.values() for t in rep["traffic"]), reports
 
-
-def _one_rank_bad_body(comm, nodes):
-    from moe_internode_job import one_rank_bad
-    return one_rank_bad(comm, nodes)
-
-
-def test_a_bad_argument_on_one_rank_fails_every_rank():
-    """Rank 3 passes x of another dtype to dispatch, then weights of another shape to combine. Every rank
-    raises ValueError (a hang would raise the 20 s timeout instead): rank 3 its own message, its peers in a
-    sub-group naming it, and the others naming the peer that relayed it to them (their only news)."""
-    per_rank = collectives.launch(_one_rank_bad_body, 4, ((0, 1), (2, 3)), timeout=20)
-    for case in ("dispatch", "combine"):
-        kinds = [outcomes[case][0] for outcomes in per_rank]
-        texts = [outcomes[case][1] for outcomes in per_rank]
-        assert kinds == ["ValueError"] * 4, (case, per_rank)
-        assert f"{case} on rank 3:" in texts[3], texts
-        assert all(re.search(r"rank\(s\) \[[123]\] rejected", t) for t in texts[:3]), texts
-        assert any("rank(s) [3] rejected" in t for t in texts[:3]), texts

@@ -203,7 +203,7 @@ def _compare_layers(c: Any) -> int:
             (y.square().sum() + aux).backward()
             res[name] = (y.detach(), aux.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()})
         finally:
-            layer.dispatcher.close()
+            layer.close()
     f, a = res["flat"], res["aware"]
     _close(a[0], f[0], "MoELayer forward", 1e-5)
     _close(a[1], f[1], "MoELayer aux loss", 1e-6)
