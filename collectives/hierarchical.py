@@ -191,7 +191,14 @@ class HierarchicalTransport(Transport):
         # what serves the node and rail stages: expected until the groups are made, then what they picked
         self._stage_names = ("shm", flat.name)
         mpi_comm = getattr(flat, "comm", None) if flat.name == "mpi" else None
-        self._progress = _MpiProgress(mpi_comm) if mpi_comm is not None else _NoProgress()
+        self._progress: _MpiProgress | _NoProgress = _NoProgress()
+        if mpi_comm is not None:
+            MPI = flat.MPI
+            if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+                self._progress = _MpiProgress(mpi_comm)
+            else:  # a second thread may not call MPI: the MPI -> shm cycle can then only end by the timeout
+                log.warning("MPI was initialised below MPI_THREAD_MULTIPLE: hierarchical collectives run without "
+                            "their MPI progress helper and may wait out the timeout (mpi4py.rc.thread_level)")
 
     # ---- plan -------------------------------------------------------------------------------
     def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
