@@ -31,7 +31,7 @@ import collectives  # noqa: E402
 from moe import ExpertDispatcher, MoELayer  # noqa: E402
 
 SEED = 2615
-E, K, H = 8, 4, 6          # 2 experts per rank on 4 ranks: a node of 2 ranks holds 4, so tokens pick several
+E, K, H = 12, 4, 6         # 3 experts per rank on 4 ranks (4 on 3): a node of 2 ranks holds 6, so tokens pick several
 
 
 class FakeNodes:
