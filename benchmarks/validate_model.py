@@ -39,6 +39,8 @@ LOCAL_MD = RESULTS / "model-local-check.md"
 CALIBRATION_RUN = RESULTS / "local-calibration-run.json"
 PREDICTION_RUN = RESULTS / "local-prediction-run.json"
 LOCAL_RUNS_META = RESULTS / "local-runs-meta.json"
+# The calibration run's command made again later, minutes apart: how well this machine repeats itself
+REPEAT_RUNS = "local-repeat-run-*.json"
 
 GiB = 1 << 30
 KiB = 1 << 10
@@ -458,10 +460,42 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
     out += [f"Goal: within {GOAL_LOCAL:g}% at >= 64 KiB. Largest |error| at >= 64 KiB: "
             f"{max(large) if large else float('nan'):.1f}% over {len(large)} rows (mean {mean(large) if large else float('nan'):.1f}%): "
             f"{_verdict(goal_ok)}." + (f" {missing} row(s) had no fitted term of their algorithm." if missing else ""), ""]
+    repeats = sorted(RESULTS.glob(REPEAT_RUNS))
+    if repeats:
+        out += _repeatability(run1, repeats, ranges)
     out += ["## Every row of the prediction run", ""]
     out += _table(["op", "size B", "algorithm used", "measured us", "predicted us", "error %", "model's pick, us"],
                   rows) + [""]
     return "\n".join(out) + "\n"
+
+
+def _repeatability(run1: dict, repeats: list[Path], ranges: tuple[str, ...]) -> list[str]:
+    """How far the calibration run's own command, made again, lands from it (the floor of any prediction)."""
+    def times(run: dict) -> dict[tuple[str, str, int], float]:
+        return {(r["op"], r["transport"], r["size"]): r["time_us"] for r in run["rows"]
+                if r.get("library", "moecomm") == "moecomm"}
+
+    first = times(run1)
+    rows = []
+    for path in repeats:
+        again = times(json.loads(path.read_text()))
+        diffs: dict[tuple[str, str], list[float]] = {}
+        for key in sorted(first.keys() & again.keys()):
+            diffs.setdefault((key[0], _size_range(key[2])), []).append(
+                100.0 * (again[key] - first[key]) / first[key])
+        for op in dict.fromkeys(k[0] for k in first):
+            cells = [path.name, op]
+            for rng in ranges:
+                ds = diffs.get((op, rng), [])
+                cells.append(f"{mean(abs(d) for d in ds):.1f} / {max(abs(d) for d in ds):.1f} ({mean(ds):+.1f})"
+                             if ds else "n/a")
+            rows.append(cells)
+    return (["## How well this machine repeats itself", "",
+             "The calibration run's command made again, minutes later on the same quiet machine (see the runs "
+             "table), compared at the sizes both measured: |difference| % mean / max (signed mean). A model "
+             "fitted on one run cannot predict another run more closely than the machine repeats its own "
+             "measurements.", ""]
+            + _table(["repeat", "op", *ranges], rows) + [""])
 
 
 REPORTS: dict[Path, Callable[[], str]] = {
