@@ -21,12 +21,12 @@ import click
 import torch
 
 from transports.settings import SETTINGS
+from transports.shm import ONE_SHOT_UNBOUNDED
 
 from .common import Row, bus_factor, format_size, parse_size
 from .options import COUNT, comma_list
 from .table import Column, Table
 
-UNBOUNDED = 1 << 62  # a one-shot limit no message reaches: always one-shot
 
 
 def configs(slots: Sequence[int]) -> dict[str, dict[str, int]]:
@@ -41,7 +41,7 @@ def configs(slots: Sequence[int]) -> dict[str, dict[str, int]]:
     out = {}
     for slot in slots:
         label = format_size(slot).replace(" ", "")
-        out[f"one_shot/slot {label}"] = {"shm_slot_bytes": slot, "shm_one_shot_max": UNBOUNDED}
+        out[f"one_shot/slot {label}"] = {"shm_slot_bytes": slot, "shm_one_shot_max": ONE_SHOT_UNBOUNDED}
         out[f"two_shot/slot {label}"] = {"shm_slot_bytes": slot, "shm_one_shot_max": 0}
     return out
 

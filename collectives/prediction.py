@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from transports.settings import DERIVED
+from transports.shm import ONE_SHOT_UNBOUNDED
 
 log = logging.getLogger("collectives")
 
@@ -40,7 +41,6 @@ DEFAULT_HOST_MODEL = Path(__file__).resolve().parent / "model" / "calibrations" 
 # GPU architecture (torch's major.minor) -> the preset whose NVLink/NVSwitch fabric it comes in.
 _PRESET_BY_ARCH = {(8, 0): "dgx-a100", (9, 0): "dgx-h100", (10, 0): "b200-8"}
 
-_UNBOUNDED = 1 << 62  # a one-shot limit no message reaches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ def shm_one_shot_limit(system: Any, ranks: int) -> int | None:
     from .model.calibrate import comparison_start, crossover_bytes, fitted_time_us
 
     if ranks <= 1:
-        return _UNBOUNDED
+        return ONE_SHOT_UNBOUNDED
     scaled = at_ranks(system, ranks)
     names = ("shm/one_shot", "shm/two_shot")
     try:
@@ -136,7 +136,7 @@ def shm_one_shot_limit(system: Any, ranks: int) -> int | None:
         log.warning("performance model %s: shm two-shot fits faster than one-shot below %d B on %d ranks; "
                     "running two-shot at every size", system.name, cross, ranks)
         return 0
-    return _UNBOUNDED if one_us <= two_us else 0
+    return ONE_SHOT_UNBOUNDED if one_us <= two_us else 0
 
 
 def transport_settings(settings: Mapping[str, Any], *, ranks: int, single_node: bool) -> dict[str, Any]:

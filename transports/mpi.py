@@ -315,17 +315,19 @@ class MPITransport(Transport):
         try:
             self._note_sends.append((self._notes.Isend(msg, dest=peer, tag=_NOTICE_TAG), msg, peer))
         except self.MPI.Exception as e:
-            self._unreachable.add(peer)
-            log.debug("mpi notice to rank %d failed: %s", self._ranks[peer], e)
+            self._mark_unreachable(peer, e)
 
     def _sent(self, request: Any, peer: int) -> bool:
         """Whether a notice's send is done (or failed: then its peer is unreachable)."""
         try:
             return bool(request.Test())
         except self.MPI.Exception as e:
-            self._unreachable.add(peer)
-            log.debug("mpi notice to rank %d failed: %s", self._ranks[peer], e)
+            self._mark_unreachable(peer, e)
             return True
+
+    def _mark_unreachable(self, peer: int, error: Exception) -> None:
+        self._unreachable.add(peer)
+        log.debug("mpi notice to rank %d failed: %s", self._ranks[peer], error)
 
     def _poll_notices(self) -> None:
         reqs = self._note_reqs

@@ -77,6 +77,7 @@ DEFAULT_SLOT_BYTES = 1 << 20
 # model without shm fits): 64 KiB, the largest size at which one-shot won for 2, 3 and 4 ranks in
 # benchmarks/results/shm-allreduce-tuning.txt.
 ONE_SHOT_MAX_BYTES_DEFAULT = 64 << 10
+ONE_SHOT_UNBOUNDED = 1 << 62  # a one-shot limit no message reaches: always one-shot
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 _fence_lock = threading.Lock()
@@ -152,7 +153,7 @@ class SharedMemoryTransport(Transport):
         _tight_timer_slack()
         one_shot = settings["shm_one_shot_max"]
         self._one_shot_limit = int(one_shot) if one_shot is not None else (
-            1 << 62 if n == 1 else ONE_SHOT_MAX_BYTES_DEFAULT)
+            ONE_SHOT_UNBOUNDED if n == 1 else ONE_SHOT_MAX_BYTES_DEFAULT)
         log.debug("shm transport up: segment %s, %d ranks, slot %d B, oversubscribed=%s",
                   self.segment_name, n, self.slot_bytes, oversubscribed)
 
