@@ -22,6 +22,7 @@ from benchmarks.output import load_run
 from benchmarks.plot import series
 from benchmarks.progress import Progress
 from benchmarks.report import compare_runs, ratio_table
+from transports.shm import ONE_SHOT_UNBOUNDED
 from spmd import UNDER_MPI
 from test_bench_cli import COLUMNS, header, parse_rows
 from spmd import mpiexec_path
@@ -301,7 +302,7 @@ def test_tune_shm_passes_settings_as_launch_options_not_environment(monkeypatch)
     res = CliRunner().invoke(tune_shm.main, ["--nprocs", "3", "--sizes", "8K,1M", "--slots", "64K,1M", "--reps", "2"])
     assert res.exit_code == 0, res.output
     want = [{"shm_slot_bytes": slot, "shm_one_shot_max": limit}
-            for slot in (64 << 10, 1 << 20) for limit in (tune_shm.UNBOUNDED, 0)] * 2
+            for slot in (64 << 10, 1 << 20) for limit in (ONE_SHOT_UNBOUNDED, 0)] * 2
     assert [c[2].get("options") for c in calls] == want
     assert all(c[0] == 3 and c[1] == ([8 << 10, 1 << 20],) and c[3] == before for c in calls)
     assert {k: v for k, v in os.environ.items() if k.startswith("MOECOMM_")} == before
