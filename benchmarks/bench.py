@@ -27,7 +27,7 @@ def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
     """
     from .peers import build_peers, gpus_per_rank_available
     from .progress import Progress
-    from .report import ratio_table
+    from .report import memcpy_table, ratio_table
 
     device = opts["device"]
     has_gpus = gpus_per_rank_available(comm) if device in ("auto", "cuda") else False
@@ -37,7 +37,7 @@ def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
     device = "cuda" if has_gpus else "cpu"
     try:
         peers, notes = build_peers(comm, transports=opts["transports"], compare=opts["compare"], peers=opts["peers"],
-                                   device=device, timeout=opts["timeout"])
+                                   device=device, timeout=opts["timeout"], memcpy=opts["memcpy"])
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     lead = comm.rank == 0
@@ -82,11 +82,11 @@ def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
     bad_peers = sorted({r.transport for r in rows if r.library != "moecomm" and (r.wrong > 0 or r.ip_wrong > 0)})
     if bad_peers:
         out(f"# note: wrong results from {', '.join(bad_peers)} (a peer's problem; moecomm's exit code ignores it)")
-    table = ratio_table([r.as_dict() for r in rows])
-    if table:
-        out("")
-        for line in table:
-            out(line)
+    for table in (ratio_table([r.as_dict() for r in rows]), memcpy_table([r.as_dict() for r in rows])):
+        if table:
+            out("")
+            for line in table:
+                out(line)
     topo = comm.topology
     meta = {"launch": topo.launch, "nranks": comm.size, "nodes": topo.num_nodes, "hosts": sorted(set(topo.hosts)),
             "cpus_per_rank": list(topo.cpus_per_rank), "transports_available": sorted(comm.transports),
@@ -124,7 +124,8 @@ def _write_outputs(res: dict[str, Any], opts: dict[str, Any], json_path: str | N
 
 
 def _sweep_options(minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, ops: str, redop: str,
-                   dtype: str, transport: str | None, compare: bool, peers: str | None) -> dict[str, Any]:
+                   dtype: str, transport: str | None, compare: bool, peers: str | None,
+                   memcpy: bool | None = None) -> dict[str, Any]:
     """The sweep's sizes, ops, dtypes, redops, transports and peers, or a usage error naming the option."""
     def parsed(parse: Callable[[str], list[str]], text: str, hint: str) -> list[str]:
         try:
@@ -151,6 +152,7 @@ def _sweep_options(minbytes: int, maxbytes: int, stepfactor: int | None, stepbyt
         raise click.BadParameter("peers are measured with --compare only", param_hint="--peers")
     return dict(ops=parsed(parse_ops, ops, "--ops"), dtypes=parsed(parse_dtypes, dtype, "-d"),
                 redops=parsed(parse_redops, redop, "-o"), compare=compare,
+                memcpy=compare if memcpy is None else memcpy,
                 sizes=size_list,
                 transports=transports or None, peers=peer_list or None)
 
@@ -191,8 +193,12 @@ def _fits(opts: dict[str, Any]) -> Callable[[int], None]:
                    "--compare every available one plus auto].")
 @click.option("--compare", is_flag=True,
               help="Measure moecomm (each transport and auto), mpi4py (under mpiexec) and torch.distributed "
-                   "(gloo on CPU, NCCL on GPU) side by side, and print moecomm auto / best peer ratios.")
+                   "(gloo on CPU, NCCL on GPU) side by side, and print moecomm auto / best peer ratios "
+                   "(and the memcpy reference, see --memcpy).")
 @click.option("--peers", default=None, help="With --compare: which of mpi4py, gloo, nccl [default: all that can run].")
+@click.option("--memcpy/--no-memcpy", default=None,
+              help="Measure the memory-bandwidth reference (every rank copies each size locally, at the same "
+                   "time) and print each op's busbw as a % of it [default: on with --compare].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the tensors live; auto: cuda when every local rank has a GPU.")
 @click.option("--nprocs", type=COUNT, default=2, show_default=True,
@@ -208,14 +214,15 @@ def _fits(opts: dict[str, Any]) -> Callable[[int], None]:
 @click.option("--seed", type=NONNEGATIVE, default=1, show_default=True, help="Seed of the random inputs.")
 def bench(minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, ops: str, redop: str, dtype: str,
           root: int, iters: int, warmup: int, check: int, no_check: bool, transport: str | None, compare: bool,
-          peers: str | None, device: str, nprocs: int, timeout: float, json_path: str | None, csv_path: str | None,
+          peers: str | None, memcpy: bool | None, device: str, nprocs: int, timeout: float, json_path: str | None, csv_path: str | None,
           plot_path: str | None, no_save: bool, quiet: bool, seed: int) -> None:
     """Bandwidth sweep in nccl-tests' format: out-of-place and in-place time/algbw/busbw/#wrong, p50/p99.
 
     Self-launches --nprocs local ranks, or uses the job's ranks under mpirun/mpiexec/torchrun.
     Writes ./moecomm-bench.json and ./moecomm-bench.png unless told otherwise.
     """
-    opts = _sweep_options(minbytes, maxbytes, stepfactor, stepbytes, ops, redop, dtype, transport, compare, peers)
+    opts = _sweep_options(minbytes, maxbytes, stepfactor, stepbytes, ops, redop, dtype, transport, compare, peers,
+                          memcpy)
     opts.update(root=root, iters=iters, warmup=warmup, check=0 if no_check else check, seed=seed, quiet=quiet,
                 device=device, timeout=timeout)
     if not no_save:

@@ -16,11 +16,37 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 # nccl-tests' bus-bandwidth factors (busbw = algbw * factor): one table, the performance model's
-from collectives.model.collective import bus_factor as bus_factor  # noqa: F401 - re-exported (sweep, tune_shm)
+from collectives.model.collective import bus_factor as _collective_bus_factor
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 ALL_OPS = OPS + ("broadcast",)
 REDUCING = ("all_reduce", "reduce_scatter")
+# The memory-bandwidth reference of ``bench --compare`` (peers.MemcpyPeer): every rank copies
+# ``size`` bytes locally, at the same time. Its rows have op MEMCPY and library REFERENCE; it has
+# no in-place variant and is never a peer of the ratio tables.
+MEMCPY = "memcpy"
+REFERENCE = "reference"
+# ops whose sweep size is one rank's whole buffer (no per-rank blocks)
+WHOLE_BUFFER = ("all_reduce", "broadcast", MEMCPY)
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor (``collectives.model.collective.bus_factor``), and 1 for
+    the memcpy reference (its bytes cross the memory bus once: busbw = algbw = size / time).
+
+    Args:
+        op: a collective of :data:`ALL_OPS`, ``"reduce"`` or :data:`MEMCPY`; n: number of ranks.
+
+    Returns:
+        busbw / algbw. Raises ValueError for an unknown op.
+    """
+    return 1.0 if op == MEMCPY else _collective_bus_factor(op, n)
+
+
+def has_in_place(op: str) -> bool:
+    """Whether the sweep measures an in-place variant of ``op`` (every collective; not the memcpy
+    reference, whose in-place columns are printed ``N/A`` and saved as 0 with ``ip_wrong`` -1)."""
+    return op != MEMCPY
 REDOPS = ("sum", "prod", "max", "min", "avg")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -172,7 +198,7 @@ def counts_for(op: str, size: int, n: int, item_bytes: int) -> int:
     """Per-rank element count of the op's parameter for a sweep size.
 
     Args:
-        op: a collective of :data:`ALL_OPS`.
+        op: a collective of :data:`ALL_OPS`, or :data:`MEMCPY` (like all_reduce: the whole buffer).
         size: the sweep size in bytes (the full buffer, see :mod:`benchmarks.sweep`).
         n: number of ranks.
         item_bytes: bytes per element.
@@ -182,19 +208,19 @@ def counts_for(op: str, size: int, n: int, item_bytes: int) -> int:
         0 means the size is too small to give every rank an element.
     """
     elems = size // item_bytes
-    return elems if op in ("all_reduce", "broadcast") else elems // n
+    return elems if op in WHOLE_BUFFER else elems // n
 
 
 def in_numel(op: str, count: int, n: int) -> int:
     """Elements of one rank's input.
 
     Args:
-        op: a collective of :data:`ALL_OPS`; count: elements per rank; n: number of ranks.
+        op: a collective of :data:`ALL_OPS` or :data:`MEMCPY`; count: elements per rank; n: number of ranks.
 
     Returns:
         ``count``, or ``n * count`` for reduce_scatter/all_to_all (n blocks).
     """
-    return count if op in ("all_reduce", "all_gather", "broadcast") else count * n
+    return count if op in ("all_gather", *WHOLE_BUFFER) else count * n
 
 
 def out_numel(op: str, count: int, n: int) -> int:
@@ -223,6 +249,8 @@ class Row:
     ``transport`` is the peer's label (moecomm transports: shm, mpi, auto; peers: mpi4py, gloo,
     nccl); ``library`` who implements it. Times in microseconds, bandwidths in GB/s (1e9 B/s);
     ``wrong``/``ip_wrong``: -1 = not checked. The ``ip_`` fields are the in-place variant.
+    ``memcpy_busbw``: the memcpy reference measured at the same size in the same run (GB/s, 0 when
+    the run has none), so ``busbw / memcpy_busbw`` is the op's fraction of the local copy rate.
     Built by keyword only (``Row(op="all_reduce", transport="shm", ...)``).
     """
 
@@ -249,6 +277,7 @@ class Row:
     library: str = "moecomm"
     nranks: int = 0
     device: str = "cpu"
+    memcpy_busbw: float = 0.0  # the memcpy reference's busbw at this size in the same run (0: none measured)
 
     def as_dict(self) -> dict[str, Any]:
         """The row as a plain dict (what JSON and CSV files hold)."""

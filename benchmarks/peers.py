@@ -21,6 +21,10 @@ torch.distributed copy + ``all_reduce`` /          ``all_reduce(buf)``, ``all_ga
                   all_to_all_single
 ================  ===============================  ================================================
 
+The memcpy reference (:class:`MemcpyPeer`, with ``--compare``) is no library under measurement:
+every rank copies the sweep size locally at the same time, once per size, timed by the same
+harness, so each op's busbw can be read as a fraction of what this memory system copies.
+
 mpi4py reductions use NumPy's typed buffers (so no float16/bfloat16 reductions: MPI has no
 predefined type for them, and no average); data movement without reduction goes as bytes.
 """
@@ -36,7 +40,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from .common import DTYPES, REDUCING, out_numel
+from .common import DTYPES, MEMCPY, REDUCING, REFERENCE, out_numel
 
 log = logging.getLogger("benchmarks")
 
@@ -68,6 +72,7 @@ class Peer:
     name: str = "?"
     library: str = "?"
     device: str = "cpu"
+    reference_op: str | None = None  # a reference (MemcpyPeer): the one op it runs, once per size
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
@@ -172,6 +177,48 @@ class MoecommPeer(Peer):
         if op == "broadcast":
             return lambda: c.broadcast(src, root, out=dst)
         raise ValueError(f"unknown op {op!r}")
+
+
+class MemcpyPeer(Peer):
+    """The memory-bandwidth reference: ``size`` bytes copied from a preallocated random source into a
+    preallocated destination on every rank, the ranks copying at the same time (as they move bytes
+    in a collective, so they share the memory bandwidth as the ops do).
+
+    On the CPU the copy is ``numpy.copyto`` on uint8 views: one thread per rank, the primitive the
+    shm transport copies with, and on this 2-core machine as fast as or faster than
+    ``Tensor.copy_`` at one thread (1 MiB-32 MiB; copy_ spreads over torch's intra-op threads,
+    which ranks sharing the cores would oversubscribe). On a GPU it is ``Tensor.copy_`` between two
+    tensors of the rank's device (a device-to-device copy). The reference has no in-place variant
+    (:func:`common.has_in_place`): its in-place columns print ``N/A``. Its result is checked
+    bitwise against the source.
+    """
+
+    name = MEMCPY
+    library = REFERENCE
+    reference_op = MEMCPY
+
+    def __init__(self, rank: int, size: int, device: str = "cpu") -> None:
+        super().__init__(rank, size)
+        self.device = device
+
+    def supports(self, op: str, dtype: str, redop: str) -> str | None:
+        return None if op == MEMCPY else "the memcpy reference copies bytes; it is no collective"
+
+    def algorithm(self, op: str, x: torch.Tensor) -> str:
+        return "numpy.copyto" if self.device == "cpu" else "copy_ device-to-device"
+
+    def _call(self, op, src, dst, redop, root):
+        if op != MEMCPY:
+            raise ValueError(f"the memcpy reference runs {MEMCPY!r}, not {op!r}")
+        if self.device == "cpu":
+            import numpy as np
+
+            s, d = src.view(torch.uint8).numpy(), dst.view(torch.uint8).numpy()
+            return lambda: np.copyto(d, s)
+        return lambda: dst.copy_(src)
+
+    def describe(self) -> str:
+        return f"memcpy (reference: {self.algorithm(MEMCPY, torch.empty(0))} on each rank, {self.device})"
 
 
 _MPI_REDUCE_DTYPES = ("float32", "float64", "int32", "int64", "uint8")
@@ -416,7 +463,7 @@ def init_torch_distributed(comm, backend: str, timeout: float) -> None:
 
 
 def build_peers(comm, *, transports: Sequence[str] | None, compare: bool, peers: Sequence[str] | None,
-                device: str, timeout: float) -> tuple[list[Peer], list[str]]:
+                device: str, timeout: float, memcpy: bool = False) -> tuple[list[Peer], list[str]]:
     """The peers of one sweep, chosen collectively, and notes on the ones left out.
 
     Args:
@@ -427,6 +474,7 @@ def build_peers(comm, *, transports: Sequence[str] | None, compare: bool, peers:
         peers: which external peers (None: every one of mpi4py / gloo / nccl that can run here).
         device: "cpu" or "cuda" (tensors of every peer).
         timeout: seconds for torch.distributed's store and group.
+        memcpy: also the memory-bandwidth reference (:class:`MemcpyPeer`, last in the list).
 
     Returns:
         (peers, notes), the same on every rank. Raises ValueError for a transport that is not
@@ -454,8 +502,9 @@ def build_peers(comm, *, transports: Sequence[str] | None, compare: bool, peers:
             out.append(MoecommPeer(comm, "auto", show_transport=True, device=mdev))
         else:
             out.append(MoecommPeer(comm.using(t), t, device=mdev))
+    reference = [MemcpyPeer(comm.rank, comm.size, mdev)] if memcpy else []
     if not compare:
-        return out, notes
+        return out + reference, notes
     wanted = list(peers) if peers else list(EXTERNAL)
     unknown = [p for p in wanted if p not in EXTERNAL]
     if unknown:
@@ -492,4 +541,4 @@ def build_peers(comm, *, transports: Sequence[str] | None, compare: bool, peers:
     for p in out:
         if isinstance(p, MoecommPeer) and p.name in external:
             p.name = f"moecomm-{p.name}"
-    return out, notes
+    return out + reference, notes

@@ -1,4 +1,8 @@
-"""Bandwidth-vs-size figures of one or several runs (matplotlib, Agg backend: no display needed)."""
+"""Bandwidth-vs-size figures of one or several runs (matplotlib, Agg backend: no display needed).
+
+The memcpy reference of a run (``bench --compare``) is no peer line: it is drawn in every busbw
+panel as a dashed grey line labelled "memcpy reference", the rate the ops' busbw is a fraction of.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from .common import best_algbw, format_size
+from .common import MEMCPY, best_algbw, format_size
 
 _STYLES = ["-", "--", ":", "-."]
 _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
@@ -14,14 +18,21 @@ _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 
 def series(rows: Sequence[dict]) -> dict[tuple, list[tuple[int, float, float]]]:
     """(op, peer, dtype, redop) -> [(size, algbw, busbw)] sorted by size; bandwidths are each
-    peer's better checked variant (:func:`common.best_algbw`), sizes with none are left out."""
+    peer's better checked variant (:func:`common.best_algbw`), sizes with none are left out; the
+    memcpy reference is not a series (:func:`reference_series`)."""
     out: dict[tuple, list] = {}
     for r in rows:
         alg, bus = best_algbw(r), best_algbw(r, bus=True)
-        if alg is None or r["size"] <= 0:
+        if alg is None or r["size"] <= 0 or r["op"] == MEMCPY:
             continue
         out.setdefault((r["op"], r["transport"], r["dtype"], r["redop"]), []).append((r["size"], alg, bus))
     return {k: sorted(v) for k, v in out.items()}
+
+
+def reference_series(rows: Sequence[dict]) -> list[tuple[int, float]]:
+    """The memcpy reference of a run: [(size, busbw GB/s)] sorted by size (empty when it has none)."""
+    return sorted((r["size"], bw) for r in rows
+                  if r["op"] == MEMCPY and r["size"] > 0 and (bw := best_algbw(r, bus=True)))
 
 
 class Figure(NamedTuple):
@@ -82,6 +93,7 @@ def plot_runs(runs: Sequence[tuple[str, Sequence[dict]]], path: str | os.PathLik
     """
     plt = _pyplot()
     per_run = [(label, series(rows)) for label, rows in runs]
+    references = [(label, reference_series(rows)) for label, rows in runs]
     ops = list(dict.fromkeys(k[0] for _, s in per_run for k in s))
     if not ops:
         raise ValueError("nothing to plot: no rows with a positive size and a checked result")
@@ -104,6 +116,10 @@ def plot_runs(runs: Sequence[tuple[str, Sequence[dict]]], path: str | os.PathLik
                     ax.plot([p[0] for p in pts], [p[idx] for p in pts], _STYLES[ri % len(_STYLES)],
                             marker=_MARKERS[(pi + vi) % len(_MARKERS)], markersize=4, color=cmap(pi % 10),
                             label=f"{label}: {name}" if label else name)
+            for ri, (label, points) in enumerate(references):
+                if what == "busbw" and points:  # the rate the ops' busbw is a fraction of
+                    ax.plot([p[0] for p in points], [p[1] for p in points], linestyle=(0, (5, 2 + ri)), color="grey",
+                            linewidth=1.5, label=f"{label}: memcpy reference" if label else "memcpy reference")
             for li, (label, points) in enumerate((predicted or {}).get(op, {}).items()):
                 ax.plot([p[0] for p in points], [p[idx] for p in points], _STYLES[1 + li % (len(_STYLES) - 1)],
                         color="black", linewidth=1.2, label=label)

@@ -1,4 +1,5 @@
-"""Ratio tables (moecomm auto vs the best peer; one run vs another) and ``moecomm report``."""
+"""Ratio tables (moecomm auto vs the best peer; one run vs another), each op's busbw as a fraction of
+the memcpy reference, and ``moecomm report``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import click
 
-from .common import best_algbw, geomean
+from .common import MEMCPY, REFERENCE, best_algbw, geomean
 from .options import FIGURE
 from .table import Column, Table
 
@@ -25,7 +26,8 @@ def _groups(rows: Sequence[Mapping[str, Any]]) -> tuple[dict, tuple[bool, bool]]
             continue
         g.setdefault((r["op"], r["dtype"], r["redop"]), {}).setdefault(r["size"], {})[r["transport"]] = (
             bw, r.get("library", "moecomm"))
-    varied = (len({k[1] for k in g}) > 1, len({k[2] for k in g if k[2] != "none"}) > 1)
+    ops = [k for k in g if k[0] != MEMCPY]  # the reference copies uint8 whatever the sweep's dtypes
+    varied = (len({k[1] for k in ops}) > 1, len({k[2] for k in ops if k[2] != "none"}) > 1)
     return g, varied
 
 
@@ -62,7 +64,7 @@ def ratio_table(rows: Sequence[Mapping[str, Any]], *, base: str = "auto") -> lis
         The table's lines; empty when the rows hold no ``base`` or no external peer.
     """
     g, varied = _groups(rows)
-    peers = list(dict.fromkeys(r["transport"] for r in rows if r.get("library", "moecomm") != "moecomm"))
+    peers = list(dict.fromkeys(r["transport"] for r in rows if r.get("library", "moecomm") not in ("moecomm", REFERENCE)))
     if not peers or not any(base in by_peer for sizes in g.values() for by_peer in sizes.values()):
         return []
     table = Table(_range_columns(list(g), varied) + [
@@ -81,6 +83,51 @@ def ratio_table(rows: Sequence[Mapping[str, Any]], *, base: str = "auto") -> lis
             lines.append(table.line(_opname(key, varied), rname, len(pts), geomean(mine), who,
                                     geomean(b[0] for b in best), geomean(m / b[0] for m, b in zip(mine, best)),
                                     *(_ratio_cell([d[base][0] / d[p][0] for d in pts if p in d]) for p in peers)))
+    return lines
+
+
+def memcpy_table(rows: Sequence[Mapping[str, Any]], *, base: str = "auto") -> list[str]:
+    """Each op's busbw as a percentage of the memcpy reference measured at the same size in the same run.
+
+    Per row the fraction is the peer's busbw (its better checked variant, out-of-place or in-place,
+    :func:`common.best_algbw`) / the memcpy rows' busbw at that size; the table gives per op and size
+    range (:data:`RANGES`) the reference's GB/s and, per peer (``base`` first), 100 x the fractions'
+    geometric mean over the sizes.
+
+    Args:
+        rows: :class:`common.Row` dicts of one run.
+        base: the peer in the first column (moecomm auto) when the run has it.
+
+    Returns:
+        The table's lines; empty when the rows hold no memcpy reference (runs saved before it
+        existed, or without ``--compare``/``--memcpy``).
+    """
+    ref = {}
+    for r in rows:
+        bw = best_algbw(r, bus=True) if r["op"] == MEMCPY else None
+        if bw and r["size"] > 0:
+            ref[r["size"]] = bw
+    g: dict = {}
+    for r in rows:
+        bw = best_algbw(r, bus=True)
+        if r["op"] == MEMCPY or r["size"] not in ref or not bw:
+            continue
+        g.setdefault((r["op"], r["dtype"], r["redop"]), {}).setdefault(r["size"], {})[r["transport"]] = bw / ref[r["size"]]
+    if not g:
+        return []
+    peers = list(dict.fromkeys(p for by_size in g.values() for d in by_size.values() for p in d))
+    peers.sort(key=lambda p: p != base)  # stable: base first, the others in the run's order
+    _, varied = _groups(rows)
+    table = Table(_range_columns(list(g), varied) + [Column("n", 3), Column("memcpy GB/s", 11, ".3f"),
+                                                     *(Column(f"{p} %", 9, ".1f") for p in peers)])
+    lines = ["# busbw as % of the memcpy reference at the same size (each peer's better checked variant of "
+             "out-of-place and in-place); geometric mean over the sizes of each range", *table.header()]
+    for key, by_size in g.items():
+        for rname, lo, hi in RANGES:
+            pts = [(s, d) for s, d in sorted(by_size.items()) if lo <= s <= hi]
+            if pts:
+                lines.append(table.line(_opname(key, varied), rname, len(pts), geomean(ref[s] for s, _ in pts),
+                                        *(_ratio_cell([100 * d[p] for _, d in pts if p in d]) for p in peers)))
     return lines
 
 
@@ -152,6 +199,7 @@ def predicted_beside(rows: Sequence[Mapping[str, Any]], system: Any, *, nodes: i
     """
     from collectives.model import predict_collective
 
+    rows = [r for r in rows if r["op"] != MEMCPY]  # the reference is no collective the model predicts
     if peers is None:
         have = list(dict.fromkeys(r["transport"] for r in rows))
         peers = ["auto"] if "auto" in have else have
@@ -252,10 +300,11 @@ def report(files: tuple[str, ...], plot_path: str | None, labels: str | None, ti
     for name, run in zip(names, runs):
         click.echo(describe_run(name, run))
     for name, run in zip(names, runs):
-        table = ratio_table(run["rows"])
-        if table:
+        tables = [t for t in (ratio_table(run["rows"]), memcpy_table(run["rows"])) if t]
+        if tables:
             click.echo(f"\n# {name}")
-            for line in table:
+        for i, table in enumerate(tables):
+            for line in ([""] if i else []) + table:
                 click.echo(line)
     cross = compare_runs(list(zip(names, [r["rows"] for r in runs])))
     if cross:

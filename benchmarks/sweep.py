@@ -24,7 +24,11 @@ Beyond nccl-tests:
   reductions stay in range (nccl-tests does not restore; on CPUs overflow to inf or a slide
   into denormals would change the speed of the reduction itself);
 - one invocation measures several peers (:mod:`benchmarks.peers`), interleaved size by size so
-  that machine drift hits all alike.
+  that machine drift hits all alike;
+- with a reference peer (:class:`peers.MemcpyPeer`), each size starts with one ``memcpy`` row:
+  every rank copies ``size`` bytes (uint8) locally at the same time, timed like the ops, checked
+  bitwise, busbw = algbw (bus factor 1), out-of-place only; every row of that size carries its
+  busbw as ``memcpy_busbw``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from .common import DTYPES, REDUCING, Row, bus_factor, counts_for, in_numel, itemsize
+from .common import (DTYPES, MEMCPY, REDUCING, WHOLE_BUFFER, Row, bus_factor, counts_for, has_in_place, in_numel,
+                     itemsize)
 from .peers import Bound, MoecommPeer, Peer
 
 
@@ -71,6 +76,8 @@ def _reduce(xs: Sequence[torch.Tensor], dtype: torch.dtype, redop: str) -> torch
 def _reference(op: str, count: int, n: int, rank: int, dtype: torch.dtype, seed: int, redop: str = "sum",
                root: int = 0) -> torch.Tensor:
     """What ``rank`` must receive: computed from every rank's regenerated input."""
+    if op == MEMCPY:  # a local copy: this rank's own input
+        return _inputs(op, count, n, rank, dtype, seed)
     xs = [_inputs(op, count, n, r, dtype, seed) for r in range(n)]
     if op == "all_reduce":
         return _reduce(xs, dtype, redop)
@@ -182,6 +189,11 @@ def measure(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: int,
     x = _inputs(op, count, n, rank, dtype, seed)
     per_rank, per_iter, wrong = [], [], []
     for in_place in (False, True):
+        if in_place and not has_in_place(op):  # the memcpy reference: out-of-place only
+            per_rank.append(0.0)
+            per_iter.append([])
+            wrong.append(-1)
+            continue
         bound = peer.bind(op, x, count, redop, root, in_place=in_place)
         # nccl-tests does not check in-place all_to_all ("We don't support in-place alltoall")
         unchecked = in_place and op == "all_to_all"
@@ -192,7 +204,7 @@ def measure(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: int,
     tot = stats.all_reduce(torch.tensor(per_rank + [max(w, 0) for w in wrong], dtype=torch.float64))
     across = stats.all_reduce(torch.tensor(per_iter[0] + per_iter[1], dtype=torch.float64), op="avg").numpy()
     t_oop, t_ip = float(tot[0]) / n, float(tot[1]) / n
-    nbytes = count * itemsize(dtype_name) * (1 if op in ("all_reduce", "broadcast") else n)
+    nbytes = count * itemsize(dtype_name) * (1 if op in WHOLE_BUFFER else n)
     factor = bus_factor(op, n)
     bw_oop = nbytes / t_oop / 1e9 if t_oop > 0 else 0.0
     bw_ip = nbytes / t_ip / 1e9 if t_ip > 0 else 0.0
@@ -244,7 +256,9 @@ def plan_sweep(peers: Sequence[Peer], ops: Iterable[str], dtype_names: Sequence[
     """The measurements a sweep will make, in order, and notes on what each peer skips and why.
 
     Order: size, op, dtype, redop, peer (innermost), so every peer measures a size back to back.
-    Sizes too small to give every rank an element are left out.
+    Sizes too small to give every rank an element are left out. A reference peer (one with a
+    ``reference_op``, :class:`peers.MemcpyPeer`) runs once per size, first, on uint8 (``size``
+    elements), whatever the ops and dtypes.
 
     Args:
         peers: the libraries measured.
@@ -255,8 +269,11 @@ def plan_sweep(peers: Sequence[Peer], ops: Iterable[str], dtype_names: Sequence[
         (steps, notes); the same on every rank.
     """
     ops = list(ops)
+    references = [p for p in peers if p.reference_op]
+    peers = [p for p in peers if not p.reference_op]
     steps, notes = [], {}
     for size in byte_sizes:
+        steps += [Step(size, p.reference_op, "uint8", "none", size, p) for p in references]
         for op in ops:
             for dname in dtype_names:
                 count = counts_for(op, size, n, itemsize(dname))
@@ -304,11 +321,15 @@ def run_sweep(comms: Mapping[str, Any], ops: Iterable[str], dtype_name: str | Se
     if on_notes is not None:
         on_notes(notes)
     rows: list[Row] = []
+    memcpy_busbw: dict[int, float] = {}  # size -> the reference's busbw (measured first at each size)
     for i, step in enumerate(steps):
         if on_start is not None:
             on_start(i, len(steps), step)
         row = measure(step.peer, stats, step.op, step.dtype, step.redop, step.count, iters=iters, warmup=warmup,
                       checks=int(check), seed=seed, root=root)
+        if row.op == MEMCPY:
+            memcpy_busbw[row.size] = row.busbw
+        row.memcpy_busbw = memcpy_busbw.get(row.size, 0.0)
         rows.append(row)
         if on_row is not None:
             on_row(row)

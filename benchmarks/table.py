@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .common import Row
+from .common import Row, has_in_place
 
 
 @dataclass(frozen=True)
@@ -108,15 +108,17 @@ def _wrong(w: int) -> str:
 
 
 def format_row(r: Row) -> str:
-    """One line of :data:`SWEEP` for a row (#wrong -1 printed ``N/A``, as nccl-tests does)."""
+    """One line of :data:`SWEEP` for a row (#wrong -1 printed ``N/A``, as nccl-tests does; so are the
+    in-place cells of an op without an in-place variant, the memcpy reference)."""
+    in_place = [r.ip_time_us, r.ip_algbw, r.ip_busbw, _wrong(r.ip_wrong)] if has_in_place(r.op) else ["N/A"] * 4
     return SWEEP.line(r.op, r.size, r.count, r.dtype, r.redop, r.root,
-                      r.time_us, r.algbw, r.busbw, _wrong(r.wrong),
-                      r.ip_time_us, r.ip_algbw, r.ip_busbw, _wrong(r.ip_wrong),
+                      r.time_us, r.algbw, r.busbw, _wrong(r.wrong), *in_place,
                       r.p50_us, r.p99_us, f"{r.transport}/{r.algorithm}")
 
 
 def summary(rows: Sequence[Row]) -> list[str]:
-    """nccl-tests' footer per peer: wrong values, and busbw averaged over out-of-place and in-place.
+    """nccl-tests' footer per peer: wrong values, and busbw averaged over out-of-place and in-place
+    (out-of-place alone for the memcpy reference, which has no in-place variant).
 
     Returns:
         Two ``#`` lines per peer, in the order the peers first appear in ``rows``.
@@ -124,7 +126,7 @@ def summary(rows: Sequence[Row]) -> list[str]:
     lines = []
     for name in dict.fromkeys(r.transport for r in rows):
         rs = [r for r in rows if r.transport == name]
-        bws = [r.busbw for r in rs] + [r.ip_busbw for r in rs]
+        bws = [r.busbw for r in rs] + [r.ip_busbw for r in rs if has_in_place(r.op)]
         avg = float(np.mean(bws)) if bws else 0.0
         bad = sum(max(r.wrong, 0) + max(r.ip_wrong, 0) for r in rs)
         lines.append(f"# {name}: Out of bounds values : {bad} {'OK' if bad == 0 else 'FAILED'}")

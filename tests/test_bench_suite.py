@@ -216,7 +216,7 @@ def test_compare_under_mpiexec_adds_mpi_and_mpi4py_same_columns(runs):
     a, b = load_run(d / "self.json"), load_run(d / "mpi.json")
     assert [list(r) for r in a["rows"]][0] == [list(r) for r in b["rows"]][0]
     assert set(a["env"]) == set(b["env"]) and (a["env"]["launch"], b["env"]["launch"]) == ("launch", "mpi")
-    assert set(b["env"]["peers"]) == {"shm", "mpi", "auto", "mpi4py", "gloo"}
+    assert set(b["env"]["peers"]) == {"shm", "mpi", "auto", "mpi4py", "gloo", "memcpy"}
 
 
 def test_json_and_csv_hold_rows_and_environment(runs):
@@ -229,7 +229,7 @@ def test_json_and_csv_hold_rows_and_environment(runs):
     assert env["nranks"] == 2 and env["launch"] == "launch" and env["device"] == "cpu"
     assert "MPICH" in (env["mpi_library"] or "") or "Open MPI" in (env["mpi_library"] or "")
     assert raw["options"]["iters"] == 2 and raw["options"]["compare"] is True
-    rows = raw["rows"]
+    rows = [r for r in raw["rows"] if r["op"] != "memcpy"]  # the reference's rows: test_memcpy_*
     assert len(rows) == len(parse_rows(out["self"])) == 3 * 4 * 3  # sizes x ops x peers
     for r in rows:  # what the table printed is what was saved; bus factors as nccl-tests'
         n = r["nranks"]
@@ -239,7 +239,7 @@ def test_json_and_csv_hold_rows_and_environment(runs):
     # round trip: the CSV reads back to exactly the JSON
     a, b = load_run(d / "self.json"), load_run(d / "self.csv")
     assert a == b
-    assert [cm.Row.from_dict(r).as_dict() for r in rows] == a["rows"]
+    assert [cm.Row.from_dict(r).as_dict() for r in raw["rows"]] == a["rows"]
 
 
 def test_bench_plot_and_report_from_two_saved_runs(runs, tmp_path):
@@ -329,3 +329,165 @@ def test_gpu_peers_allow_ranks_sharing_a_gpu_only_where_nccl_does(monkeypatch):
     assert gpus_per_rank_available(_Comm())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not gpus_per_rank_available(_Comm())
+
+
+# ---- the memcpy reference of --compare ----------------------------------------------------------
+# size ranges of the summaries (benchmarks.report.RANGES), written out
+RANGES = {"<=64KiB": (0, 64 << 10), "64KiB-4MiB": ((64 << 10) + 1, 4 << 20), ">4MiB": ((4 << 20) + 1, 1 << 62)}
+
+
+def _geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _fraction_table(stdout: str) -> tuple[list[str], dict[tuple[str, str], list[str]]]:
+    """The printed memcpy-fraction table: its peers (column order) and (op, range) -> cells."""
+    lines = stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("# busbw as % of the memcpy reference"))
+    head = lines[at + 1].split()[1:]  # op sizes n memcpy GB/s <peer> % <peer> % ...
+    assert head[:5] == ["op", "sizes", "n", "memcpy", "GB/s"] and head[6::2] == ["%"] * len(head[5::2])
+    cells = {}
+    for line in lines[at + 2:]:
+        if not line.strip() or line.startswith("#"):
+            break
+        f = line.split()
+        cells[f[0], f[1]] = f[2:]
+    return head[5::2], cells
+
+
+def _expected_fractions(rows) -> dict[tuple[str, str], dict[str, object]]:
+    """The fraction table recomputed from saved rows: per (op, range) the number of sizes, the
+    reference's GB/s and each peer's % (the better checked variant's busbw / memcpy busbw)."""
+    ref = {r["size"]: r["busbw"] for r in rows if r["op"] == "memcpy"}
+    out: dict = {}
+    for r in rows:
+        if r["op"] == "memcpy":
+            continue
+        assert r["memcpy_busbw"] == ref[r["size"]], r  # each row carries its size's reference
+        best = max([r["busbw"]] * (r["wrong"] <= 0) + [r["ip_busbw"]] * (r["ip_wrong"] == 0))
+        rname = next(k for k, (lo, hi) in RANGES.items() if lo <= r["size"] <= hi)
+        cell = out.setdefault((r["op"], rname), {"sizes": set()})
+        cell["sizes"].add(r["size"])
+        cell.setdefault(r["transport"], []).append(100 * best / ref[r["size"]])
+    return {k: {"n": len(v["sizes"]), "memcpy": _geomean(ref[s] for s in v["sizes"]),
+                **{p: _geomean(x) for p, x in v.items() if p != "sizes"}} for k, v in out.items()}
+
+
+def test_memcpy_reference_rows_in_the_table_and_the_json(runs):
+    d, out = runs
+    for name in [k for k in ("self", "mpi") if k in out]:
+        stdout = out[name]
+        printed = [line.split() for line in stdout.splitlines() if line.split()[:1] == ["memcpy"]]
+        rows = json.loads((d / f"{name}.json").read_text())["rows"]
+        ref = [r for r in rows if r["op"] == "memcpy"]
+        assert [int(f[1]) for f in printed] == [r["size"] for r in ref] == [1024, 8192, 65536]  # one per size
+        for f, r in zip(printed, ref):
+            # uint8, count = size, checked bitwise (#wrong 0), no in-place variant (N/A), numpy.copyto
+            assert f[2:6] == [f[1], "uint8", "none", "-1"] and f[9] == "0" and f[10:14] == ["N/A"] * 4
+            assert f[16] == "memcpy/numpy.copyto"
+            assert (r["library"], r["transport"], r["wrong"], r["ip_wrong"], r["ip_busbw"]) == (
+                "reference", "memcpy", 0, -1, 0.0)
+            assert r["busbw"] == r["algbw"] == pytest.approx(r["size"] / r["time_us"] / 1e3)
+            assert r["memcpy_busbw"] == r["busbw"] and float(f[8]) == pytest.approx(r["busbw"], abs=6e-4)
+        # the footer averages the reference's out-of-place busbw only (no in-place zeros)
+        assert f"# memcpy: Avg bus bandwidth    : {np.mean([r['busbw'] for r in ref]):.4f}" in stdout
+        # the ratio tables never take the reference for a peer
+        ratio = stdout[stdout.index("# moecomm auto vs the best peer"):stdout.index("# busbw as % of the memcpy")]
+        assert "memcpy" not in ratio
+
+
+def test_memcpy_fraction_table_is_busbw_over_the_reference_from_the_json(runs):
+    d, out = runs
+    for name in [k for k in ("self", "mpi") if k in out]:
+        peers, cells = _fraction_table(out[name])
+        want = _expected_fractions(json.loads((d / f"{name}.json").read_text())["rows"])
+        assert peers[0] == "auto" and set(peers) == {r for v in want.values() for r in v} - {"n", "memcpy"}
+        assert set(cells) == set(want) == {(op, "<=64KiB") for op in OPS4}
+        for key, got in cells.items():
+            assert int(got[0]) == want[key]["n"] == 3
+            assert float(got[1]) == pytest.approx(want[key]["memcpy"], abs=6e-4)
+            for p, cell in zip(peers, got[2:]):
+                assert float(cell) == pytest.approx(want[key][p], abs=0.051), (key, p)
+
+
+def test_report_rebuilds_the_memcpy_table_and_old_runs_report_without_it(runs, tmp_path):
+    from benchmarks.plot import plot_runs
+    from benchmarks.report import memcpy_table
+
+    d, out = runs
+    printed = out["self"].splitlines()
+    at = printed.index(next(line for line in printed if line.startswith("# busbw as % of the memcpy reference")))
+    table = printed[at : at + 2 + len(OPS4)]
+    for saved in ("self.json", "self.csv"):  # the same lines from the saved run, JSON or CSV
+        res = CliRunner().invoke(main, ["report", str(d / saved)])
+        assert res.exit_code == 0, res.output
+        lines = res.output.splitlines()
+        assert lines[lines.index(table[0]) : lines.index(table[0]) + len(table)] == table
+    rows = load_run(d / "self.json")["rows"]
+    fig = plot_runs([("", rows)], tmp_path / "ref.png")
+    assert "memcpy" not in fig.lines and all(fig.lines[op][-1] == "memcpy reference" for op in OPS4)
+    # a run saved before the reference existed: no memcpy rows, no memcpy_busbw field
+    old = json.loads((d / "self.json").read_text())
+    old["rows"] = [{k: v for k, v in r.items() if k != "memcpy_busbw"} for r in old["rows"] if r["op"] != "memcpy"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    res = CliRunner().invoke(main, ["report", str(tmp_path / "old.json"), str(d / "self.json")])
+    assert res.exit_code == 0, res.output
+    assert res.output.count("# moecomm auto vs the best peer") == 2 and res.output.count("memcpy reference") == 1
+    old_rows = load_run(tmp_path / "old.json")["rows"]
+    assert memcpy_table(old_rows) == [] and all(r["memcpy_busbw"] == 0.0 for r in old_rows)
+    assert "memcpy reference" not in plot_runs([("", old_rows)], tmp_path / "old.png").lines["all_reduce"]
+
+
+def test_memcpy_table_from_known_rows_and_never_a_best_peer():
+    from benchmarks.report import memcpy_table
+
+    def row(op, peer, lib, size, bw, ip_bw=0.0, ip_wrong=-1, dtype="float32"):
+        return cm.Row(op=op, transport=peer, size=size, count=1, dtype=dtype, redop="none", time_us=1.0,
+                      algbw=bw, busbw=bw, wrong=0, ip_busbw=ip_bw, ip_wrong=ip_wrong, library=lib).as_dict()
+
+    big = 8 << 20
+    rows = [row("memcpy", "memcpy", "reference", 1024, 10.0, dtype="uint8"),
+            row("memcpy", "memcpy", "reference", 4096, 40.0, dtype="uint8"),
+            row("memcpy", "memcpy", "reference", big, 8.0, dtype="uint8"),
+            # auto's in-place is better at 1 KiB (checked): 5/10 and 10/40 -> sqrt(50 * 25) %
+            row("all_gather", "auto", "moecomm", 1024, 2.0, ip_bw=5.0, ip_wrong=0),
+            row("all_gather", "auto", "moecomm", 4096, 10.0, ip_bw=99.0, ip_wrong=3),  # wrong in-place: not counted
+            row("all_gather", "auto", "moecomm", big, 6.0),
+            row("all_gather", "gloo", "torch", 1024, 1.0), row("all_gather", "gloo", "torch", 4096, 4.0),
+            row("all_gather", "gloo", "torch", big, 16.0)]
+    lines = memcpy_table(rows)
+    assert lines[1].split()[1:] == ["op", "sizes", "n", "memcpy", "GB/s", "auto", "%", "gloo", "%"]
+    small = next(line for line in lines if "<=64KiB" in line).split()
+    assert small == ["all_gather", "<=64KiB", "2", f"{math.sqrt(10 * 40):.3f}", f"{math.sqrt(50 * 25):.1f}", "10.0"]
+    large = next(line for line in lines if ">4MiB" in line).split()
+    assert large == ["all_gather", ">4MiB", "1", "8.000", "75.0", "200.0"]
+    # the reference changes no ratio table: same lines with and without it, no "memcpy" column
+    ops = [r for r in rows if r["op"] != "memcpy"]
+    assert ratio_table(rows) == ratio_table(ops) and "memcpy" not in "".join(ratio_table(rows))
+    assert memcpy_table(ops) == []
+
+
+def test_memcpy_reference_runs_once_per_size_first_and_is_checked_bitwise():
+    from benchmarks.bench import _sweep_options
+    from benchmarks.peers import MemcpyPeer, Peer
+
+    class Other(Peer):
+        name, library = "other", "other"
+
+    ref, other = MemcpyPeer(0, 2), Other(0, 2)
+    steps, notes = sw.plan_sweep([other, ref], ["all_reduce", "all_gather"], ["float32", "bfloat16"], ["sum"],
+                                 [1024, 4096], 2)
+    assert [(s.size, s.op, s.dtype, s.count, s.peer.name) for s in steps if s.op == "memcpy"] == [
+        (1024, "memcpy", "uint8", 1024, "memcpy"), (4096, "memcpy", "uint8", 4096, "memcpy")]
+    assert [s.op for s in steps][::5] == ["memcpy", "memcpy"] and len(steps) == 2 * (1 + 2 * 2) and not notes
+    x = sw._inputs("memcpy", 1000, 2, 1, torch.uint8, 3)
+    assert x.unique().numel() > 50  # random bytes, not a constant
+    assert sw.count_wrong("memcpy", x.clone(), 1000, 2, 1, torch.uint8, 3) == 0
+    bad = x.clone()
+    bad[7] ^= 1  # one bit
+    assert sw.count_wrong("memcpy", bad, 1000, 2, 1, torch.uint8, 3) == 1
+    assert cm.bus_factor("memcpy", 4) == 1.0 and not cm.has_in_place("memcpy")
+    base = (8, 1024, None, 0, "all_reduce", "sum", "float32", None)
+    assert [_sweep_options(*base, compare, None, memcpy)["memcpy"]
+            for compare, memcpy in ((True, None), (True, False), (False, None), (False, True))] == [True, False, False, True]
