@@ -94,6 +94,13 @@ def memcpy_table(rows: Sequence[Mapping[str, Any]], *, base: str = "auto") -> li
     range (:data:`RANGES`) the reference's GB/s and, per peer (``base`` first), 100 x the fractions'
     geometric mean over the sizes.
 
+    How to read it: a rank that must also copy its own block (out-of-place all_gather; all_to_all,
+    whose in-place variant is not checked and so not counted) reads and writes the whole ``size``
+    like the reference, but busbw counts only the (n-1)/n that crossed between ranks, so with one
+    copying thread per rank it tops out near (n-1)/n of the reference (50% at 2 ranks); in-place
+    all_gather (own block already in place) can reach 100%. Below the last-level cache size the
+    reference's buffers stay cached across iterations (so do the ops', but they touch more buffers).
+
     Args:
         rows: :class:`common.Row` dicts of one run.
         base: the peer in the first column (moecomm auto) when the run has it.
