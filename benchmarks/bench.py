@@ -82,7 +82,8 @@ def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
     bad_peers = sorted({r.transport for r in rows if r.library != "moecomm" and (r.wrong > 0 or r.ip_wrong > 0)})
     if bad_peers:
         out(f"# note: wrong results from {', '.join(bad_peers)} (a peer's problem; moecomm's exit code ignores it)")
-    for table in (ratio_table([r.as_dict() for r in rows]), memcpy_table([r.as_dict() for r in rows])):
+    row_dicts = [r.as_dict() for r in rows]
+    for table in (ratio_table(row_dicts), memcpy_table(row_dicts)):
         if table:
             out("")
             for line in table:
@@ -91,7 +92,7 @@ def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
     meta = {"launch": topo.launch, "nranks": comm.size, "nodes": topo.num_nodes, "hosts": sorted(set(topo.hosts)),
             "cpus_per_rank": list(topo.cpus_per_rank), "transports_available": sorted(comm.transports),
             "peers": {p.name: p.describe() for p in peers}, "device": device}
-    return {"rows": [r.as_dict() for r in rows], "notes": notes + printed_notes, "meta": meta}
+    return {"rows": row_dicts, "notes": notes + printed_notes, "meta": meta}
 
 
 def _write_outputs(res: dict[str, Any], opts: dict[str, Any], json_path: str | None, csv_path: str | None,

@@ -38,6 +38,7 @@ import warnings
 from datetime import timedelta
 from typing import Any, Callable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from .common import DTYPES, MEMCPY, REDUCING, REFERENCE, out_numel
@@ -211,8 +212,6 @@ class MemcpyPeer(Peer):
         if op != MEMCPY:
             raise ValueError(f"the memcpy reference runs {MEMCPY!r}, not {op!r}")
         if self.device == "cpu":
-            import numpy as np
-
             s, d = src.view(torch.uint8).numpy(), dst.view(torch.uint8).numpy()
             return lambda: np.copyto(d, s)
         return lambda: dst.copy_(src)
