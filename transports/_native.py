@@ -57,7 +57,7 @@ def load_shmfast(*, enabled: bool = True) -> ModuleType | None:
     if module is None and not _warned:
         _warned = True
         log.warning("moecomm's compiled shm helper (transports._shmfast) is %s: small shm collectives run in "
-                    "Python, ~3x slower; %s", _why_not, _HINT)
+                    "Python, which costs several microseconds more per call; %s", _why_not, _HINT)
     return module
 
 
