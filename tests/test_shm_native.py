@@ -294,6 +294,11 @@ def test_single_rank_arrives_at_once():
     seg = Segment(1)
     words = _sig_words(torch.Generator().manual_seed(1))
     assert seg.groups[0].arrive(1, 42, words.data_ptr()) == ARRIVED and int(seg.ctrl[0, EPOCH]) == 1
+    # empty tensors may have a NULL data pointer: nothing is copied
+    assert seg.groups[0].all_reduce(0, 2, 0, 0, 0, DTYPE_CODES[torch.float32], ReduceOp.SUM, -1, 0) == ARRIVED
+    assert seg.groups[0].all_gather(1, 3, 0, 0, 0, -1, 0) == ARRIVED and int(seg.ctrl[0, EPOCH]) == 3
+    seg.groups[0].reduce(0, 0, 0, DTYPE_CODES[torch.float64], ReduceOp.MAX, 0, 0)
+    seg.groups[0].gather(0, 0, 0, 0, 0, 0)
 
 
 # ---- fused calls ---------------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ static void reduce_srcs(const Plan *p, char *out, char *const *srcs, Py_ssize_t 
         return;
     }
     if (n == 1) { /* reduce_into copies; AVG divides only when divisor != 1 */
-        if (out != srcs[0]) memmove(out, srcs[0], total);
+        if (total && out != srcs[0]) memmove(out, srcs[0], total);
         return;
     }
     /* Accumulate straight into out when that cannot clobber an unread source. */
@@ -343,6 +343,7 @@ static int do_arrive(Group *g, int64_t e, int64_t sig, const int64_t *sig_words)
 }
 
 static void do_gather(Group *g, int b, char *out, long long nbytes, long long off, long long stride, char *own) {
+    if (nbytes <= 0) return; /* a zero-size tensor may have a NULL data pointer */
     for (Py_ssize_t r = 0; r < g->n; r++)
         memmove(out + r * stride, r == g->rank && own ? own : g->slot[b][r] + off, (size_t)nbytes);
 }
@@ -377,7 +378,7 @@ static PyObject *Group_stage(Group *g, PyObject *const *args, Py_ssize_t nargs) 
     long long v[4]; /* b, src, nbytes, slot_off */
     if (ints(args, nargs, 4, "stage", v) || check_slot(g, v[0], v[3], v[2], "stage") || check_addr(v[1], v[2], "source"))
         return NULL;
-    memmove(g->slot[v[0]][g->rank] + v[3], (const void *)(uintptr_t)v[1], (size_t)v[2]);
+    if (v[2] > 0) memmove(g->slot[v[0]][g->rank] + v[3], (const void *)(uintptr_t)v[1], (size_t)v[2]);
     Py_RETURN_NONE;
 }
 
@@ -411,7 +412,7 @@ static PyObject *Group_all_reduce(Group *g, PyObject *const *args, Py_ssize_t na
         check_addr(v[3], nbytes, "output") || arrive_args(v[7], v[8]))
         return NULL;
     char **slots = g->slot[v[0]];
-    memcpy(slots[g->rank], (const void *)(uintptr_t)v[2], (size_t)nbytes);
+    if (nbytes > 0) memcpy(slots[g->rank], (const void *)(uintptr_t)v[2], (size_t)nbytes);
     int code = do_arrive(g, v[1], v[7], (const int64_t *)(uintptr_t)v[8]);
     if (code == ARRIVED) reduce_srcs(&p, (char *)(uintptr_t)v[3], slots, g->n, v[4], v[6] == OP_AVG);
     return PyLong_FromLong(code);
@@ -423,7 +424,7 @@ static PyObject *Group_all_gather(Group *g, PyObject *const *args, Py_ssize_t na
         check_addr(v[2], v[4], "input") || check_addr(v[3], v[4], "output") || arrive_args(v[5], v[6]))
         return NULL;
     char *x = (char *)(uintptr_t)v[2];
-    memcpy(g->slot[v[0]][g->rank], x, (size_t)v[4]);
+    if (v[4] > 0) memcpy(g->slot[v[0]][g->rank], x, (size_t)v[4]);
     int code = do_arrive(g, v[1], v[5], (const int64_t *)(uintptr_t)v[6]);
     if (code == ARRIVED) do_gather(g, (int)v[0], (char *)(uintptr_t)v[3], v[4], 0, v[4], x);
     return PyLong_FromLong(code);
