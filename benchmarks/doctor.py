@@ -70,6 +70,9 @@ def _ranks_body(comm) -> dict:
         ok = bool(torch.allclose(y, ref, rtol=1e-12, atol=1e-12))
         label = f"auto->{comm.plan('all_reduce', y).transport}" if name == "auto" else name
         res["transports"][label] = (ok, dt * 1e6)
+    shm = comm.transports.get("shm")
+    if shm is not None:
+        res["shm_single_copy"] = (shm.single_copy, shm.single_copy_status)
     comm.barrier()
     return res
 
@@ -118,7 +121,20 @@ def check_ranks(nprocs: int = 2, timeout: float = 30.0, environ: Mapping[str, st
         return [Check(FAIL, "ranks", f"{how}: all_reduce gave wrong results through {', '.join(bad)}",
                       "report this with `moecomm -vv doctor` output; force another transport with MOECOMM_TRANSPORT "
                       "meanwhile")]
-    return [Check(OK, "ranks", f"{how} ({res['topology']}): barrier + all_reduce correct ({detail})")]
+    return [Check(OK, "ranks", f"{how} ({res['topology']}): barrier + all_reduce correct ({detail})"),
+            *_single_copy_checks(res)]
+
+
+def _single_copy_checks(res: dict) -> list[Check]:
+    """The shm transport's single-copy path as the rank check's group found it (probed at start-up)."""
+    if "shm_single_copy" not in res:
+        return []
+    on, status = res["shm_single_copy"]
+    if on or status.startswith(("off", "not needed")):
+        return [Check(OK, "shm-copy", f"large shm messages: single copy {status}")]
+    return [Check(WARN, "shm-copy", f"large shm messages are staged (two copies): single copy {status}",
+                  "allow the ranks to read each other's memory (same user; kernel.yama.ptrace_scope <= 1; in "
+                  "Docker --cap-add SYS_PTRACE or a seccomp profile that allows process_vm_readv)")]
 
 
 # ---- /dev/shm ---------------------------------------------------------------------------------

@@ -66,6 +66,11 @@ class _Entry(NamedTuple):
     rop: ReduceOp | None
     out_shape: torch.Size
     staged: bool  # device tensors copied through host memory (no transport for that device)
+    call: Callable[..., Any]  # the transport's bound method for the collective (the hot path's dispatch)
+    # x.data_ptr() - out.data_ptr() at which the transport takes an aliased out directly (nccl-tests'
+    # in-place layouts: all_gather's x is this rank's block of out; reduce_scatter's out is this
+    # rank's block of x); None: any overlap goes through a temporary
+    alias_offset: int | None
 
 
 class Communicator:
@@ -264,7 +269,10 @@ class Communicator:
         if opcode is None:
             raise ValueError(f"unknown collective {collective!r}; one of {sorted(_OPCODE_BY_NAME)}")
         t, _, _ = as_tensor(x)
-        plan = self._select(opcode, t.device.type, t.numel() * t.element_size(), t.dtype, collective)[1]
+        tr, plan = self._select(opcode, t.device.type, t.numel() * t.element_size(), t.dtype, collective)
+        note = tr.plan_note(opcode, plan.nbytes)
+        if note:
+            plan = dataclasses.replace(plan, reason=f"{plan.reason}; {note}")
         predicted = predict_plan(self.settings, op=collective, transport=plan.transport, algorithm=plan.algorithm,
                                  nbytes=plan.nbytes, ranks=self.size, nodes=len(self.topology.nodes), device=t.device,
                                  available=set(self.transports))
@@ -342,7 +350,14 @@ class Communicator:
         sig = Signature.of(opcode, dtype=t.dtype, shape=t.shape if t.dim() or opcode != OpCode.ALL_GATHER else (1,),
                            op=rop, root=src if opcode in (OpCode.BROADCAST, OpCode.ALL_TO_ALL) else 0,
                            compare_first_dim=opcode != OpCode.ALL_TO_ALL)
-        ent = _Entry(tr, sig, rop, out_shape, device not in tr.devices)
+        call = {OpCode.ALL_REDUCE: tr.all_reduce, OpCode.ALL_GATHER: tr.all_gather,
+                OpCode.REDUCE_SCATTER: tr.reduce_scatter, OpCode.BROADCAST: tr.broadcast,
+                OpCode.ALL_TO_ALL: tr.all_to_all}[opcode]
+        alias = None
+        if tr.takes_rank_block_alias and opcode in (OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER):
+            block = nbytes if opcode == OpCode.ALL_GATHER else nbytes // self.size
+            alias = self.rank * block * (1 if opcode == OpCode.ALL_GATHER else -1)
+        ent = _Entry(tr, sig, rop, out_shape, device not in tr.devices, call, alias)
         if len(self._cache) > 512:
             self._cache.clear()
         self._cache[key] = ent
@@ -391,7 +406,7 @@ class Communicator:
                 return None
             if out is None:
                 return ent, torch.empty(ent.out_shape, dtype=x.dtype, device=x.device)
-            if direct_out(out, x, ent.out_shape, in_place_ok=in_place_ok):
+            if direct_out(out, x, ent.out_shape, in_place_ok=in_place_ok, alias_offset=ent.alias_offset):
                 return ent, out
         except RuntimeError:  # e.g. is_contiguous() of a sparse CSR tensor; _run says what is wrong
             pass
@@ -410,7 +425,9 @@ class Communicator:
         in_place_ok = opcode in (OpCode.ALL_REDUCE, OpCode.BROADCAST)
         if out_t is not None and not ent.staged and out_t.is_contiguous() and (
                 not overlaps(out_t, orig) or (in_place_ok and out_t.data_ptr() == s.data_ptr()
-                                               and out_t.shape == s.shape)):
+                                               and out_t.shape == s.shape)
+                or (ent.alias_offset is not None and s.is_contiguous() and orig.data_ptr() == s.data_ptr()
+                    and s.data_ptr() - out_t.data_ptr() == ent.alias_offset)):
             res = out_t
         else:
             res = torch.empty(ent.out_shape, dtype=t.dtype, device=s.device)
@@ -451,8 +468,9 @@ class Communicator:
         try:
             hot = self._hot(OpCode.ALL_REDUCE, x, op, out, in_place_ok=True)
             if hot is not None:
-                hot[0].transport.all_reduce(x, hot[1], hot[0].rop, hot[0].sig)
-                return hot[1]
+                ent, res = hot
+                ent.call(x, res, ent.rop, ent.sig)
+                return res
             return self._run(OpCode.ALL_REDUCE, x, out, op)
         finally:
             if state.conflict is not None:
@@ -475,8 +493,9 @@ class Communicator:
         try:
             hot = self._hot(OpCode.ALL_GATHER, x, None, out, in_place_ok=False)
             if hot is not None:
-                hot[0].transport.all_gather(x, hot[1], hot[0].sig)
-                return hot[1]
+                ent, res = hot
+                ent.call(x, res, ent.sig)
+                return res
             return self._run(OpCode.ALL_GATHER, x, out)
         finally:
             if state.conflict is not None:
@@ -500,8 +519,9 @@ class Communicator:
         try:
             hot = self._hot(OpCode.REDUCE_SCATTER, x, op, out, in_place_ok=False)
             if hot is not None:
-                hot[0].transport.reduce_scatter(x, hot[1], hot[0].rop, hot[0].sig)
-                return hot[1]
+                ent, res = hot
+                ent.call(x, res, ent.rop, ent.sig)
+                return res
             return self._run(OpCode.REDUCE_SCATTER, x, out, op)
         finally:
             if state.conflict is not None:

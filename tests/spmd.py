@@ -35,13 +35,29 @@ def world() -> collectives.Communicator:
     return _world
 
 
-def transports_under_test() -> list[str]:
+# The shm transport's paths, as settings (each a "transport" of the collective tests): the default
+# (compiled small-message helper if built, single copy from the measured sizes), single copy at
+# every size, and everything in Python and staged (the fallbacks where the helper is not built or
+# process_vm_readv is refused).
+SHM_PATHS: dict[str, dict[str, str]] = {
+    "shm": {},
+    "shm-single-copy": {"shm_single_copy": "always"},
+    "shm-fallback": {"shm_single_copy": "off", "shm_native": "off"},
+}
+
+
+def transports_under_test(*, shm_paths: bool = False) -> list[str]:
     """The transports the collective tests cover here.
 
+    Args:
+        shm_paths: also every path of the shm transport (:data:`SHM_PATHS`; not under mpiexec).
+
     Returns:
-        ["shm"], and "mpi" too when pytest itself runs under mpiexec.
+        ["shm"] (+ the shm paths), and "mpi" too when pytest itself runs under mpiexec.
     """
-    return ["mpi", "shm"] if UNDER_MPI else ["shm"]
+    if UNDER_MPI:
+        return ["mpi", "shm"]
+    return list(SHM_PATHS) if shm_paths else ["shm"]
 
 
 def run(body: Callable[..., Any], nprocs: int, *args: Any, transport: str = "shm", timeout: float = 60.0,
@@ -51,7 +67,8 @@ def run(body: Callable[..., Any], nprocs: int, *args: Any, transport: str = "shm
     Args:
         body: a module-level function that asserts on every rank.
         nprocs: ranks it needs; under mpiexec a job of another size skips the test.
-        transport: the transport every call is routed to ("shm", or "mpi" under mpiexec only).
+        transport: the transport every call is routed to ("shm" or one of :data:`SHM_PATHS`, or
+            "mpi" under mpiexec only).
         timeout: the communicators' timeout in seconds.
 
     Returns:
@@ -65,6 +82,9 @@ def run(body: Callable[..., Any], nprocs: int, *args: Any, transport: str = "shm
     if transport == "mpi":
         pytest.skip("the mpi transport is tested under mpiexec "
                     "(tests/test_launch_modes.py::test_collective_suite_under_mpiexec)")
+    if transport in SHM_PATHS:
+        return collectives.launch(body, nprocs, *args, transport="shm", timeout=timeout,
+                                  options=SHM_PATHS[transport], **kwargs)
     return collectives.launch(body, nprocs, *args, transport=transport, timeout=timeout, **kwargs)
 
 

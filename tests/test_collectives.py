@@ -95,13 +95,13 @@ def _body_all_reduce(comm, seed: int, small_slot: bool):
     return cells.report()
 
 
-@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
 def test_all_reduce(nprocs, transport):
     assert_cells_pass(run(_body_all_reduce, nprocs, 11, False, transport=transport), min_cells=100)
 
 
-@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
 def test_all_reduce_many_rounds(transport):
     assert_cells_pass(run(_body_all_reduce, 2, 12, True, transport=transport), min_cells=100)
 
@@ -140,13 +140,13 @@ def _assert_equal(got: torch.Tensor, expect: torch.Tensor) -> None:
         assert False, f"{wrong.numel()} of {got.numel()} elements differ, first at flat index {wrong[0].item()}"
 
 
-@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
 def test_all_gather_broadcast_reduce_scatter(nprocs, transport):
     assert_cells_pass(run(_body_gather_scatter, nprocs, 21, False, transport=transport), min_cells=100)
 
 
-@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
 def test_gather_scatter_many_rounds(transport):
     assert_cells_pass(run(_body_gather_scatter, 3, 22, True, transport=transport), min_cells=100)
 
@@ -188,13 +188,13 @@ def _body_all_to_all(comm, seed: int, small_slot: bool):
     return cells.report()
 
 
-@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
 def test_all_to_all_uneven(nprocs, transport):
     assert_cells_pass(run(_body_all_to_all, nprocs, 31, False, transport=transport), min_cells=100)
 
 
-@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
 def test_all_to_all_many_rounds(transport):
     assert_cells_pass(run(_body_all_to_all, 2, 32, True, transport=transport), min_cells=100)
 
@@ -224,7 +224,7 @@ def _body_large(comm, seed: int):
     return True
 
 
-@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_large_messages(nprocs, transport):
     run(_body_large, nprocs, 41, transport=transport)
@@ -271,7 +271,7 @@ def _body_layouts(comm, seed: int):
     return True
 
 
-@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
 def test_layouts_numpy_out_and_noncontiguous(transport):
     run(_body_layouts, 2, 51, transport=transport)
 
@@ -304,7 +304,7 @@ def _body_split(comm, seed: int):
     return sub.global_ranks
 
 
-@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
 @pytest.mark.parametrize("nprocs", [3, 4])
 def test_split_subgroups(nprocs, transport):
     run(_body_split, nprocs, 61, transport=transport)
@@ -334,7 +334,7 @@ def _body_soak(comm, seed: int, calls: int):
     return calls
 
 
-@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
 def test_500_mixed_calls(transport):
     assert run(_body_soak, 2, 71, 500, transport=transport)[0] == 500
 
@@ -349,12 +349,12 @@ def _body_plan(comm):
     p = comm.plan("all_reduce", x)
     assert p.transport in comm.transports and p.algorithm in ("one_shot", "two_shot", "Iallreduce")
     big = comm.plan("all_reduce", torch.empty(1 << 22))
-    return str(p), p.algorithm, big.algorithm, sorted(comm.transports)
+    return str(p), p.algorithm, big.algorithm, sorted(comm.transports), comm.transports["shm"].single_copy
 
 
 def test_plan_reports_transport_and_algorithm():
     res = run(_body_plan, 4)
-    text, small, big, names = res[0]
+    text, small, big, names, single_copy = res[0]
     assert "shm" in names
-    assert small == "one_shot" and big == "two_shot", res
+    assert small == "one_shot" and big == ("cma_two_shot" if single_copy else "two_shot"), res
     assert "all_reduce of 4000 B -> shm/one_shot" in text

@@ -12,7 +12,7 @@ import torch
 
 import collectives
 from collectives import CollectiveTimeoutError, PeerFailedError, RankFailedError
-from spmd import UNDER_MPI, run, shm_segments, transports_under_test
+from spmd import SHM_PATHS, UNDER_MPI, run, shm_segments, transports_under_test
 
 
 def _catch(fn):
@@ -47,7 +47,7 @@ def _body_mismatch(comm):
     return results
 
 
-@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
 def test_mismatched_arguments_raise_on_every_rank(transport):
     res = run(_body_mismatch, 2, transport=transport)
     for results in res:
@@ -123,20 +123,21 @@ def test_rank_error_is_reraised_and_others_killed():
 
 
 def _body_killed(comm, victim: int):
-    x = torch.randn(1000)
+    small, large = torch.randn(1000), torch.randn(300_000)  # the latency path; single copy where it is on
     for i in range(10_000):
         if comm.rank == victim and i == 50:
             os.kill(os.getpid(), signal.SIGKILL)
-        comm.all_reduce(x)
+        comm.all_reduce(small if i % 2 else large)
     return "finished"
 
 
 @pytestmark_spawn
-def test_rank_killed_mid_loop_makes_others_raise():
+@pytest.mark.parametrize("path", SHM_PATHS)
+def test_rank_killed_mid_loop_makes_others_raise(path):
     before = shm_segments()
     timeout = 20.0
     t0 = time.monotonic()
-    res = collectives.launch(_body_killed, 4, 2, timeout=timeout, return_exceptions=True)
+    res = collectives.launch(_body_killed, 4, 2, timeout=timeout, return_exceptions=True, options=SHM_PATHS[path])
     elapsed = time.monotonic() - t0
     assert isinstance(res[2], RankFailedError) and "SIGKILL" in str(res[2])
     for r in (0, 1, 3):
@@ -159,8 +160,9 @@ def _body_absent(comm):
 
 
 @pytestmark_spawn
-def test_absent_rank_times_out_naming_it():
-    res = collectives.launch(_body_absent, 3, timeout=2.0, return_exceptions=True)
+@pytest.mark.parametrize("path", SHM_PATHS)
+def test_absent_rank_times_out_naming_it(path):
+    res = collectives.launch(_body_absent, 3, timeout=2.0, return_exceptions=True, options=SHM_PATHS[path])
     for r in (0, 2):
         name, msg, missing, waited = res[r]
         assert name == "CollectiveTimeoutError" and missing == [1] and "rank(s) [1]" in msg
@@ -353,7 +355,7 @@ def _body_local_errors(comm):
     return results
 
 
-@pytest.mark.parametrize("transport", transports_under_test())
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
 def test_local_errors_reach_every_rank(transport):
     res = run(_body_local_errors, 2, transport=transport, timeout=10.0)
     n = len(res) if not UNDER_MPI else 2

@@ -9,6 +9,7 @@ transport (host shared memory now, peer-mapped GPU buffers next) follows one tes
 from __future__ import annotations
 
 import math
+from typing import Collection
 
 
 
@@ -31,7 +32,8 @@ def part_bounds(count: int, parts: int, align: int = 16) -> list[int]:
     return [min(count, i * per) for i in range(parts)] + [count]
 
 
-def all_to_all_pulls(counts, me: int, row_bytes: int, window: int) -> list[list[tuple[int, int, int, int]]]:
+def all_to_all_pulls(counts, me: int, row_bytes: int, window: int, skip: Collection[int] = ()
+                     ) -> list[list[tuple[int, int, int, int]]]:
     """What rank ``me`` copies from its peers in each round of a windowed, pull-based uneven all-to-all.
 
     counts: [n][n] rows (nested lists or an array), counts[src][dst] = rows src sends to dst.
@@ -39,7 +41,8 @@ def all_to_all_pulls(counts, me: int, row_bytes: int, window: int) -> list[list[
     -- see :func:`staged_segments` -- ``window`` bytes a round; a rank takes its own block
     straight from its input. Returns, per round, tuples (src, offset in src's staged window,
     offset in me's output, nbytes) for src != me. All sources stage every round, so the number of
-    rounds is set by the largest sender. Plain Python arithmetic: for the handful of ranks of a
+    rounds is set by the largest sender. Sources in ``skip`` stage nothing (the shm transport's
+    single-copy senders): they get no copies and do not count towards the rounds. Plain Python arithmetic: for the handful of ranks of a
     node it is several times faster than NumPy on tiny arrays, and it is on every call's path.
     """
     rows = counts.tolist() if hasattr(counts, "tolist") else counts
@@ -50,11 +53,12 @@ def all_to_all_pulls(counts, me: int, row_bytes: int, window: int) -> list[list[
     for src in range(n):
         row = rows[src]
         length = row[me] * row_bytes
-        if src != me:
+        if src != me and src not in skip:
             start = (sum(row[:me]) - (row[src] if src < me else 0)) * row_bytes
             spans.append((src, start, length, at))
         at += length
-        largest = max(largest, (sum(row) - row[src]) * row_bytes)
+        if src not in skip:
+            largest = max(largest, (sum(row) - row[src]) * row_bytes)
     plan: list[list[tuple[int, int, int, int]]] = []
     for j in range(max(1, -(-largest // window))):
         w_lo, w_hi = j * window, (j + 1) * window

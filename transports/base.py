@@ -355,6 +355,10 @@ class Transport(abc.ABC):
     def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
         """Name of the algorithm this transport would use for the call (for plans and logs)."""
 
+    def plan_note(self, opcode: OpCode, nbytes: int) -> str:
+        """What else ``comm.plan()`` should say about how this transport runs the call ("" if nothing)."""
+        return ""
+
     # ---- collectives --------------------------------------------------------------------
     @abc.abstractmethod
     def exchange_meta(self, sig: Signature) -> np.ndarray:
@@ -371,6 +375,11 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         """out ([n] flat) = this rank's block of the reduction of send ([size * n] flat)."""
+
+    #: whether :meth:`all_gather` accepts ``send`` being exactly this rank's block of ``out``, and
+    #: :meth:`reduce_scatter` ``out`` being exactly this rank's block of ``send`` (nccl-tests'
+    #: in-place layouts); otherwise the communicator passes a temporary for any overlap
+    takes_rank_block_alias: ClassVar[bool] = False
 
     #: whether :meth:`all_to_all` takes ``recv_counts=`` and checks it against what the peers send;
     #: for the others :meth:`all_to_all_with_recv_counts` checks it after the exchange (one barrier more)

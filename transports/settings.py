@@ -77,6 +77,15 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
        "largest all_reduce in bytes that shm runs one-shot (default: where the performance model's fitted "
        "one-shot and two-shot times cross for the group's rank count, see MOECOMM_MODEL_FILE)",
        "transports.shm", agree=True, minimum=0),
+    _s("MOECOMM_SHM_SINGLE_COPY", str, "auto",
+       "large shm messages: auto: peers read each other's tensors in one copy (Linux process_vm_readv) from "
+       "the per-op sizes in transports/shm.py, where a start-up probe on every rank allows it; off: always "
+       "stage through the shared slots; always: single copy at every size (tests)",
+       "transports.shm", agree=True, choices=("auto", "off", "always")),
+    _s("MOECOMM_SHM_NATIVE", str, "auto",
+       "auto: small shm collectives run in the compiled helper transports._shmfast when it was built at "
+       "install; off: in Python (results are bitwise the same)",
+       "transports.shm", choices=("auto", "off")),
     _s("MOECOMM_MODEL_FILE", str, None,
        "a calibrated performance model of this machine (`moecomm predict --system local --calibrate RUN.json "
        "--save-system F.json`): it sets the default switch points and comm.plan()'s predicted times "

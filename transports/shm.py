@@ -25,6 +25,7 @@ cleaned up by the next start (segments of dead creators are removed).
 from __future__ import annotations
 
 import array
+import errno
 import logging
 import os
 import platform
@@ -34,6 +35,7 @@ import time
 import numpy as np
 import torch
 
+from . import _cma
 from ._host import as_numpy, group_settings, pid_alive, reduce_into
 from ._segment import create_and_map
 from ._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
@@ -79,6 +81,22 @@ DEFAULT_SLOT_BYTES = 1 << 20
 ONE_SHOT_MAX_BYTES_DEFAULT = 64 << 10
 ONE_SHOT_UNBOUNDED = 1 << 62  # a one-shot limit no message reaches: always one-shot
 
+# Single copy: from these sizes on (bytes of the call's input on each rank; all_to_all: of the
+# sender's whole input, at most one slot) peers read each other's tensors with process_vm_readv
+# (transports/_cma.py) instead of staging them through the slots; below, the staged path's
+# cache-resident slots win. PROVISIONAL (from one process_vm_readv micro-benchmark: 15 GB/s at 1-4 MiB,
+# 7.5 GB/s at 64 MiB); the staged vs single-copy sweep that replaces them is the next commit.
+SINGLE_COPY_MIN_BYTES = {
+    OpCode.ALL_REDUCE: 1 << 20,
+    OpCode.ALL_GATHER: 256 << 10,
+    OpCode.REDUCE_SCATTER: 1 << 20,
+    OpCode.ALL_TO_ALL: 256 << 10,
+    OpCode.BROADCAST: 256 << 10,
+}
+# Bytes read from each peer per step of a single-copy reduction: the peers' chunks and ours are
+# reduced while they are still in this core's 1 MiB L2 (lscpu of the CI machine).
+SINGLE_COPY_CHUNK_BYTES = 256 << 10
+
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 _fence_lock = threading.Lock()
 
@@ -112,6 +130,7 @@ def _align(n: int, a: int) -> int:
 class SharedMemoryTransport(Transport):
     name = "shm"
     devices = ("cpu",)
+    takes_rank_block_alias = True
 
     def __init__(self, group: GroupInfo, *, slot_bytes: int | None = None):
         super().__init__(group)
@@ -123,9 +142,10 @@ class SharedMemoryTransport(Transport):
         self.timeout = group.timeout
         self._pids = list(group.pids)
         self._ranks = list(group.global_ranks)
-        self._ctrl_words = _align(_META0 + 2 * META_LEN + 4 * n, 16)  # 128-byte aligned blocks
         self._counts0 = _META0 + 2 * META_LEN
         self._recv0 = self._counts0 + 2 * n
+        self._addr0 = self._recv0 + 2 * n  # two parities of (send address, output address): single copy
+        self._ctrl_words = _align(self._addr0 + 4, 16)  # 128-byte aligned blocks
         ctrl_bytes = _align(n * self._ctrl_words * 8, 4096)
         total = ctrl_bytes + n * 2 * self.slot_bytes
         self._map, self.segment_name = create_and_map(group, total)
@@ -154,8 +174,9 @@ class SharedMemoryTransport(Transport):
         one_shot = settings["shm_one_shot_max"]
         self._one_shot_limit = int(one_shot) if one_shot is not None else (
             ONE_SHOT_UNBOUNDED if n == 1 else ONE_SHOT_MAX_BYTES_DEFAULT)
-        log.debug("shm transport up: segment %s, %d ranks, slot %d B, oversubscribed=%s",
-                  self.segment_name, n, self.slot_bytes, oversubscribed)
+        self._setup_single_copy(group, settings["shm_single_copy"])
+        log.debug("shm transport up: segment %s, %d ranks, slot %d B, oversubscribed=%s, single copy: %s",
+                  self.segment_name, n, self.slot_bytes, oversubscribed, self.single_copy_status)
 
     # ---- synchronisation ------------------------------------------------------------------
     def _begin_round(self) -> int:
@@ -173,10 +194,11 @@ class SharedMemoryTransport(Transport):
             f"shm communicator is unusable after an earlier failure ({self._broken}); create a new one")
 
     def _sync(self, sig: Signature | None = None, counts: list[int] | None = None, check: bool = True,
-              recv: list[int] | None = None) -> None:
+              recv: list[int] | None = None, addrs: tuple[int, int] | None = None) -> None:
         """Publish our arrival (with the call signature on a call's first sync) and wait for every peer.
 
         ``counts``/``recv``: all_to_all's send counts and declared receive counts, published with it.
+        ``addrs``: (input address, output address) of this rank's tensors, for the single-copy path.
 
         With ``sig``, afterwards compares the peers' signature digests with ours (one word each) and
         raises the detailed ``ValueError`` of :func:`check_agreement` on any difference.
@@ -196,6 +218,10 @@ class SharedMemoryTransport(Transport):
         if recv is not None:
             r0 = mine + self._recv0 + par * self.size
             q[r0 : r0 + self.size] = array.array("q", recv)
+        if addrs is not None:
+            a0 = mine + self._addr0 + 2 * par
+            q[a0] = addrs[0]
+            q[a0 + 1] = addrs[1]
         _fence()
         q[mine] = e
         for base in self._peer_bases:
@@ -299,10 +325,130 @@ class SharedMemoryTransport(Transport):
             v = self._view_cache[key] = [s[:nbytes].view(st) for s in self._slots[b]]
         return v
 
+    # ---- single copy (cross-memory attach) -------------------------------------------------
+    def _setup_single_copy(self, group: GroupInfo, mode: str) -> None:
+        """Probe (collectively) whether the ranks may read each other's memory; set the switch points.
+
+        Every rank gets the same answer (:func:`_cma.probe` agrees on it), so every rank of a call
+        takes the same path. ``single_copy_status`` says what was decided and why, for
+        ``comm.plan()`` and ``moecomm doctor``.
+        """
+        self._copy_min: dict[OpCode, int] = {}
+        self._tmp: np.ndarray | None = None
+        if mode == "off":
+            self.single_copy_status = "off (MOECOMM_SHM_SINGLE_COPY=off)"
+        elif self.size == 1:
+            self.single_copy_status = "not needed (one rank)"
+        else:
+            refused = _cma.probe(group)
+            if refused:
+                self.single_copy_status = f"unavailable: {refused}; large messages are staged"
+                log.info("shm single copy unavailable, staging large messages: %s", refused)
+            else:
+                always = mode == "always"
+                self._copy_min = {op: 0 if always else v for op, v in SINGLE_COPY_MIN_BYTES.items()}
+                self.single_copy_status = "process_vm_readv" + (" at every size (always)" if always else "")
+        self.single_copy = bool(self._copy_min)
+        # all_to_all decides per sender, after the count exchange, from a sender-local size: staged
+        # senders must fit one slot, so that no staged rounds follow the first synchronisation
+        a2a = self._copy_min.get(OpCode.ALL_TO_ALL)
+        if a2a is not None:
+            self._copy_min[OpCode.ALL_TO_ALL] = min(a2a, self.slot_bytes)
+        self._all_reduce_copy_min = self._copy_min.get(OpCode.ALL_REDUCE, ONE_SHOT_UNBOUNDED)  # the hot path's test
+
+    def _use_single_copy(self, opcode: OpCode, nbytes: int) -> bool:
+        limit = self._copy_min.get(opcode)
+        return limit is not None and nbytes >= limit and nbytes > 0
+
+    def _peer_addrs(self, r: int) -> tuple[int, int]:
+        """(input, output) addresses rank ``r`` published at the last synchronisation."""
+        a0 = self._bases[r] + self._addr0 + 2 * (self._epoch & 1)
+        return self._q[a0], self._q[a0 + 1]
+
+    def _read_peer(self, r: int, remote: int, local: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at address ``remote`` of rank ``r``'s process to ``local`` here; a failure
+        (the peer died, or the kernel refused) breaks the transport and names the rank."""
+        if nbytes <= 0:
+            return
+        try:
+            _cma.read(self._pids[r], remote, local, nbytes)
+        except OSError as e:
+            who = self._ranks[r]
+            self._check_peers([r], self._epoch + 2)  # raises if it aborted, closed or died meanwhile
+            if e.errno == errno.ESRCH:
+                self._abort(f"rank {who} (pid {self._pids[r]}) exited")
+                raise PeerFailedError(f"rank {who} (pid {self._pids[r]}) exited while rank "
+                                      f"{self._ranks[self.rank]} read its data in a collective", [who]) from e
+            self._abort(f"reading rank {who}'s memory failed: {e}")
+            raise CommunicatorBrokenError(f"shm single copy: rank {self._ranks[self.rank]} could not read rank "
+                                          f"{who}'s memory ({e}); set MOECOMM_SHM_SINGLE_COPY=off to stage "
+                                          "through shared memory instead") from e
+
+    def _chunk_buffers(self, nbytes: int) -> list[np.ndarray]:
+        """``size`` scratch buffers of ``nbytes`` each (kept between calls: no per-call allocation)."""
+        n = self.size
+        if self._tmp is None or self._tmp.nbytes < n * nbytes:
+            self._tmp = np.empty(n * nbytes, dtype=np.uint8)
+        return [self._tmp[r * nbytes : (r + 1) * nbytes] for r in range(n)]
+
+    def _reduce_from_peers(self, x: np.ndarray, y: np.ndarray, x_at: int, y_at: int, count: int, op: ReduceOp,
+                           dtype: torch.dtype) -> None:
+        """y[y_at : y_at + count] = op over ranks (in rank order) of every rank's x[x_at : x_at + count],
+        the peers' read in chunks straight from their inputs."""
+        n, me, item = self.size, self.rank, x.itemsize
+        step = max(1, SINGLE_COPY_CHUNK_BYTES // item)
+        bufs = self._chunk_buffers(step * item)
+        inputs = [self._peer_addrs(r)[0] for r in range(n)]
+        aliased = np.may_share_memory(x, y)  # reduce_into's destination may alias only its first source
+        for lo in range(0, count, step):
+            hi = min(count, lo + step)
+            nb = (hi - lo) * item
+            srcs = [bufs[r][:nb].view(x.dtype) for r in range(n)]
+            for r in range(n):
+                if r != me:
+                    self._read_peer(r, inputs[r] + (x_at + lo) * item, srcs[r].ctypes.data, nb)
+                elif aliased:
+                    np.copyto(srcs[r], x[x_at + lo : x_at + hi])
+                else:
+                    srcs[r] = x[x_at + lo : x_at + hi]
+            reduce_into(y[y_at + lo : y_at + hi], srcs, op, dtype, n)
+
+    def _single_copy_all_reduce(self, x: np.ndarray, y: np.ndarray, op: ReduceOp, dtype: torch.dtype,
+                                sig: Signature) -> None:
+        """Two-shot over the peers' own tensors: reduce our part from their inputs, then read their
+        reduced parts from their outputs (three synchronisations, no staging)."""
+        n, me, item = self.size, self.rank, x.itemsize
+        self._begin_round()
+        self._sync(sig, addrs=(x.ctypes.data, y.ctypes.data))
+        outputs = [self._peer_addrs(r)[1] for r in range(n)]
+        bounds = part_bounds(x.size, n)
+        self._reduce_from_peers(x, y, bounds[me], bounds[me], bounds[me + 1] - bounds[me], op, dtype)
+        self._begin_round()
+        self._sync()  # every part is reduced
+        for k in range(1, n):
+            r = (me + k) % n
+            lo, hi = bounds[r], bounds[r + 1]
+            self._read_peer(r, outputs[r] + lo * item, y.ctypes.data + lo * item, (hi - lo) * item)
+        self._begin_round()
+        self._sync()  # the peers finished reading our output
+
+    def plan_note(self, opcode: OpCode, nbytes: int) -> str:
+        limit = self._copy_min.get(opcode)
+        if limit is None:
+            return f"single copy {self.single_copy_status}"
+        if opcode == OpCode.ALL_TO_ALL:
+            return f"single copy ({self.single_copy_status}) for senders of >= {limit} B"
+        used = "used" if self._use_single_copy(opcode, nbytes) else "not used"
+        return f"single copy ({self.single_copy_status}) {used}: from {limit} B"
+
     # ---- capabilities ---------------------------------------------------------------------
     def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
+        if self._use_single_copy(opcode, nbytes) and opcode != OpCode.ALL_TO_ALL:
+            return {OpCode.ALL_REDUCE: "cma_two_shot", OpCode.REDUCE_SCATTER: "cma_pull_reduce"}.get(opcode, "cma_pull")
         if opcode == OpCode.ALL_REDUCE:
             return "one_shot" if nbytes <= self._one_shot_limit else "two_shot"
+        if opcode == OpCode.ALL_TO_ALL and self.single_copy:
+            return "pull+cma"  # each sender picks single copy from its own size
         return {OpCode.ALL_GATHER: "pull", OpCode.REDUCE_SCATTER: "pull_reduce", OpCode.ALL_TO_ALL: "pull",
                 OpCode.BROADCAST: "pull", OpCode.BARRIER: "flags"}.get(opcode, "flags")
 
@@ -320,6 +466,9 @@ class SharedMemoryTransport(Transport):
         dtype = send.dtype
         x, y = as_numpy(send), as_numpy(out)
         nbytes = x.nbytes
+        if nbytes >= self._all_reduce_copy_min and nbytes:
+            self._single_copy_all_reduce(x, y, op, dtype, sig)
+            return
         if nbytes <= self.slot_bytes and nbytes <= self._one_shot_limit:  # the latency path: one round
             views = self._views(self._begin_round(), nbytes, x.dtype)
             np.copyto(views[self.rank], x)
@@ -369,6 +518,18 @@ class SharedMemoryTransport(Transport):
         x = as_numpy(send).view(np.uint8)
         y = as_numpy(out).view(np.uint8)
         nbytes, S, me = x.nbytes, self.slot_bytes, self.rank
+        if self._use_single_copy(OpCode.ALL_GATHER, nbytes):
+            self._begin_round()
+            self._sync(sig, addrs=(x.ctypes.data, 0))
+            inputs = [self._peer_addrs(r)[0] for r in range(self.size)]
+            for k in range(1, self.size):
+                r = (me + k) % self.size
+                self._read_peer(r, inputs[r], y.ctypes.data + r * nbytes, nbytes)
+            if x.ctypes.data != y.ctypes.data + me * nbytes:  # in place: our block is there already
+                np.copyto(y[me * nbytes : (me + 1) * nbytes], x)
+            self._begin_round()
+            self._sync()  # the peers finished reading our input
+            return
         first = sig
         for lo, hi in windows(nbytes, S):
             slots = self._views(self._begin_round(), hi - lo, np.dtype(np.uint8))
@@ -382,18 +543,29 @@ class SharedMemoryTransport(Transport):
         x, y = as_numpy(send), as_numpy(out)
         n, me, dtype = self.size, self.rank, send.dtype
         m = y.size
+        if self._use_single_copy(OpCode.REDUCE_SCATTER, x.nbytes):
+            self._begin_round()
+            self._sync(sig, addrs=(x.ctypes.data, 0))
+            self._reduce_from_peers(x, y, me * m, 0, m, op, dtype)
+            self._begin_round()
+            self._sync()  # the peers finished reading our input
+            return
         window = max(1, self.slot_bytes // x.itemsize // n)
+        # our own block is reduced straight from x, unless out is that block (reduce_into's
+        # destination may alias only its first source): then it is staged like the peers' blocks
+        aliased = np.may_share_memory(x, y)
         first = sig
         for lo, hi in windows(m, window):
             w = hi - lo
             slots = self._views(self._begin_round(), n * w * x.itemsize, x.dtype)
-            for d in range(n):  # stage the peers' blocks; our own is reduced straight from x
-                if d != me:
+            for d in range(n):
+                if d != me or aliased:
                     np.copyto(slots[me][d * w : (d + 1) * w], x[d * m + lo : d * m + hi])
             self._sync(first)
             first = None
             srcs = [s[me * w : (me + 1) * w] for s in slots]
-            srcs[me] = x[me * m + lo : me * m + hi]
+            if not aliased:
+                srcs[me] = x[me * m + lo : me * m + hi]
             reduce_into(y[lo:hi], srcs, op, dtype, n)
 
     def broadcast(self, send: torch.Tensor, out: torch.Tensor, src: int, sig: Signature) -> None:
@@ -401,6 +573,16 @@ class SharedMemoryTransport(Transport):
         y = as_numpy(out).view(np.uint8)
         nbytes, S = x.nbytes, self.slot_bytes
         root = self.rank == src
+        if self._use_single_copy(OpCode.BROADCAST, nbytes):
+            self._begin_round()
+            self._sync(sig, addrs=(x.ctypes.data if root else 0, 0))
+            if not root:
+                self._read_peer(src, self._peer_addrs(src)[0], y.ctypes.data, nbytes)
+            elif y.ctypes.data != x.ctypes.data:
+                np.copyto(y, x)
+            self._begin_round()
+            self._sync()  # the ranks finished reading the root's input
+            return
         first = sig
         for lo, hi in windows(nbytes, S):
             slots = self._views(self._begin_round(), hi - lo, np.dtype(np.uint8))
@@ -425,10 +607,14 @@ class SharedMemoryTransport(Transport):
         x = as_numpy(send).view(np.uint8)
         row_bytes = row_numel * send.element_size()
         own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
+        # single copy per sender, from its own size: the peers learn it from its published address
+        direct = self._use_single_copy(OpCode.ALL_TO_ALL, x.nbytes)
         b = self._begin_round()
-        for off, src, nb in staged_segments(own_start, own_len, x.nbytes, 0, S):
-            np.copyto(self._slots[b][me][off : off + nb], x[src : src + nb])
-        self._sync(sig, send_counts, recv=recv_counts)
+        if not direct:
+            for off, src, nb in staged_segments(own_start, own_len, x.nbytes, 0, S):
+                np.copyto(self._slots[b][me][off : off + nb], x[src : src + nb])
+        self._sync(sig, send_counts, recv=recv_counts,
+                   addrs=(x.ctypes.data if direct else 0, 0) if self.single_copy else None)
         par = self._epoch & 1
         c0 = self._counts0 + par * n
         counts = self._ctrl[:, c0 : c0 + n].tolist()  # counts[src][dst] rows
@@ -443,7 +629,14 @@ class SharedMemoryTransport(Transport):
         y = as_numpy(out).view(np.uint8)
         at = sum(recv[:me]) * row_bytes
         np.copyto(y[at : at + own_len], x[own_start : own_start + own_len])  # our block to ourselves
-        for j, copies in enumerate(all_to_all_pulls(counts, me, row_bytes, S)):
+        # direct senders: read their rows for us from their inputs; pull the rest from the slots
+        inputs = [self._peer_addrs(r)[0] for r in range(n)] if self.single_copy else [0] * n
+        direct_senders = [r for r in range(n) if inputs[r]]
+        for r in direct_senders:
+            if r != me:
+                self._read_peer(r, inputs[r] + sum(counts[r][:me]) * row_bytes,
+                                y.ctypes.data + sum(recv[:r]) * row_bytes, counts[r][me] * row_bytes)
+        for j, copies in enumerate(all_to_all_pulls(counts, me, row_bytes, S, skip=direct_senders)):
             if j > 0:
                 b = self._begin_round()
                 for off, src, nb in staged_segments(own_start, own_len, x.nbytes, j * S, (j + 1) * S):
@@ -451,6 +644,9 @@ class SharedMemoryTransport(Transport):
                 self._sync()
             for src, off, dst, nb in copies:
                 np.copyto(y[dst : dst + nb], self._slots[b][src][off : off + nb])
+        if direct_senders:
+            self._begin_round()
+            self._sync()  # the peers finished reading the direct senders' inputs
         return out
 
     # ---- teardown -------------------------------------------------------------------------
