@@ -73,6 +73,7 @@ def _ranks_body(comm) -> dict:
     shm = comm.transports.get("shm")
     if shm is not None:
         res["shm_single_copy"] = (shm.single_copy, shm.single_copy_status)
+        res["shm_native"] = shm.native_status
     comm.barrier()
     return res
 
@@ -130,11 +131,25 @@ def _single_copy_checks(res: dict) -> list[Check]:
     if "shm_single_copy" not in res:
         return []
     on, status = res["shm_single_copy"]
+    from transports._native import describe
+
+    native_on = _setting_on("shm_native")
+    helper = describe(enabled=native_on)
+    if res["shm_native"] != "Python" or not native_on:
+        checks = [Check(OK, "shm-fast", f"small shm messages: {res['shm_native']} ({helper})")]
+    else:
+        checks = [Check(WARN, "shm-fast", f"small shm messages run in Python (several us slower per call): the "
+                                          f"compiled helper is {helper}", "pip install -e . with a C compiler (gcc)")]
     if on or status.startswith(("off", "not needed")):
-        return [Check(OK, "shm-copy", f"large shm messages: single copy {status}")]
-    return [Check(WARN, "shm-copy", f"large shm messages are staged (two copies): single copy {status}",
-                  "allow the ranks to read each other's memory (same user; kernel.yama.ptrace_scope <= 1; in "
-                  "Docker --cap-add SYS_PTRACE or a seccomp profile that allows process_vm_readv)")]
+        return checks + [Check(OK, "shm-copy", f"large shm messages: single copy {status}")]
+    return checks + [Check(WARN, "shm-copy", f"large shm messages are staged (two copies): single copy {status}",
+                           "allow the ranks to read each other's memory (same user; kernel.yama.ptrace_scope <= 1; "
+                           "in Docker --cap-add SYS_PTRACE or a seccomp profile that allows process_vm_readv)")]
+
+
+def _setting_on(option: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether an auto/off setting is not "off" in ``environ`` (default ``os.environ``)."""
+    return _setting_value(SETTINGS[option], environ) != "off"
 
 
 # ---- /dev/shm ---------------------------------------------------------------------------------

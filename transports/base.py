@@ -173,10 +173,10 @@ class Signature:
     ``meta``: the [META_LEN] int64 vector; ``value``: a 63-bit digest of the fields that must
     agree, so a transport can compare one word per peer on the fast path and fall back to the
     full :func:`check_agreement` only when a digest differs; ``words``: ``meta`` as a 'q'
-    memoryview for cheap copies into shared memory.
+    memoryview for cheap copies into shared memory; ``addr``: the address of ``meta``'s words.
     """
 
-    __slots__ = ("meta", "value", "words")
+    __slots__ = ("meta", "value", "words", "addr")
 
     def __init__(self, meta: np.ndarray):
         self.meta = np.ascontiguousarray(meta, dtype=np.int64)
@@ -184,6 +184,7 @@ class Signature:
         digest = hashlib.blake2b(self.meta[:F_ROWS].tobytes(), digest_size=8).digest()
         self.value = int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
         self.words = memoryview(self.meta).cast("B").cast("q")
+        self.addr = self.meta.ctypes.data  # for compiled helpers; ``meta`` lives as long as this object
 
     @classmethod
     def of(cls, opcode: OpCode, **kw) -> "Signature":

@@ -84,8 +84,9 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
        "transports.shm", agree=True, choices=("auto", "off", "always")),
     _s("MOECOMM_SHM_NATIVE", str, "auto",
        "auto: small shm collectives run in the compiled helper transports._shmfast when it was built at "
-       "install; off: in Python (results are bitwise the same)",
-       "transports.shm", choices=("auto", "off")),
+       "install (when every rank of the group has it); off: in Python (bitwise the same results, but for "
+       "NaN payloads and a tied zero's sign in bfloat16 max/min)",
+       "transports.shm", agree=True, choices=("auto", "off")),
     _s("MOECOMM_MODEL_FILE", str, None,
        "a calibrated performance model of this machine (`moecomm predict --system local --calibrate RUN.json "
        "--save-system F.json`): it sets the default switch points and comm.plan()'s predicted times "

@@ -36,10 +36,12 @@ import numpy as np
 import torch
 
 from . import _cma
+from ._native import load_shmfast
 from ._host import as_numpy, group_settings, pid_alive, reduce_into
 from ._segment import create_and_map
 from ._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
 from .base import (
+    DTYPE_CODES,
     META_LEN,
     Allocator,
     CollectiveTimeoutError,
@@ -63,6 +65,7 @@ _SIG0 = 2  # two parities of the signature digest
 _META0 = 4  # two parities of META_LEN words, then two parities of `size` all-to-all send counts, then of
 # `size` declared receive counts
 _STATE_ABORTED, _STATE_CLOSED = 1, 2  # 0: running
+ARRIVED, PENDING = 0, 1  # what transports._shmfast's arrive returns (2: a signature differs); its API_VERSION 1
 
 # Per-slot size; each rank has two slots and messages larger than a slot go in rounds.
 # 1 MiB: in benchmarks/results/shm-allreduce-tuning.txt (2 vCPUs with 1 MiB of L2 each) it beat
@@ -175,6 +178,7 @@ class SharedMemoryTransport(Transport):
         self._one_shot_limit = int(one_shot) if one_shot is not None else (
             ONE_SHOT_UNBOUNDED if n == 1 else ONE_SHOT_MAX_BYTES_DEFAULT)
         self._setup_single_copy(group, settings["shm_single_copy"])
+        self._setup_native(group, ctrl_bytes, settings["shm_native"] != "off")
         log.debug("shm transport up: segment %s, %d ranks, slot %d B, oversubscribed=%s, single copy: %s",
                   self.segment_name, n, self.slot_bytes, oversubscribed, self.single_copy_status)
 
@@ -208,10 +212,6 @@ class SharedMemoryTransport(Transport):
         q = self._q
         mine = self._my_base
         par = e & 1
-        if sig is not None:
-            m0 = mine + _META0 + par * META_LEN
-            q[m0 : m0 + META_LEN] = sig.words
-            q[mine + _SIG0 + par] = sig.value
         if counts is not None:
             c0 = mine + self._counts0 + par * self.size
             q[c0 : c0 + self.size] = array.array("q", counts)
@@ -222,6 +222,16 @@ class SharedMemoryTransport(Transport):
             a0 = mine + self._addr0 + 2 * par
             q[a0] = addrs[0]
             q[a0 + 1] = addrs[1]
+        g = self._g
+        if g is not None:  # the compiled helper publishes (release store) and spins; waits longer in Python
+            code = g.arrive(e, sig.value if sig is not None else -1, sig.addr if sig is not None else 0)
+            if code != ARRIVED:
+                self._finish_arrival(e, sig if check else None, code)
+            return
+        if sig is not None:
+            m0 = mine + _META0 + par * META_LEN
+            q[m0 : m0 + META_LEN] = sig.words
+            q[mine + _SIG0 + par] = sig.value
         _fence()
         q[mine] = e
         for base in self._peer_bases:
@@ -235,6 +245,21 @@ class SharedMemoryTransport(Transport):
             for base in self._peer_bases:
                 if q[base + so] != v:
                     check_agreement(self._metas(), self._ranks)
+
+    def _finish_arrival(self, e: int, sig: Signature | None, code: int) -> None:
+        """After the compiled helper's ``arrive`` returned PENDING or MISMATCH for epoch ``e``: wait
+        (bounded, noticing dead peers) and compare the signatures, raising as the Python path does.
+
+        ``sig``: the call's signature when it must be checked, else None.
+        """
+        if code == PENDING:
+            self._wait(e)
+            _fence()
+            if sig is None or self._g.sigs_match(e, sig.value):
+                return
+        elif sig is None:  # MISMATCH, but this synchronisation compares nothing (exchange_meta)
+            return
+        check_agreement(self._metas(), self._ranks)
 
     def _wait(self, e: int) -> None:
         q = self._q
@@ -324,6 +349,33 @@ class SharedMemoryTransport(Transport):
                 self._view_cache.clear()
             v = self._view_cache[key] = [s[:nbytes].view(st) for s in self._slots[b]]
         return v
+
+    # ---- compiled small-message helper ------------------------------------------------------
+    def _setup_native(self, group: GroupInfo, ctrl_bytes: int, enabled: bool) -> None:
+        """Use transports._shmfast when every rank has it (collective: one exchange of a flag).
+
+        Its results are bitwise those of the Python path except NaN payloads and the sign of a
+        tied zero in bfloat16 max/min (torch itself differs there between its vector body and
+        tail), so the ranks of a group take the same path.
+        """
+        fast = load_shmfast(enabled=enabled)
+        if self.size > 1:
+            flags = group.rendezvous.allgather_bytes(b"1" if fast is not None else b"0")
+            if fast is not None and b"0" in flags:
+                lacking = [self._ranks[r] for r, f in enumerate(flags) if f == b"0"]
+                log.warning("shm: rank(s) %s run without the compiled helper, so this group runs in Python", lacking)
+                fast = None
+        self._g = None
+        self.native_status = "compiled helper" if fast is not None else "Python"
+        if fast is not None:
+            base = self._ctrl.ctypes.data
+            self._g = fast.Group(base, self._ctrl_words, self.size, self.rank, base + ctrl_bytes, self.slot_bytes,
+                                 self._spin_iters, self._yield_iters)
+        # the latency paths' limits, as plain ints: one comparison per call
+        self._native_all_reduce_max = min(self.slot_bytes, self._one_shot_limit, self._all_reduce_copy_min - 1)
+        self._native_gather_max = min(self.slot_bytes, self._copy_min.get(OpCode.ALL_GATHER, ONE_SHOT_UNBOUNDED) - 1)
+        self._native_scatter_max = min(self.slot_bytes,
+                                       self._copy_min.get(OpCode.REDUCE_SCATTER, ONE_SHOT_UNBOUNDED) - 1)
 
     # ---- single copy (cross-memory attach) -------------------------------------------------
     def _setup_single_copy(self, group: GroupInfo, mode: str) -> None:
@@ -463,6 +515,19 @@ class SharedMemoryTransport(Transport):
         self._sync(sig)
 
     def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
+        g = self._g
+        if g is not None and send.nbytes <= self._native_all_reduce_max:  # the latency path, compiled
+            if self._broken:
+                self._raise_broken()
+            b = self._use & 1
+            self._use += 1
+            e = self._epoch = self._epoch + 1
+            out_addr, count, code, rop = out.data_ptr(), send.numel(), DTYPE_CODES[send.dtype], int(op)
+            arrived = g.all_reduce(b, e, send.data_ptr(), out_addr, count, code, rop, sig.value, sig.addr)
+            if arrived != ARRIVED:
+                self._finish_arrival(e, sig, arrived)
+                g.reduce(b, out_addr, count, code, rop, 0, 0)
+            return
         dtype = send.dtype
         x, y = as_numpy(send), as_numpy(out)
         nbytes = x.nbytes
@@ -515,6 +580,19 @@ class SharedMemoryTransport(Transport):
                     np.copyto(y[lo + bounds[r] : lo + bounds[r + 1]], slots[r][bounds[r] : bounds[r + 1]])
 
     def all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature) -> None:
+        g = self._g
+        if g is not None and send.nbytes <= self._native_gather_max:  # the latency path, compiled
+            if self._broken:
+                self._raise_broken()
+            b = self._use & 1
+            self._use += 1
+            e = self._epoch = self._epoch + 1
+            x_addr, out_addr, nbytes = send.data_ptr(), out.data_ptr(), send.nbytes
+            arrived = g.all_gather(b, e, x_addr, out_addr, nbytes, sig.value, sig.addr)
+            if arrived != ARRIVED:
+                self._finish_arrival(e, sig, arrived)
+                g.gather(b, out_addr, nbytes, 0, nbytes, x_addr)
+            return
         x = as_numpy(send).view(np.uint8)
         y = as_numpy(out).view(np.uint8)
         nbytes, S, me = x.nbytes, self.slot_bytes, self.rank
@@ -540,6 +618,15 @@ class SharedMemoryTransport(Transport):
                 np.copyto(y[r * nbytes + lo : r * nbytes + hi], x[lo:hi] if r == me else slots[r])
 
     def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
+        g = self._g
+        if g is not None and send.nbytes <= self._native_scatter_max:  # the latency path, compiled: one round
+            # all of x is staged (our block too, so out may alias it); every rank reduces its block
+            b = self._begin_round()
+            g.stage(b, send.data_ptr(), send.nbytes, 0)
+            self._sync(sig)
+            m = out.numel()
+            g.reduce(b, out.data_ptr(), m, DTYPE_CODES[send.dtype], int(op), self.rank * m * send.element_size(), 0)
+            return
         x, y = as_numpy(send), as_numpy(out)
         n, me, dtype = self.size, self.rank, send.dtype
         m = y.size
@@ -664,6 +751,7 @@ class SharedMemoryTransport(Transport):
         except (ValueError, TypeError):
             pass
         self._broken = self._broken or "closed"
+        self._g = None  # holds addresses into the mapping
         self._q.release()
         self._ctrl = self._slots = None  # drop views so the mapping can close
         self._view_cache.clear()
