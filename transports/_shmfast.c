@@ -19,7 +19,7 @@
 #include <string.h>
 
 /* Bumped whenever a signature below changes; transports/_native.py refuses a stale build. */
-#define API_VERSION 1
+#define API_VERSION 2  /* 2: pull() */
 
 /* Control block words (transports/shm.py: _EPOCH, _SIG0, _META0; base.META_LEN). */
 #define W_EPOCH 0
@@ -382,6 +382,18 @@ static PyObject *Group_stage(Group *g, PyObject *const *args, Py_ssize_t nargs) 
     Py_RETURN_NONE;
 }
 
+static PyObject *Group_pull(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    long long v[5]; /* b, src_rank, slot_off, dst, nbytes */
+    if (ints(args, nargs, 5, "pull", v) || check_slot(g, v[0], v[2], v[4], "pull") || check_addr(v[3], v[4], "destination"))
+        return NULL;
+    if (v[1] < 0 || v[1] >= g->n) {
+        PyErr_Format(PyExc_ValueError, "_shmfast: pull from rank %lld of a group of %zd", v[1], g->n);
+        return NULL;
+    }
+    if (v[4] > 0) memmove((void *)(uintptr_t)v[3], g->slot[v[0]][v[1]] + v[2], (size_t)v[4]);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Group_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     long long v[7], nbytes; /* b, out, count, dtype, op, slot_off, own */
     Plan p;
@@ -467,6 +479,7 @@ static PyMethodDef Group_methods[] = {
                  "Publish epoch e (with the signature when sig_value >= 0), then wait spin + yields turns."),
     FAST(sigs_match, "sigs_match(e, sig_value) -> bool: every peer's digest of epoch e equals sig_value"),
     FAST(stage, "stage(b, src_addr, nbytes, slot_off): copy into this rank's slot b"),
+    FAST(pull, "pull(b, src_rank, slot_off, dst_addr, nbytes): copy out of rank src_rank's slot b"),
     FAST(reduce, "reduce(b, out_addr, count, dtype_code, op_code, slot_off, own_addr): out = op over ranks in order"),
     FAST(gather, "gather(b, out_addr, nbytes, slot_off, out_stride, own_addr): every rank's block, in rank order"),
     FAST(all_reduce, "all_reduce(b, e, x_addr, out_addr, count, dtype_code, op_code, sig_value, sig_words_addr) -> code\n"

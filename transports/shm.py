@@ -25,6 +25,7 @@ cleaned up by the next start (segments of dead creators are removed).
 from __future__ import annotations
 
 import array
+import ctypes
 import errno
 import logging
 import os
@@ -65,7 +66,7 @@ _SIG0 = 2  # two parities of the signature digest
 _META0 = 4  # two parities of META_LEN words, then two parities of `size` all-to-all send counts, then of
 # `size` declared receive counts
 _STATE_ABORTED, _STATE_CLOSED = 1, 2  # 0: running
-ARRIVED, PENDING = 0, 1  # what transports._shmfast's arrive returns (2: a signature differs); its API_VERSION 1
+ARRIVED, PENDING = 0, 1  # what transports._shmfast's arrive returns (2: a signature differs); its API_VERSION 2
 
 # Per-slot size; each rank has two slots and messages larger than a slot go in rounds.
 # 1 MiB: in benchmarks/results/shm-allreduce-tuning.txt (2 vCPUs with 1 MiB of L2 each) it beat
@@ -116,11 +117,15 @@ def _fence() -> None:
             pass
 
 
+def _copy(dst: int, src: int, nbytes: int) -> None:
+    """memmove between two addresses (cheaper than building NumPy views for small blocks)."""
+    if nbytes > 0:
+        ctypes.memmove(dst, src, nbytes)
+
+
 def _tight_timer_slack() -> None:
     """Let short sleeps in waits end on time: Linux adds 50 us of timer slack to every sleep by default."""
     try:
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(29, 1000)  # PR_SET_TIMERSLACK, 1 us
     except (OSError, AttributeError):
         pass
@@ -164,6 +169,9 @@ class SharedMemoryTransport(Transport):
         self._peers = [r for r in range(n) if r != self.rank]
         self._peer_bases = [self._bases[r] for r in self._peers]
         self._view_cache: dict = {}
+        self._pull_cache: dict = {}
+        base = self._ctrl.ctypes.data
+        self._slot_addr = [[base + ctrl_bytes + (r * 2 + b) * self.slot_bytes for r in range(n)] for b in range(2)]
         self._epoch = 0
         self._use = 0
         self._broken: str | None = None  # why this transport is unusable (a failure, or "closed")
@@ -691,50 +699,71 @@ class SharedMemoryTransport(Transport):
         send counts in the first synchronisation, and every rank compares the whole [size, size]
         matrices after it, so a wrong value raises on every rank before any peer's row is read."""
         n, me, S = self.size, self.rank, self.slot_bytes
-        x = as_numpy(send).view(np.uint8)
+        x_addr, total = send.data_ptr(), send.nbytes  # plain addresses: small calls are all overhead
         row_bytes = row_numel * send.element_size()
         own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
         # single copy per sender, from its own size: the peers learn it from its published address
-        direct = self._use_single_copy(OpCode.ALL_TO_ALL, x.nbytes)
+        direct = self._use_single_copy(OpCode.ALL_TO_ALL, total)
         b = self._begin_round()
         if not direct:
-            for off, src, nb in staged_segments(own_start, own_len, x.nbytes, 0, S):
-                np.copyto(self._slots[b][me][off : off + nb], x[src : src + nb])
+            for off, src, nb in staged_segments(own_start, own_len, total, 0, S):
+                self._stage(b, off, x_addr + src, nb)
         self._sync(sig, send_counts, recv=recv_counts,
-                   addrs=(x.ctypes.data if direct else 0, 0) if self.single_copy else None)
-        par = self._epoch & 1
-        c0 = self._counts0 + par * n
-        counts = self._ctrl[:, c0 : c0 + n].tolist()  # counts[src][dst] rows
+                   addrs=(x_addr if direct else 0, 0) if self.single_copy else None)
+        q, c0 = self._q, self._counts0 + (self._epoch & 1) * n
+        counts = [q[base + c0 : base + c0 + n].tolist() for base in self._bases]  # counts[src][dst] rows
         if recv_counts is not None:  # every rank passed them: the signatures agreed on that
-            r0 = self._recv0 + par * n
-            declared = self._ctrl[:, r0 : r0 + n]  # declared[dst][src] rows
-            sent = self._ctrl[:, c0 : c0 + n]
-            if not (declared == sent.T).all():
-                check_recv_counts(sent.tolist(), declared.tolist(), self._ranks)
+            r0 = self._recv0 + (self._epoch & 1) * n
+            declared = [q[base + r0 : base + r0 + n].tolist() for base in self._bases]  # declared[dst][src]
+            if any(declared[d][s] != counts[s][d] for s in range(n) for d in range(n)):
+                check_recv_counts(counts, declared, self._ranks)
         recv = [row[me] for row in counts]
         out = alloc(recv)
-        y = as_numpy(out).view(np.uint8)
-        at = sum(recv[:me]) * row_bytes
-        np.copyto(y[at : at + own_len], x[own_start : own_start + own_len])  # our block to ourselves
+        y_addr = out.data_ptr()
+        _copy(y_addr + sum(recv[:me]) * row_bytes, x_addr + own_start, own_len)  # our block to ourselves
         # direct senders: read their rows for us from their inputs; pull the rest from the slots
         inputs = [self._peer_addrs(r)[0] for r in range(n)] if self.single_copy else [0] * n
         direct_senders = [r for r in range(n) if inputs[r]]
         for r in direct_senders:
             if r != me:
                 self._read_peer(r, inputs[r] + sum(counts[r][:me]) * row_bytes,
-                                y.ctypes.data + sum(recv[:r]) * row_bytes, counts[r][me] * row_bytes)
-        for j, copies in enumerate(all_to_all_pulls(counts, me, row_bytes, S, skip=direct_senders)):
+                                y_addr + sum(recv[:r]) * row_bytes, counts[r][me] * row_bytes)
+        for j, copies in enumerate(self._pulls(counts, row_bytes, direct_senders)):
             if j > 0:
                 b = self._begin_round()
-                for off, src, nb in staged_segments(own_start, own_len, x.nbytes, j * S, (j + 1) * S):
-                    np.copyto(self._slots[b][me][off : off + nb], x[src : src + nb])
+                for off, src, nb in staged_segments(own_start, own_len, total, j * S, (j + 1) * S):
+                    self._stage(b, off, x_addr + src, nb)
                 self._sync()
             for src, off, dst, nb in copies:
-                np.copyto(y[dst : dst + nb], self._slots[b][src][off : off + nb])
+                self._pull(b, src, off, y_addr + dst, nb)
         if direct_senders:
             self._begin_round()
             self._sync()  # the peers finished reading the direct senders' inputs
         return out
+
+    def _pulls(self, counts: list[list[int]], row_bytes: int, skip: list[int]) -> list:
+        """:func:`all_to_all_pulls` for this rank, cached by counts (MoE steps and benchmarks repeat them)."""
+        key = (row_bytes, tuple(skip), *map(tuple, counts))
+        plan = self._pull_cache.get(key)
+        if plan is None:
+            if len(self._pull_cache) >= 64:
+                self._pull_cache.clear()
+            plan = self._pull_cache[key] = all_to_all_pulls(counts, self.rank, row_bytes, self.slot_bytes, skip=skip)
+        return plan
+
+    def _stage(self, b: int, off: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at address ``src`` into our slot ``b`` at ``off``."""
+        if self._g is not None:
+            self._g.stage(b, src, nbytes, off)
+        elif nbytes > 0:
+            ctypes.memmove(self._slot_addr[b][self.rank] + off, src, nbytes)
+
+    def _pull(self, b: int, r: int, off: int, dst: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from rank ``r``'s slot ``b`` at ``off`` to address ``dst``."""
+        if self._g is not None:
+            self._g.pull(b, r, off, dst, nbytes)
+        elif nbytes > 0:
+            ctypes.memmove(dst, self._slot_addr[b][r] + off, nbytes)
 
     # ---- teardown -------------------------------------------------------------------------
     def close(self) -> None:
