@@ -14,8 +14,8 @@ import torch
 
 import collectives
 from spmd import rank_input
-from transports import _cma
-from transports.base import CommunicatorBrokenError, PeerFailedError
+from transports import _cma, shm
+from transports.base import CommunicatorBrokenError, OpCode, PeerFailedError
 
 pytestmark = pytest.mark.skipif(not _cma.available(), reason="no process_vm_readv on this platform")
 
@@ -41,22 +41,27 @@ def _body_refused(comm, refusing_rank: int):
 
 
 def test_a_rank_refused_makes_every_rank_stage_and_say_why():
-    res = collectives.launch(_body_refused, 3, 1, transport="shm", timeout=30.0)
+    always = {"shm_single_copy": "always"}
+    res = collectives.launch(_body_refused, 3, 1, transport="shm", timeout=30.0, options=always)
     for single_copy, status, plan, algorithm in res:
         assert single_copy is False and algorithm == "pull", res
         assert "rank 1 cannot read rank 0's memory" in status and "Operation not permitted" in status, status
         assert "unavailable" in plan, plan
     # the same group without the refusal reads in one copy (the probe is not what fails here)
-    ok = collectives.launch(_body_refused, 3, -1, transport="shm", timeout=30.0)
+    ok = collectives.launch(_body_refused, 3, -1, transport="shm", timeout=30.0, options=always)
     assert all(r[0] is True and r[3] == "cma_pull" for r in ok), ok
 
 
 def _body_mixed_senders(comm, seed: int):
-    """all_to_all where some senders read in one copy (>= one 4 KiB slot) and the others stage."""
+    """all_to_all where some senders are read in one copy (>= 32 KiB here) and the others stage through
+    4 KiB slots in several rounds."""
     n, r = comm.size, comm.rank
+    shm.SINGLE_COPY_MIN_BYTES[OpCode.ALL_TO_ALL] = 32 << 10  # this process's table, read by the next transport
+    shm.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 and 4 ranks on this 2-core machine
     sub = comm.split(0, options={"shm_slot_bytes": 4096})
-    rows = lambda s, d: (3 + 97 * ((s + d + seed) % 3)) if s % 2 else (s + d) % 3  # odd ranks send ~600-7800 B
-    width = 5
+    # odd ranks send >= 36 KB (direct), even ranks 4.8-12.8 KB (staged in 2-4 rounds); 80-byte rows
+    rows = lambda s, d: (150 + (s + d + seed) % 3) if s % 2 else 20 + 10 * ((s + d) % 3)
+    width = 20
     send = [rows(r, d) for d in range(n)]
     x = rank_input("mixed", r, (sum(send), width), torch.float32, seed)
     got = sub.all_to_all(x, send_counts=send)
@@ -66,7 +71,7 @@ def _body_mixed_senders(comm, seed: int):
         start = sum(rows(s, d) for d in range(r))
         expected.append(xs[start : start + rows(s, r)])
     assert torch.equal(got, torch.cat(expected)), f"rank {r}"
-    direct = [s for s in range(n) if sum(rows(s, d) for d in range(n)) * width * 4 >= 4096]
+    direct = [s for s in range(n) if sum(rows(s, d) for d in range(n)) * width * 4 >= 32 << 10]
     return direct, sub.plan("all_to_all", x).algorithm
 
 
@@ -95,7 +100,8 @@ def _body_read_fails(comm, failing_rank: int):
 
 
 def test_a_failed_read_breaks_the_call_on_every_rank_naming_it():
-    res = collectives.launch(_body_read_fails, 3, 2, transport="shm", timeout=30.0)
+    res = collectives.launch(_body_read_fails, 3, 2, transport="shm", timeout=30.0,
+                             options={"shm_single_copy": "always"})
     name, msg = res[2]
     assert name == "CommunicatorBrokenError" and "could not read rank" in msg and "MOECOMM_SHM_SINGLE_COPY=off" in msg, msg
     # the others raise instead of waiting, each naming the peer it saw fail: rank 2 aborting, or a rank

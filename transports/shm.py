@@ -85,18 +85,22 @@ DEFAULT_SLOT_BYTES = 1 << 20
 ONE_SHOT_MAX_BYTES_DEFAULT = 64 << 10
 ONE_SHOT_UNBOUNDED = 1 << 62  # a one-shot limit no message reaches: always one-shot
 
-# Single copy: from these sizes on (bytes of the call's input on each rank; all_to_all: of the
-# sender's whole input, at most one slot) peers read each other's tensors with process_vm_readv
-# (transports/_cma.py) instead of staging them through the slots; below, the staged path's
-# cache-resident slots win. PROVISIONAL (from one process_vm_readv micro-benchmark: 15 GB/s at 1-4 MiB,
-# 7.5 GB/s at 64 MiB); the staged vs single-copy sweep that replaces them is the next commit.
+# Single copy: from these sizes on (bytes of the call's input on each rank; all_to_all: of each
+# sender's whole input) peers read each other's tensors with process_vm_readv (transports/_cma.py)
+# instead of staging them through the slots. From the staged vs single-copy sweep on the 2-vCPU CI
+# machine (benchmarks/results/shm-single-copy-tuning.txt): at 2 ranks single copy is 1.5-2.0x faster
+# for all_gather of 1-4 MiB per rank (equal above) and 1.2-1.9x for all_to_all from 2 MiB per sender;
+# the kernel's copy (7-15 GB/s) loses to the cache-resident slots everywhere else: all_reduce,
+# reduce_scatter and broadcast ran 0.4-0.8x at every size, so they always stage (the single-copy
+# code serves them with MOECOMM_SHM_SINGLE_COPY=always). With more ranks than cores (4 on 2) every op
+# lost, so an oversubscribed group stages too.
 SINGLE_COPY_MIN_BYTES = {
-    OpCode.ALL_REDUCE: 1 << 20,
-    OpCode.ALL_GATHER: 256 << 10,
-    OpCode.REDUCE_SCATTER: 1 << 20,
-    OpCode.ALL_TO_ALL: 256 << 10,
-    OpCode.BROADCAST: 256 << 10,
+    OpCode.ALL_GATHER: 1 << 20,
+    OpCode.ALL_TO_ALL: 2 << 20,
 }
+SINGLE_COPY_WHEN_OVERSUBSCRIBED = False
+ALWAYS_SINGLE_COPY = (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER, OpCode.ALL_TO_ALL,
+                      OpCode.BROADCAST)
 # Bytes read from each peer per step of a single-copy reduction: the peers' chunks and ours are
 # reduced while they are still in this core's 1 MiB L2 (lscpu of the CI machine).
 SINGLE_COPY_CHUNK_BYTES = 256 << 10
@@ -404,16 +408,16 @@ class SharedMemoryTransport(Transport):
             if refused:
                 self.single_copy_status = f"unavailable: {refused}; large messages are staged"
                 log.info("shm single copy unavailable, staging large messages: %s", refused)
+            elif mode == "always":
+                self._copy_min = {op: 0 for op in ALWAYS_SINGLE_COPY}
+                self.single_copy_status = "process_vm_readv at every size (always)"
+            elif group.oversubscribed and not SINGLE_COPY_WHEN_OVERSUBSCRIBED:
+                self.single_copy_status = ("available but not used: more ranks than cores here, where staging "
+                                           "measured faster")
             else:
-                always = mode == "always"
-                self._copy_min = {op: 0 if always else v for op, v in SINGLE_COPY_MIN_BYTES.items()}
-                self.single_copy_status = "process_vm_readv" + (" at every size (always)" if always else "")
+                self._copy_min = dict(SINGLE_COPY_MIN_BYTES)
+                self.single_copy_status = "process_vm_readv"
         self.single_copy = bool(self._copy_min)
-        # all_to_all decides per sender, after the count exchange, from a sender-local size: staged
-        # senders must fit one slot, so that no staged rounds follow the first synchronisation
-        a2a = self._copy_min.get(OpCode.ALL_TO_ALL)
-        if a2a is not None:
-            self._copy_min[OpCode.ALL_TO_ALL] = min(a2a, self.slot_bytes)
         self._all_reduce_copy_min = self._copy_min.get(OpCode.ALL_REDUCE, ONE_SHOT_UNBOUNDED)  # the hot path's test
 
     def _use_single_copy(self, opcode: OpCode, nbytes: int) -> bool:
@@ -495,7 +499,8 @@ class SharedMemoryTransport(Transport):
     def plan_note(self, opcode: OpCode, nbytes: int) -> str:
         limit = self._copy_min.get(opcode)
         if limit is None:
-            return f"single copy {self.single_copy_status}"
+            return f"single copy {self.single_copy_status}" + (
+                "; staged: faster for this op at every size measured" if self.single_copy else "")
         if opcode == OpCode.ALL_TO_ALL:
             return f"single copy ({self.single_copy_status}) for senders of >= {limit} B"
         used = "used" if self._use_single_copy(opcode, nbytes) else "not used"
@@ -729,10 +734,11 @@ class SharedMemoryTransport(Transport):
                 self._read_peer(r, inputs[r] + sum(counts[r][:me]) * row_bytes,
                                 y_addr + sum(recv[:r]) * row_bytes, counts[r][me] * row_bytes)
         for j, copies in enumerate(self._pulls(counts, row_bytes, direct_senders)):
-            if j > 0:
+            if j > 0:  # the staged senders' later rounds (every rank synchronises; direct senders stage nothing)
                 b = self._begin_round()
-                for off, src, nb in staged_segments(own_start, own_len, total, j * S, (j + 1) * S):
-                    self._stage(b, off, x_addr + src, nb)
+                if not direct:
+                    for off, src, nb in staged_segments(own_start, own_len, total, j * S, (j + 1) * S):
+                        self._stage(b, off, x_addr + src, nb)
                 self._sync()
             for src, off, dst, nb in copies:
                 self._pull(b, src, off, y_addr + dst, nb)
