@@ -358,3 +358,28 @@ def test_plan_reports_transport_and_algorithm():
     assert "shm" in names
     assert small == "one_shot" and big == "two_shot", res
     assert "all_reduce of 4000 B -> shm/one_shot" in text
+
+
+def _body_all_to_all_repeated(comm):
+    """The second call of a signature takes the communicator's fast path: same results, same checks."""
+    n, r = comm.size, comm.rank
+    counts = [(r + d) % 3 + 1 for d in range(n)]
+    x = rank_input("a2a-rep", r, (sum(counts), 3), torch.float32, 5)
+    first = comm.all_to_all(x, send_counts=counts)
+    for _ in range(2):
+        again = comm.all_to_all(x, send_counts=counts)
+        assert torch.equal(again, first) and again.shape == first.shape
+        out = torch.empty_like(first)
+        assert comm.all_to_all(x, send_counts=counts, out=out) is out and torch.equal(out, first)
+    wrong = torch.empty(first.shape[0] + 1, 3)
+    with pytest.raises(ValueError, match=f"out has {first.shape[0] + 1} rows but rank {r} received"):
+        comm.all_to_all(x, send_counts=counts, out=wrong)
+    even = rank_input("a2a-even", r, (2 * n, 3), torch.float32, 5)
+    ref = comm.all_to_all(even.clone())
+    assert torch.equal(comm.all_to_all(even), ref)
+    return first.shape[0]
+
+
+@pytest.mark.parametrize("transport", transports_under_test())
+def test_all_to_all_repeated_calls_keep_results_and_checks(transport):
+    run(_body_all_to_all_repeated, 3, transport=transport)

@@ -382,6 +382,10 @@ class Transport(abc.ABC):
     #: in-place layouts); otherwise the communicator passes a temporary for any overlap
     takes_rank_block_alias: ClassVar[bool] = False
 
+    #: whether :meth:`all_to_all` takes ``send`` (and ``alloc`` may return the output) as contiguous
+    #: [rows, *rest] tensors instead of flat views; transports that only read addresses say True
+    takes_shaped_rows: ClassVar[bool] = False
+
     #: whether :meth:`all_to_all` takes ``recv_counts=`` and checks it against what the peers send;
     #: for the others :meth:`all_to_all_with_recv_counts` checks it after the exchange (one barrier more)
     takes_recv_counts: ClassVar[bool] = False

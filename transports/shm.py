@@ -143,6 +143,7 @@ class SharedMemoryTransport(Transport):
     name = "shm"
     devices = ("cpu",)
     takes_rank_block_alias = True
+    takes_shaped_rows = True
 
     def __init__(self, group: GroupInfo, *, slot_bytes: int | None = None):
         super().__init__(group)
