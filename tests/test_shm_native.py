@@ -351,6 +351,33 @@ def test_fused_all_gather_on_the_last_arriving_rank():
     assert torch.equal(outs[-1], torch.cat(xs))
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32])
+def test_fused_reduce_scatter_on_the_last_arriving_rank(dtype):
+    g = torch.Generator().manual_seed(11 + DTYPE_CODES[dtype])
+    n, e, b, m, code, op = 3, 6, 0, 257, DTYPE_CODES[dtype], ReduceOp.MAX if dtype == torch.int32 else ReduceOp.SUM
+    seg = Segment(n)
+    words, sig = _sig_words(g), 24680
+    xs = [random_input(n * m, dtype, g) for _ in range(n)]
+    outs = [x.clone() for x in xs]  # out is each rank's own block of its input (in place)
+    blocks = [o[r * m : (r + 1) * m] for r, o in enumerate(outs)]
+    for r in range(n - 1):
+        assert seg.groups[r].reduce_scatter(b, e, outs[r].data_ptr(), blocks[r].data_ptr(), m, code, op, sig,
+                                            words.data_ptr()) == PENDING
+    assert seg.groups[-1].reduce_scatter(b, e, outs[-1].data_ptr(), blocks[-1].data_ptr(), m, code, op, sig,
+                                         words.data_ptr()) == ARRIVED
+    item = xs[0].element_size()
+    for r in range(n):
+        if r < n - 1:  # the early ranks finish as the transport does: sigs_match + reduce of their block
+            assert seg.groups[r].sigs_match(e, sig)
+            seg.groups[r].reduce(b, blocks[r].data_ptr(), m, code, op, r * m * item, 0)
+        ref = oracle([x[r * m : (r + 1) * m] for x in xs], op, dtype)
+        assert_bitwise(blocks[r], ref, dtype, op, f"reduce_scatter block {r}")
+    with pytest.raises(ValueError, match="does not fit"):
+        seg.groups[0].reduce_scatter(b, e + 2, outs[0].data_ptr(), blocks[0].data_ptr(), SLOT_BYTES // item, code, op, sig,
+                                     words.data_ptr())
+
+
 # ---- bad arguments ---------------------------------------------------------------------------------------
 @needs_native
 def test_bad_arguments_raise_before_touching_memory():

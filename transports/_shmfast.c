@@ -19,7 +19,7 @@
 #include <string.h>
 
 /* Bumped whenever a signature below changes; transports/_native.py refuses a stale build. */
-#define API_VERSION 2  /* 2: pull() */
+#define API_VERSION 3  /* 2: pull(); 3: reduce_scatter() */
 
 /* Control block words (transports/shm.py: _EPOCH, _SIG0, _META0; base.META_LEN). */
 #define W_EPOCH 0
@@ -430,6 +430,31 @@ static PyObject *Group_all_reduce(Group *g, PyObject *const *args, Py_ssize_t na
     return PyLong_FromLong(code);
 }
 
+static PyObject *Group_reduce_scatter(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    long long v[9], nbytes; /* b, e, x, out, count (of out), dtype, op, sig, sig_words */
+    Plan p;
+    if (ints(args, nargs, 9, "reduce_scatter", v) || make_plan(v[5], v[6], &p) ||
+        count_bytes(g, v[4], p.itemsize, &nbytes))
+        return NULL;
+    if (nbytes > 0 && g->n > g->slot_bytes / nbytes) {  /* the whole input, n blocks, must fit one slot */
+        PyErr_Format(PyExc_ValueError, "_shmfast: reduce_scatter input of %zd x %lld bytes does not fit in a slot of "
+                     "%zd bytes", g->n, nbytes, g->slot_bytes);
+        return NULL;
+    }
+    long long in_bytes = nbytes * g->n, off = nbytes * g->rank;
+    if (check_slot(g, v[0], 0, in_bytes, "reduce_scatter") || check_addr(v[2], in_bytes, "input") ||
+        check_addr(v[3], nbytes, "output") || arrive_args(v[7], v[8]))
+        return NULL;
+    /* all of x is staged, our block too, so out may alias it; every rank reduces its block */
+    if (in_bytes > 0) memcpy(g->slot[v[0]][g->rank], (const void *)(uintptr_t)v[2], (size_t)in_bytes);
+    int code = do_arrive(g, v[1], v[7], (const int64_t *)(uintptr_t)v[8]);
+    if (code == ARRIVED) {
+        for (Py_ssize_t r = 0; r < g->n; r++) g->srcs[r] = g->slot[v[0]][r] + off;
+        reduce_srcs(&p, (char *)(uintptr_t)v[3], g->srcs, g->n, v[4], v[6] == OP_AVG);
+    }
+    return PyLong_FromLong(code);
+}
+
 static PyObject *Group_all_gather(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     long long v[7]; /* b, e, x, out, nbytes, sig, sig_words */
     if (ints(args, nargs, 7, "all_gather", v) || check_slot(g, v[0], 0, v[4], "all_gather") ||
@@ -484,6 +509,8 @@ static PyMethodDef Group_methods[] = {
     FAST(gather, "gather(b, out_addr, nbytes, slot_off, out_stride, own_addr): every rank's block, in rank order"),
     FAST(all_reduce, "all_reduce(b, e, x_addr, out_addr, count, dtype_code, op_code, sig_value, sig_words_addr) -> code\n"
                      "stage + arrive + (if ARRIVED) reduce"),
+    FAST(reduce_scatter, "reduce_scatter(b, e, x_addr, out_addr, count, dtype_code, op_code, sig_value, "
+                         "sig_words_addr) -> code\nstage all of x + arrive + (if ARRIVED) reduce this rank's block"),
     FAST(all_gather, "all_gather(b, e, x_addr, out_addr, nbytes, sig_value, sig_words_addr) -> code\n"
                      "stage + arrive + (if ARRIVED) gather"),
     {NULL, NULL, 0, NULL},

@@ -66,7 +66,7 @@ _SIG0 = 2  # two parities of the signature digest
 _META0 = 4  # two parities of META_LEN words, then two parities of `size` all-to-all send counts, then of
 # `size` declared receive counts
 _STATE_ABORTED, _STATE_CLOSED = 1, 2  # 0: running
-ARRIVED, PENDING = 0, 1  # what transports._shmfast's arrive returns (2: a signature differs); its API_VERSION 2
+ARRIVED, PENDING = 0, 1  # what transports._shmfast's arrive returns (2: a signature differs); its API_VERSION 3
 
 # Per-slot size; each rank has two slots and messages larger than a slot go in rounds.
 # 1 MiB: in benchmarks/results/shm-allreduce-tuning.txt (2 vCPUs with 1 MiB of L2 each) it beat
@@ -634,12 +634,16 @@ class SharedMemoryTransport(Transport):
     def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         g = self._g
         if g is not None and send.nbytes <= self._native_scatter_max:  # the latency path, compiled: one round
-            # all of x is staged (our block too, so out may alias it); every rank reduces its block
-            b = self._begin_round()
-            g.stage(b, send.data_ptr(), send.nbytes, 0)
-            self._sync(sig)
-            m = out.numel()
-            g.reduce(b, out.data_ptr(), m, DTYPE_CODES[send.dtype], int(op), self.rank * m * send.element_size(), 0)
+            if self._broken:
+                self._raise_broken()
+            b = self._use & 1
+            self._use += 1
+            e = self._epoch = self._epoch + 1
+            out_addr, m, code, rop = out.data_ptr(), out.numel(), DTYPE_CODES[send.dtype], int(op)
+            arrived = g.reduce_scatter(b, e, send.data_ptr(), out_addr, m, code, rop, sig.value, sig.addr)
+            if arrived != ARRIVED:
+                self._finish_arrival(e, sig, arrived)
+                g.reduce(b, out_addr, m, code, rop, self.rank * m * send.element_size(), 0)
             return
         x, y = as_numpy(send), as_numpy(out)
         n, me, dtype = self.size, self.rank, send.dtype
