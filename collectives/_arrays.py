@@ -120,19 +120,3 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def span(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
-
-
-def direct_out(out: Any, x: torch.Tensor, shape: torch.Size, *, in_place_ok: bool,
-               alias_offset: int | None = None) -> bool:
-    """Whether the transport can write straight into ``out`` (hot-path check, no validation errors).
-
-    in_place_ok: ``out`` may be ``x`` itself; alias_offset: ``out`` may overlap ``x`` when
-    ``x.data_ptr() - out.data_ptr()`` is exactly this (a transport's rank-block aliasing).
-    """
-    if type(out) is not torch.Tensor or out.shape != shape or out.dtype != x.dtype or out.device != x.device \
-            or out.requires_grad or not out.is_contiguous():
-        return False
-    o0, x0 = out.data_ptr(), x.data_ptr()
-    if (in_place_ok and o0 == x0) or (alias_offset is not None and x0 - o0 == alias_offset):
-        return True
-    return o0 + out.nbytes <= x0 or x0 + x.nbytes <= o0
