@@ -27,7 +27,9 @@ needs_native = pytest.mark.skipif(shmfast is None, reason=f"transports._shmfast:
 
 ARRIVED, PENDING, MISMATCH = 0, 1, 2
 EPOCH, SIG0, META0 = 0, 2, 4  # control block words (transports/shm.py)
-CTRL_WORDS = 48  # >= META0 + 2 * META_LEN, 128-byte blocks as shm.py aligns them
+CTRL_WORDS = 64  # >= META0 + 2 * META_LEN + all_to_all's words below, 128-byte blocks as shm.py aligns them
+COUNTS0 = 4 + 2 * META_LEN  # two parities of n <= 5 send counts (shm.py: _counts0) ...
+ADDR0 = COUNTS0 + 2 * 8  # ... then (two parities of) the single-copy addresses (shm.py: _addr0)
 SLOT_BYTES = 64 << 10  # fits the largest case: 5000 float64 + offset
 FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -43,8 +45,8 @@ class Segment:
         self.slot_bytes = slot_bytes
         self._data0 = ctrl_bytes
         base = self.bytes.data_ptr()
-        self.groups = [shmfast.Group(base, CTRL_WORDS, n, r, base + ctrl_bytes, slot_bytes, spin, yields)
-                       for r in range(n)]
+        self.groups = [shmfast.Group(base, CTRL_WORDS, n, r, base + ctrl_bytes, slot_bytes, spin, yields,
+                                     COUNTS0, ADDR0) for r in range(n)]
 
     def slot(self, rank: int, b: int) -> torch.Tensor:
         at = self._data0 + (rank * 2 + b) * self.slot_bytes
@@ -376,6 +378,45 @@ def test_fused_reduce_scatter_on_the_last_arriving_rank(dtype):
     with pytest.raises(ValueError, match="does not fit"):
         seg.groups[0].reduce_scatter(b, e + 2, outs[0].data_ptr(), blocks[0].data_ptr(), SLOT_BYTES // item, code, op, sig,
                                      words.data_ptr())
+
+
+@needs_native
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_all_to_all_round_matches_the_python_schedule(n):
+    """a2a_post + a2a_pull against the rows each sender meant for each receiver (uneven, with empty
+    blocks), and 'not handled' (1, nothing copied) for a sender beyond one slot or reading in single copy."""
+    g = torch.Generator().manual_seed(n)
+    row_bytes, e, b = 12, 3, 1
+    seg = Segment(n, slot_bytes=4096)
+    counts = [[int(c) for c in torch.randint(0, 6, (n,), generator=g)] for _ in range(n)]
+    counts[0][n - 1] = 0
+    xs = [torch.randint(0, 256, (sum(row) * row_bytes,), generator=g, dtype=torch.uint8) for row in counts]
+    words, sig = _sig_words(g), 777
+
+    def own(s):
+        return sum(counts[s][:s]) * row_bytes, counts[s][s] * row_bytes
+
+    codes = [seg.groups[s].a2a_post(b, e, xs[s].data_ptr(), xs[s].numel(), *own(s), counts[s], sig, words.data_ptr())
+             for s in range(n)]
+    assert codes[-1] == ARRIVED and all(c in (ARRIVED, PENDING) for c in codes)
+    assert seg.ctrl[:, COUNTS0 + (e & 1) * n : COUNTS0 + (e & 1) * n + n].tolist() == counts
+    for d in range(n):
+        want = torch.cat([xs[s][(sum(counts[s][:d])) * row_bytes : (sum(counts[s][: d + 1])) * row_bytes]
+                          for s in range(n)])
+        y = torch.zeros(len(want) + 5, dtype=torch.uint8)
+        assert seg.groups[d].a2a_pull(b, e, y.data_ptr(), y.numel(), row_bytes, xs[d].data_ptr(), *own(d)) == 0
+        assert torch.equal(y[: len(want)], want) and not y[len(want):].any(), f"receiver {d}"
+        if len(want):
+            with pytest.raises(ValueError, match="receives"):
+                seg.groups[d].a2a_pull(b, e, y.data_ptr(), len(want) - 1, row_bytes, xs[d].data_ptr(), *own(d))
+    if n > 1:  # a sender reading in single copy, then one too large for a slot: Python's turn
+        seg.ctrl[1, ADDR0 + 2 * (e & 1)] = 12345
+        y = torch.zeros(4096, dtype=torch.uint8)
+        assert seg.groups[0].a2a_pull(b, e, y.data_ptr(), y.numel(), row_bytes, xs[0].data_ptr(), *own(0)) == 1
+        seg.ctrl[1, ADDR0 + 2 * (e & 1)] = 0
+        seg.ctrl[1, COUNTS0 + (e & 1) * n] = 4096  # rows that cannot fit one slot
+        assert seg.groups[0].a2a_pull(b, e, y.data_ptr(), y.numel(), row_bytes, xs[0].data_ptr(), *own(0)) == 1
+        assert not y.any()
 
 
 # ---- bad arguments ---------------------------------------------------------------------------------------

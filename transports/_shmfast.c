@@ -19,7 +19,7 @@
 #include <string.h>
 
 /* Bumped whenever a signature below changes; transports/_native.py refuses a stale build. */
-#define API_VERSION 3  /* 2: pull(); 3: reduce_scatter() */
+#define API_VERSION 4  /* 2: pull(); 3: reduce_scatter(); 4: a2a_post(), a2a_pull(), counts/addr words */
 
 /* Control block words (transports/shm.py: _EPOCH, _SIG0, _META0; base.META_LEN). */
 #define W_EPOCH 0
@@ -254,6 +254,9 @@ typedef struct {
     long spin, yields;
     char **slot[2];       /* slot[b][r]: rank r's data slot b */
     char **srcs;          /* scratch: the sources of one reduction */
+    Py_ssize_t counts0;   /* all_to_all: word of the two parities of n send counts in a control block (-1: none) */
+    Py_ssize_t addr0;     /* single copy: word of the two parities of (input, output) addresses (-1: none) */
+    int64_t *a2a;         /* scratch: n stream starts + n output offsets of one all_to_all */
 } Group;
 
 static inline int64_t *block(Group *g, Py_ssize_t r) { return g->ctrl + r * g->ctrl_words; }
@@ -455,6 +458,113 @@ static PyObject *Group_reduce_scatter(Group *g, PyObject *const *args, Py_ssize_
     return PyLong_FromLong(code);
 }
 
+/* ---- all_to_all of one round ------------------------------------------------------------------
+ * The layout and protocol of transports/shm.py's all_to_all (and transports/_schedule.py): each rank
+ * stages its input without its own block as a stream, publishes its n send counts (rows) and, for
+ * single copy, (0, 0) as its addresses, and arrives; receivers pull their rows from the senders'
+ * slots. These two calls serve a round whose every sender fits one slot and none reads in single
+ * copy; a2a_pull says "not mine" (1) otherwise, before copying anything, and Python goes on. */
+static PyObject *Group_a2a_post(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    /* b, e, x, total, own_start, own_len, counts (sequence), sig, sig_words */
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "Group.a2a_post() takes 9 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    long long v[8];
+    for (int i = 0, k = 0; i < 9; i++) {
+        if (i == 6) continue;
+        v[k] = PyLong_AsLongLong(args[i]);
+        if (v[k] == -1 && PyErr_Occurred()) return NULL;
+        k++;
+    }
+    long long b = v[0], e = v[1], x = v[2], total = v[3], own_start = v[4], own_len = v[5];
+    if (g->counts0 < 0) {
+        PyErr_SetString(PyExc_ValueError, "_shmfast: this Group was made without counts_word (no all_to_all)");
+        return NULL;
+    }
+    if (total < 0 || own_start < 0 || own_len < 0 || own_start > total || own_len > total - own_start) {
+        PyErr_Format(PyExc_ValueError, "_shmfast: a2a_post own block [%lld, +%lld) outside an input of %lld bytes",
+                     own_start, own_len, total);
+        return NULL;
+    }
+    long long stream = total - own_len, w = stream < g->slot_bytes ? stream : g->slot_bytes;
+    if (check_slot(g, b, 0, w, "a2a_post") || check_addr(x, total, "input") || arrive_args(v[6], v[7])) return NULL;
+    PyObject *seq = PySequence_Fast(args[6], "_shmfast: a2a_post counts must be a sequence of ints");
+    if (!seq) return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != g->n) {
+        PyErr_Format(PyExc_ValueError, "_shmfast: a2a_post got %zd counts for %zd ranks", PySequence_Fast_GET_SIZE(seq), g->n);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    int64_t *mine = block(g, g->rank), *counts = mine + g->counts0 + (e & 1) * g->n;
+    for (Py_ssize_t r = 0; r < g->n; r++) {
+        long long c = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, r));
+        if ((c == -1 && PyErr_Occurred()) || c < 0) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "_shmfast: a2a_post count %lld < 0", c);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        __atomic_store_n(counts + r, c, __ATOMIC_RELAXED);
+    }
+    Py_DECREF(seq);
+    if (g->addr0 >= 0) { /* staged, not single copy: the peers pull from the slot */
+        __atomic_store_n(mine + g->addr0 + 2 * (e & 1), 0, __ATOMIC_RELAXED);
+        __atomic_store_n(mine + g->addr0 + 2 * (e & 1) + 1, 0, __ATOMIC_RELAXED);
+    }
+    char *slot = g->slot[b][g->rank], *src = (char *)(uintptr_t)x;
+    long long head = own_start < w ? own_start : w; /* the stream: x before our block, then after it */
+    if (head > 0) memcpy(slot, src, (size_t)head);
+    if (w > own_start) memcpy(slot + own_start, src + own_start + own_len, (size_t)(w - own_start));
+    return PyLong_FromLong(do_arrive(g, e, v[6], (const int64_t *)(uintptr_t)v[7]));
+}
+
+static PyObject *Group_a2a_pull(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    long long v[8]; /* b, e, y, y_nbytes, row_bytes, x, own_start, own_len */
+    if (ints(args, nargs, 8, "a2a_pull", v)) return NULL;
+    long long b = v[0], e = v[1], y = v[2], y_nbytes = v[3], row_bytes = v[4], x = v[5], own_start = v[6],
+              own_len = v[7];
+    if (g->counts0 < 0 || (b != 0 && b != 1) || row_bytes <= 0 || y_nbytes < 0 || own_start < 0 || own_len < 0) {
+        PyErr_Format(PyExc_ValueError, "_shmfast: bad a2a_pull arguments (b=%lld, row_bytes=%lld, y_nbytes=%lld, "
+                     "own block [%lld, +%lld))", b, row_bytes, y_nbytes, own_start, own_len);
+        return NULL;
+    }
+    Py_ssize_t n = g->n, me = g->rank;
+    int64_t *start = g->a2a, *at = g->a2a + n;
+    long long y_end = 0;
+    for (Py_ssize_t s = 0; s < n; s++) {
+        const int64_t *row = block(g, s) + g->counts0 + (e & 1) * n;
+        if (g->addr0 >= 0 && __atomic_load_n(block(g, s) + g->addr0 + 2 * (e & 1), __ATOMIC_RELAXED) != 0)
+            return PyLong_FromLong(1); /* a single-copy sender: Python reads it */
+        long long rows = 0, before = 0, len;
+        for (Py_ssize_t d = 0; d < n; d++) {
+            long long c = __atomic_load_n(row + d, __ATOMIC_RELAXED);
+            if (c < 0 || __builtin_add_overflow(rows, c, &rows)) return PyLong_FromLong(1);
+            if (d < me) before += c;
+        }
+        long long staged, mine = __atomic_load_n(row + me, __ATOMIC_RELAXED);
+        long long own = __atomic_load_n(row + s, __ATOMIC_RELAXED);
+        if (__builtin_mul_overflow(rows - own, row_bytes, &staged) || staged > g->slot_bytes)
+            return PyLong_FromLong(1); /* several rounds: Python's schedule */
+        /* where our rows sit in the sender's stream (its own block is not in it) */
+        start[s] = (before - (s < me ? own : 0)) * row_bytes;
+        at[s] = y_end;
+        if (__builtin_mul_overflow(mine, row_bytes, &len) || __builtin_add_overflow(y_end, len, &y_end))
+            return PyLong_FromLong(1);
+    }
+    if (y_end > y_nbytes || check_addr(y, y_end, "output") || check_addr(x, own_start + own_len, "input")) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "_shmfast: a2a_pull receives %lld bytes into an output of %lld", y_end, y_nbytes);
+        return NULL;
+    }
+    char *out = (char *)(uintptr_t)y;
+    if (own_len > 0) memmove(out + at[me], (const char *)(uintptr_t)x + own_start, (size_t)own_len);
+    for (Py_ssize_t s = 0; s < n; s++) {
+        long long len = (s + 1 < n ? at[s + 1] : y_end) - at[s];
+        if (s != me && len > 0) memcpy(out + at[s], g->slot[b][s] + start[s], (size_t)len);
+    }
+    return PyLong_FromLong(0);
+}
+
 static PyObject *Group_all_gather(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     long long v[7]; /* b, e, x, out, nbytes, sig, sig_words */
     if (ints(args, nargs, 7, "all_gather", v) || check_slot(g, v[0], 0, v[4], "all_gather") ||
@@ -468,11 +578,18 @@ static PyObject *Group_all_gather(Group *g, PyObject *const *args, Py_ssize_t na
 }
 
 static PyObject *Group_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *names[] = {"ctrl_addr", "ctrl_words", "n", "rank", "slots_addr", "slot_bytes", "spin", "yields", NULL};
-    Py_ssize_t ctrl, cw, n, rank, slots, sb;
+    static char *names[] = {"ctrl_addr", "ctrl_words", "n", "rank", "slots_addr", "slot_bytes", "spin", "yields",
+                            "counts_word", "addr_word", NULL};
+    Py_ssize_t ctrl, cw, n, rank, slots, sb, counts0 = -1, addr0 = -1;
     long spin, yields;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "nnnnnnll:Group", names, &ctrl, &cw, &n, &rank, &slots, &sb, &spin, &yields))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "nnnnnnll|nn:Group", names, &ctrl, &cw, &n, &rank, &slots, &sb, &spin,
+                                     &yields, &counts0, &addr0))
         return NULL;
+    if ((counts0 >= 0 && counts0 + 2 * n > cw) || (addr0 >= 0 && addr0 + 4 > cw)) {
+        PyErr_Format(PyExc_ValueError, "_shmfast.Group: counts_word %zd or addr_word %zd outside a control block of "
+                     "%zd words", counts0, addr0, cw);
+        return NULL;
+    }
     if (ctrl <= 0 || slots <= 0 || cw < W_META0 + 2 * META_LEN || n < 1 || rank < 0 || rank >= n || sb < 0 ||
         spin < 0 || yields < 0 || sb > PY_SSIZE_T_MAX / 2 / n) {
         PyErr_Format(PyExc_ValueError, "_shmfast.Group: bad layout (ctrl_words=%zd must be >= %d, n=%zd, rank=%zd, "
@@ -484,8 +601,10 @@ static PyObject *Group_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!g) return NULL;
     g->ctrl = (int64_t *)(uintptr_t)ctrl;
     g->ctrl_words = cw; g->n = n; g->rank = rank; g->slot_bytes = sb; g->spin = spin; g->yields = yields;
+    g->counts0 = counts0; g->addr0 = addr0;
     g->slot[0] = PyMem_New(char *, 3 * n);
-    if (!g->slot[0]) { Py_DECREF(g); return PyErr_NoMemory(); }
+    g->a2a = PyMem_New(int64_t, 2 * n);
+    if (!g->slot[0] || !g->a2a) { Py_DECREF(g); return PyErr_NoMemory(); }
     g->slot[1] = g->slot[0] + n;
     g->srcs = g->slot[0] + 2 * n;
     for (Py_ssize_t r = 0; r < n; r++)
@@ -495,6 +614,7 @@ static PyObject *Group_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 
 static void Group_dealloc(Group *g) {
     PyMem_Free(g->slot[0]);
+    PyMem_Free(g->a2a);
     Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
@@ -509,6 +629,10 @@ static PyMethodDef Group_methods[] = {
     FAST(gather, "gather(b, out_addr, nbytes, slot_off, out_stride, own_addr): every rank's block, in rank order"),
     FAST(all_reduce, "all_reduce(b, e, x_addr, out_addr, count, dtype_code, op_code, sig_value, sig_words_addr) -> code\n"
                      "stage + arrive + (if ARRIVED) reduce"),
+    FAST(a2a_post, "a2a_post(b, e, x_addr, total, own_start, own_len, counts, sig_value, sig_words_addr) -> code\n"
+                   "stage the first window of x without its own block, publish the send counts, arrive"),
+    FAST(a2a_pull, "a2a_pull(b, e, y_addr, y_nbytes, row_bytes, x_addr, own_start, own_len) -> 0 done | 1 not handled\n"
+                   "our block and every sender's rows for us from one round of slots, in source order"),
     FAST(reduce_scatter, "reduce_scatter(b, e, x_addr, out_addr, count, dtype_code, op_code, sig_value, "
                          "sig_words_addr) -> code\nstage all of x + arrive + (if ARRIVED) reduce this rank's block"),
     FAST(all_gather, "all_gather(b, e, x_addr, out_addr, nbytes, sig_value, sig_words_addr) -> code\n"

@@ -66,7 +66,7 @@ _SIG0 = 2  # two parities of the signature digest
 _META0 = 4  # two parities of META_LEN words, then two parities of `size` all-to-all send counts, then of
 # `size` declared receive counts
 _STATE_ABORTED, _STATE_CLOSED = 1, 2  # 0: running
-ARRIVED, PENDING = 0, 1  # what transports._shmfast's arrive returns (2: a signature differs); its API_VERSION 3
+ARRIVED, PENDING = 0, 1  # what transports._shmfast's arrive returns (2: a signature differs); its API_VERSION 4
 
 # Per-slot size; each rank has two slots and messages larger than a slot go in rounds.
 # 1 MiB: in benchmarks/results/shm-allreduce-tuning.txt (2 vCPUs with 1 MiB of L2 each) it beat
@@ -383,7 +383,7 @@ class SharedMemoryTransport(Transport):
         if fast is not None:
             base = self._ctrl.ctypes.data
             self._g = fast.Group(base, self._ctrl_words, self.size, self.rank, base + ctrl_bytes, self.slot_bytes,
-                                 self._spin_iters, self._yield_iters)
+                                 self._spin_iters, self._yield_iters, self._counts0, self._addr0)
         # the latency paths' limits, as plain ints: one comparison per call
         self._native_all_reduce_max = min(self.slot_bytes, self._one_shot_limit, self._all_reduce_copy_min - 1)
         self._native_gather_max = min(self.slot_bytes, self._copy_min.get(OpCode.ALL_GATHER, ONE_SHOT_UNBOUNDED) - 1)
@@ -714,7 +714,18 @@ class SharedMemoryTransport(Transport):
         own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
         # single copy per sender, from its own size: the peers learn it from its published address
         direct = self._use_single_copy(OpCode.ALL_TO_ALL, total)
+        g = self._g
         b = self._begin_round()
+        if g is not None and recv_counts is None and not direct:  # the compiled helper's round
+            e = self._epoch = self._epoch + 1
+            arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, send_counts, sig.value, sig.addr)
+            if arrived != ARRIVED:
+                self._finish_arrival(e, sig, arrived)
+            q, c0 = self._q, self._counts0 + (e & 1) * n
+            out = alloc([q[base + c0 + me] for base in self._bases])
+            if g.a2a_pull(b, e, out.data_ptr(), out.nbytes, row_bytes, x_addr, own_start, own_len) == 0:
+                return out
+            return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct, out)
         if not direct:
             for off, src, nb in staged_segments(own_start, own_len, total, 0, S):
                 self._stage(b, off, x_addr + src, nb)
@@ -727,8 +738,18 @@ class SharedMemoryTransport(Transport):
             declared = [q[base + r0 : base + r0 + n].tolist() for base in self._bases]  # declared[dst][src]
             if any(declared[d][s] != counts[s][d] for s in range(n) for d in range(n)):
                 check_recv_counts(counts, declared, self._ranks)
+        out = alloc([row[me] for row in counts])
+        return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct, out, counts)
+
+    def _all_to_all_rest(self, x_addr: int, total: int, row_bytes: int, own_start: int, own_len: int, b: int,
+                         direct: bool, out: torch.Tensor, counts: list[list[int]] | None = None) -> torch.Tensor:
+        """all_to_all after its first synchronisation: our own block, the direct senders' rows, then
+        the staged rounds (``counts``: the [n][n] send counts, read from the control blocks if None)."""
+        n, me, S = self.size, self.rank, self.slot_bytes
+        if counts is None:
+            q, c0 = self._q, self._counts0 + (self._epoch & 1) * n
+            counts = [q[base + c0 : base + c0 + n].tolist() for base in self._bases]
         recv = [row[me] for row in counts]
-        out = alloc(recv)
         y_addr = out.data_ptr()
         _copy(y_addr + sum(recv[:me]) * row_bytes, x_addr + own_start, own_len)  # our block to ourselves
         # direct senders: read their rows for us from their inputs; pull the rest from the slots
