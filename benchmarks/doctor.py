@@ -411,6 +411,10 @@ def check_moecomm_env(environ: Mapping[str, str] | None = None) -> list[Check]:
             out.append(Check(WARN, "env", f"{name}={raw} forces every moecomm call onto one transport: the "
                                           "automatic choice (shm on one node) is off",
                              f"unset {name} (or use transport= / comm.using() for one communicator)"))
+        if setting.option in ("shm_single_copy", "shm_native") and value == "off":
+            what = ("large shm messages are always staged (two copies)" if setting.option == "shm_single_copy"
+                    else "small shm collectives run in Python, several us slower per call")
+            out.append(Check(WARN, "env", f"{name}=off: {what}", f"unset {name} (default auto)"))
         if setting.option == "shm_slot_bytes" and value < (1 << 20):
             out.append(Check(WARN, "env", f"{name}={value} (< 1 MiB): large messages take many rounds through "
                                           "the shm transport",
