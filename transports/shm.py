@@ -13,6 +13,11 @@ pickling, no extra hop). Rounds alternate between the two slots, so a slot is
 rewritten only after every peer has arrived at a later synchronisation, which
 it does only after finishing its reads of the earlier round.
 
+Messages that fit a slot go through the compiled helper transports._shmfast when it is built (stage,
+publish, spin, check, reduce in one call; the Python path below is its fallback and reference). Large
+all_gather and all_to_all messages skip the slots: peers read each other's tensors in one copy with
+process_vm_readv (transports/_cma.py) where a start-up probe allows it and it measured faster.
+
 Waits spin briefly, then yield, then sleep with backoff, so runs with more ranks
 than cores do not crawl, and every wait ends at the communicator's timeout, when
 a peer's process dies, or when a peer aborts, naming the ranks involved.
@@ -203,6 +208,15 @@ class SharedMemoryTransport(Transport):
         b = self._use & 1
         self._use += 1
         return b
+
+    def _compiled_round(self) -> tuple[int, int]:
+        """(slot, epoch) of a round whose synchronisation the compiled helper does in its fused call."""
+        if self._broken:
+            self._raise_broken()
+        b = self._use & 1
+        self._use += 1
+        self._epoch += 1
+        return b, self._epoch
 
     def _raise_broken(self):
         if self._map is None:
@@ -531,11 +545,7 @@ class SharedMemoryTransport(Transport):
     def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         g = self._g
         if g is not None and send.nbytes <= self._native_all_reduce_max:  # the latency path, compiled
-            if self._broken:
-                self._raise_broken()
-            b = self._use & 1
-            self._use += 1
-            e = self._epoch = self._epoch + 1
+            b, e = self._compiled_round()
             out_addr, count, code, rop = out.data_ptr(), send.numel(), DTYPE_CODES[send.dtype], int(op)
             arrived = g.all_reduce(b, e, send.data_ptr(), out_addr, count, code, rop, sig.value, sig.addr)
             if arrived != ARRIVED:
@@ -596,11 +606,7 @@ class SharedMemoryTransport(Transport):
     def all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature) -> None:
         g = self._g
         if g is not None and send.nbytes <= self._native_gather_max:  # the latency path, compiled
-            if self._broken:
-                self._raise_broken()
-            b = self._use & 1
-            self._use += 1
-            e = self._epoch = self._epoch + 1
+            b, e = self._compiled_round()
             x_addr, out_addr, nbytes = send.data_ptr(), out.data_ptr(), send.nbytes
             arrived = g.all_gather(b, e, x_addr, out_addr, nbytes, sig.value, sig.addr)
             if arrived != ARRIVED:
@@ -634,11 +640,7 @@ class SharedMemoryTransport(Transport):
     def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         g = self._g
         if g is not None and send.nbytes <= self._native_scatter_max:  # the latency path, compiled: one round
-            if self._broken:
-                self._raise_broken()
-            b = self._use & 1
-            self._use += 1
-            e = self._epoch = self._epoch + 1
+            b, e = self._compiled_round()
             out_addr, m, code, rop = out.data_ptr(), out.numel(), DTYPE_CODES[send.dtype], int(op)
             arrived = g.reduce_scatter(b, e, send.data_ptr(), out_addr, m, code, rop, sig.value, sig.addr)
             if arrived != ARRIVED:
