@@ -14,7 +14,7 @@ import torch
 
 import collectives
 from spmd import rank_input
-from transports import _cma, shm
+from transports import _cma, _shm_single_copy
 from transports.base import CommunicatorBrokenError, OpCode, PeerFailedError
 
 pytestmark = pytest.mark.skipif(not _cma.available(), reason="no process_vm_readv on this platform")
@@ -56,8 +56,8 @@ def _body_mixed_senders(comm, seed: int):
     """all_to_all where some senders are read in one copy (>= 32 KiB here) and the others stage through
     4 KiB slots in several rounds."""
     n, r = comm.size, comm.rank
-    shm.SINGLE_COPY_MIN_BYTES[OpCode.ALL_TO_ALL] = 32 << 10  # this process's table, read by the next transport
-    shm.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 and 4 ranks on this 2-core machine
+    _shm_single_copy.SINGLE_COPY_MIN_BYTES[OpCode.ALL_TO_ALL] = 32 << 10  # this process's table, read by the next transport
+    _shm_single_copy.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 and 4 ranks on this 2-core machine
     sub = comm.split(0, options={"shm_slot_bytes": 4096})
     # odd ranks send >= 36 KB (direct), even ranks 4.8-12.8 KB (staged in 2-4 rounds); 80-byte rows
     rows = lambda s, d: (150 + (s + d + seed) % 3) if s % 2 else 20 + 10 * ((s + d) % 3)

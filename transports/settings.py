@@ -79,7 +79,7 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
        "transports.shm", agree=True, minimum=0),
     _s("MOECOMM_SHM_SINGLE_COPY", str, "auto",
        "large shm messages: auto: peers read each other's tensors in one copy (Linux process_vm_readv) from "
-       "the per-op sizes in transports/shm.py, where a start-up probe on every rank allows it; off: always "
+       "the per-op sizes in transports/_shm_single_copy.py, where a start-up probe on every rank allows it; off: always "
        "stage through the shared slots; always: single copy at every size (tests)",
        "transports.shm", agree=True, choices=("auto", "off", "always")),
     _s("MOECOMM_SHM_NATIVE", str, "auto",

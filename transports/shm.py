@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import array
 import ctypes
-import errno
 import logging
 import os
 import platform
@@ -41,10 +40,10 @@ import time
 import numpy as np
 import torch
 
-from . import _cma
 from ._native import load_shmfast
 from ._host import as_numpy, group_settings, pid_alive, reduce_into
 from ._segment import create_and_map
+from ._shm_single_copy import SingleCopyPaths
 from ._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
 from .base import (
     DTYPE_CODES,
@@ -90,26 +89,6 @@ DEFAULT_SLOT_BYTES = 1 << 20
 ONE_SHOT_MAX_BYTES_DEFAULT = 64 << 10
 ONE_SHOT_UNBOUNDED = 1 << 62  # a one-shot limit no message reaches: always one-shot
 
-# Single copy: from these sizes on (bytes of the call's input on each rank; all_to_all: of each
-# sender's whole input) peers read each other's tensors with process_vm_readv (transports/_cma.py)
-# instead of staging them through the slots. From the staged vs single-copy sweep on the 2-vCPU CI
-# machine (benchmarks/results/shm-single-copy-tuning.txt): at 2 ranks single copy is 1.5-2.0x faster
-# for all_gather of 1-4 MiB per rank (equal above) and 1.2-1.9x for all_to_all from 2 MiB per sender;
-# the kernel's copy (7-15 GB/s) loses to the cache-resident slots everywhere else: all_reduce,
-# reduce_scatter and broadcast ran 0.4-0.8x at every size, so they always stage (the single-copy
-# code serves them with MOECOMM_SHM_SINGLE_COPY=always). With more ranks than cores (4 on 2) every op
-# lost, so an oversubscribed group stages too.
-SINGLE_COPY_MIN_BYTES = {
-    OpCode.ALL_GATHER: 1 << 20,
-    OpCode.ALL_TO_ALL: 2 << 20,
-}
-SINGLE_COPY_WHEN_OVERSUBSCRIBED = False
-ALWAYS_SINGLE_COPY = (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER, OpCode.ALL_TO_ALL,
-                      OpCode.BROADCAST)
-# Bytes read from each peer per step of a single-copy reduction: the peers' chunks and ours are
-# reduced while they are still in this core's 1 MiB L2 (lscpu of the CI machine).
-SINGLE_COPY_CHUNK_BYTES = 256 << 10
-
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 _fence_lock = threading.Lock()
 
@@ -144,7 +123,7 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-class SharedMemoryTransport(Transport):
+class SharedMemoryTransport(SingleCopyPaths, Transport):
     name = "shm"
     devices = ("cpu",)
     takes_rank_block_alias = True
@@ -399,127 +378,11 @@ class SharedMemoryTransport(Transport):
             self._g = fast.Group(base, self._ctrl_words, self.size, self.rank, base + ctrl_bytes, self.slot_bytes,
                                  self._spin_iters, self._yield_iters, self._counts0, self._addr0)
         # the latency paths' limits, as plain ints: one comparison per call
+        self._all_reduce_copy_min = self._copy_min.get(OpCode.ALL_REDUCE, ONE_SHOT_UNBOUNDED)
         self._native_all_reduce_max = min(self.slot_bytes, self._one_shot_limit, self._all_reduce_copy_min - 1)
         self._native_gather_max = min(self.slot_bytes, self._copy_min.get(OpCode.ALL_GATHER, ONE_SHOT_UNBOUNDED) - 1)
         self._native_scatter_max = min(self.slot_bytes,
                                        self._copy_min.get(OpCode.REDUCE_SCATTER, ONE_SHOT_UNBOUNDED) - 1)
-
-    # ---- single copy (cross-memory attach) -------------------------------------------------
-    def _setup_single_copy(self, group: GroupInfo, mode: str) -> None:
-        """Probe (collectively) whether the ranks may read each other's memory; set the switch points.
-
-        Every rank gets the same answer (:func:`_cma.probe` agrees on it), so every rank of a call
-        takes the same path. ``single_copy_status`` says what was decided and why, for
-        ``comm.plan()`` and ``moecomm doctor``.
-        """
-        self._copy_min: dict[OpCode, int] = {}
-        self._tmp: np.ndarray | None = None
-        if mode == "off":
-            self.single_copy_status = "off (MOECOMM_SHM_SINGLE_COPY=off)"
-        elif self.size == 1:
-            self.single_copy_status = "not needed (one rank)"
-        else:
-            refused = _cma.probe(group)
-            if refused:
-                self.single_copy_status = f"unavailable: {refused}; large messages are staged"
-                log.info("shm single copy unavailable, staging large messages: %s", refused)
-            elif mode == "always":
-                self._copy_min = {op: 0 for op in ALWAYS_SINGLE_COPY}
-                self.single_copy_status = "process_vm_readv at every size (always)"
-            elif group.oversubscribed and not SINGLE_COPY_WHEN_OVERSUBSCRIBED:
-                self.single_copy_status = ("available but not used: more ranks than cores here, where staging "
-                                           "measured faster")
-            else:
-                self._copy_min = dict(SINGLE_COPY_MIN_BYTES)
-                self.single_copy_status = "process_vm_readv"
-        self.single_copy = bool(self._copy_min)
-        self._all_reduce_copy_min = self._copy_min.get(OpCode.ALL_REDUCE, ONE_SHOT_UNBOUNDED)  # the hot path's test
-
-    def _use_single_copy(self, opcode: OpCode, nbytes: int) -> bool:
-        limit = self._copy_min.get(opcode)
-        return limit is not None and nbytes >= limit and nbytes > 0
-
-    def _peer_addrs(self, r: int) -> tuple[int, int]:
-        """(input, output) addresses rank ``r`` published at the last synchronisation."""
-        a0 = self._bases[r] + self._addr0 + 2 * (self._epoch & 1)
-        return self._q[a0], self._q[a0 + 1]
-
-    def _read_peer(self, r: int, remote: int, local: int, nbytes: int) -> None:
-        """Copy ``nbytes`` at address ``remote`` of rank ``r``'s process to ``local`` here; a failure
-        (the peer died, or the kernel refused) breaks the transport and names the rank."""
-        if nbytes <= 0:
-            return
-        try:
-            _cma.read(self._pids[r], remote, local, nbytes)
-        except OSError as e:
-            who = self._ranks[r]
-            self._check_peers([r], self._epoch + 2)  # raises if it aborted, closed or died meanwhile
-            if e.errno == errno.ESRCH:
-                self._abort(f"rank {who} (pid {self._pids[r]}) exited")
-                raise PeerFailedError(f"rank {who} (pid {self._pids[r]}) exited while rank "
-                                      f"{self._ranks[self.rank]} read its data in a collective", [who]) from e
-            self._abort(f"reading rank {who}'s memory failed: {e}")
-            raise CommunicatorBrokenError(f"shm single copy: rank {self._ranks[self.rank]} could not read rank "
-                                          f"{who}'s memory ({e}); set MOECOMM_SHM_SINGLE_COPY=off to stage "
-                                          "through shared memory instead") from e
-
-    def _chunk_buffers(self, nbytes: int) -> list[np.ndarray]:
-        """``size`` scratch buffers of ``nbytes`` each (kept between calls: no per-call allocation)."""
-        n = self.size
-        if self._tmp is None or self._tmp.nbytes < n * nbytes:
-            self._tmp = np.empty(n * nbytes, dtype=np.uint8)
-        return [self._tmp[r * nbytes : (r + 1) * nbytes] for r in range(n)]
-
-    def _reduce_from_peers(self, x: np.ndarray, y: np.ndarray, x_at: int, y_at: int, count: int, op: ReduceOp,
-                           dtype: torch.dtype) -> None:
-        """y[y_at : y_at + count] = op over ranks (in rank order) of every rank's x[x_at : x_at + count],
-        the peers' read in chunks straight from their inputs."""
-        n, me, item = self.size, self.rank, x.itemsize
-        step = max(1, SINGLE_COPY_CHUNK_BYTES // item)
-        bufs = self._chunk_buffers(step * item)
-        inputs = [self._peer_addrs(r)[0] for r in range(n)]
-        aliased = np.may_share_memory(x, y)  # reduce_into's destination may alias only its first source
-        for lo in range(0, count, step):
-            hi = min(count, lo + step)
-            nb = (hi - lo) * item
-            srcs = [bufs[r][:nb].view(x.dtype) for r in range(n)]
-            for r in range(n):
-                if r != me:
-                    self._read_peer(r, inputs[r] + (x_at + lo) * item, srcs[r].ctypes.data, nb)
-                elif aliased:
-                    np.copyto(srcs[r], x[x_at + lo : x_at + hi])
-                else:
-                    srcs[r] = x[x_at + lo : x_at + hi]
-            reduce_into(y[y_at + lo : y_at + hi], srcs, op, dtype, n)
-
-    def _single_copy_all_reduce(self, x: np.ndarray, y: np.ndarray, op: ReduceOp, dtype: torch.dtype,
-                                sig: Signature) -> None:
-        """Two-shot over the peers' own tensors: reduce our part from their inputs, then read their
-        reduced parts from their outputs (three synchronisations, no staging)."""
-        n, me, item = self.size, self.rank, x.itemsize
-        self._begin_round()
-        self._sync(sig, addrs=(x.ctypes.data, y.ctypes.data))
-        outputs = [self._peer_addrs(r)[1] for r in range(n)]
-        bounds = part_bounds(x.size, n)
-        self._reduce_from_peers(x, y, bounds[me], bounds[me], bounds[me + 1] - bounds[me], op, dtype)
-        self._begin_round()
-        self._sync()  # every part is reduced
-        for k in range(1, n):
-            r = (me + k) % n
-            lo, hi = bounds[r], bounds[r + 1]
-            self._read_peer(r, outputs[r] + lo * item, y.ctypes.data + lo * item, (hi - lo) * item)
-        self._begin_round()
-        self._sync()  # the peers finished reading our output
-
-    def plan_note(self, opcode: OpCode, nbytes: int) -> str:
-        limit = self._copy_min.get(opcode)
-        if limit is None:
-            return f"single copy {self.single_copy_status}" + (
-                "; staged: faster for this op at every size measured" if self.single_copy else "")
-        if opcode == OpCode.ALL_TO_ALL:
-            return f"single copy ({self.single_copy_status}) for senders of >= {limit} B"
-        used = "used" if self._use_single_copy(opcode, nbytes) else "not used"
-        return f"single copy ({self.single_copy_status}) {used}: from {limit} B"
 
     # ---- capabilities ---------------------------------------------------------------------
     def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
@@ -617,16 +480,7 @@ class SharedMemoryTransport(Transport):
         y = as_numpy(out).view(np.uint8)
         nbytes, S, me = x.nbytes, self.slot_bytes, self.rank
         if self._use_single_copy(OpCode.ALL_GATHER, nbytes):
-            self._begin_round()
-            self._sync(sig, addrs=(x.ctypes.data, 0))
-            inputs = [self._peer_addrs(r)[0] for r in range(self.size)]
-            for k in range(1, self.size):
-                r = (me + k) % self.size
-                self._read_peer(r, inputs[r], y.ctypes.data + r * nbytes, nbytes)
-            if x.ctypes.data != y.ctypes.data + me * nbytes:  # in place: our block is there already
-                np.copyto(y[me * nbytes : (me + 1) * nbytes], x)
-            self._begin_round()
-            self._sync()  # the peers finished reading our input
+            self._single_copy_all_gather(x, y, sig)
             return
         first = sig
         for lo, hi in windows(nbytes, S):
@@ -651,11 +505,7 @@ class SharedMemoryTransport(Transport):
         n, me, dtype = self.size, self.rank, send.dtype
         m = y.size
         if self._use_single_copy(OpCode.REDUCE_SCATTER, x.nbytes):
-            self._begin_round()
-            self._sync(sig, addrs=(x.ctypes.data, 0))
-            self._reduce_from_peers(x, y, me * m, 0, m, op, dtype)
-            self._begin_round()
-            self._sync()  # the peers finished reading our input
+            self._single_copy_reduce_scatter(x, y, op, dtype, sig)
             return
         window = max(1, self.slot_bytes // x.itemsize // n)
         # our own block is reduced straight from x, unless out is that block (reduce_into's
@@ -681,14 +531,7 @@ class SharedMemoryTransport(Transport):
         nbytes, S = x.nbytes, self.slot_bytes
         root = self.rank == src
         if self._use_single_copy(OpCode.BROADCAST, nbytes):
-            self._begin_round()
-            self._sync(sig, addrs=(x.ctypes.data if root else 0, 0))
-            if not root:
-                self._read_peer(src, self._peer_addrs(src)[0], y.ctypes.data, nbytes)
-            elif y.ctypes.data != x.ctypes.data:
-                np.copyto(y, x)
-            self._begin_round()
-            self._sync()  # the ranks finished reading the root's input
+            self._single_copy_broadcast(x, y, src, sig)
             return
         first = sig
         for lo, hi in windows(nbytes, S):
