@@ -415,6 +415,9 @@ def check_moecomm_env(environ: Mapping[str, str] | None = None) -> list[Check]:
             what = ("large shm messages are always staged (two copies)" if setting.option == "shm_single_copy"
                     else "small shm collectives run in Python, several us slower per call")
             out.append(Check(WARN, "env", f"{name}=off: {what}", f"unset {name} (default auto)"))
+        if setting.option == "shm_sleep" and value == "backoff":
+            out.append(Check(WARN, "env", f"{name}=backoff: shm waits sleep on timers, so ranks that lose their "
+                                          "CPU to other work fall behind", f"unset {name} (default futex)"))
         if setting.option == "shm_slot_bytes" and value < (1 << 20):
             out.append(Check(WARN, "env", f"{name}={value} (< 1 MiB): large messages take many rounds through "
                                           "the shm transport",

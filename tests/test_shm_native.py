@@ -29,7 +29,8 @@ ARRIVED, PENDING, MISMATCH = 0, 1, 2
 EPOCH, SIG0, META0 = 0, 2, 4  # control block words (transports/shm.py)
 CTRL_WORDS = 64  # >= META0 + 2 * META_LEN + all_to_all's words below, 128-byte blocks as shm.py aligns them
 COUNTS0 = 4 + 2 * META_LEN  # two parities of n <= 5 send counts (shm.py: _counts0) ...
-ADDR0 = COUNTS0 + 2 * 8  # ... then (two parities of) the single-copy addresses (shm.py: _addr0)
+ADDR0 = COUNTS0 + 2 * 8  # ... then (two parities of) the single-copy addresses (shm.py: _addr0) ...
+WAIT0 = ADDR0 + 4  # ... then the epoch a sleeping rank waits for (shm.py: _wait0)
 SLOT_BYTES = 64 << 10  # fits the largest case: 5000 float64 + offset
 FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -46,7 +47,7 @@ class Segment:
         self._data0 = ctrl_bytes
         base = self.bytes.data_ptr()
         self.groups = [shmfast.Group(base, CTRL_WORDS, n, r, base + ctrl_bytes, slot_bytes, spin, yields,
-                                     COUNTS0, ADDR0) for r in range(n)]
+                                     COUNTS0, ADDR0, WAIT0) for r in range(n)]
 
     def slot(self, rank: int, b: int) -> torch.Tensor:
         at = self._data0 + (rank * 2 + b) * self.slot_bytes
@@ -506,3 +507,37 @@ def test_two_processes_all_reduce_in_lockstep():
         p.join(10)
     assert all(status == "ok" for status, _ in results), results
     assert results[0][1] == results[1][1]
+
+
+def _arrive_later(mapping: mmap.mmap, delay: float) -> None:
+    """Rank 1 of a 2-rank Segment layout over ``mapping``: publish epoch 1 after ``delay`` seconds."""
+    base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+    group = shmfast.Group(base, CTRL_WORDS, 2, 1, base + 4096, SLOT_BYTES, 0, 0, COUNTS0, ADDR0, WAIT0)
+    time.sleep(delay)
+    group.arrive(1, -1, 0)  # rank 0 never arrives: PENDING, but the epoch is out and the sleeper woken
+    os._exit(0)
+
+
+@needs_native
+def test_sleep_wakes_when_the_peer_arrives_and_is_bounded_otherwise():
+    mapping = mmap.mmap(-1, 4096 + 2 * 2 * SLOT_BYTES)
+    base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+    me = shmfast.Group(base, CTRL_WORDS, 2, 0, base + 4096, SLOT_BYTES, 0, 0, COUNTS0, ADDR0, WAIT0)
+    ctrl = torch.frombuffer(mapping, dtype=torch.int64, count=2 * CTRL_WORDS).view(2, CTRL_WORDS)
+    t0 = time.monotonic()
+    assert me.sleep(1, 20_000) is False  # nobody arrives: back after its bound
+    assert 0.015 < time.monotonic() - t0 < 5
+    assert ctrl[0, WAIT0] == 0  # awake again
+    child = multiprocessing.get_context("fork").Process(target=_arrive_later, args=(mapping, 0.3))
+    child.start()
+    t0 = time.monotonic()
+    woke = False
+    while not woke and time.monotonic() - t0 < 30:
+        woke = me.sleep(1, 10_000_000)  # a 10 s bound: the peer's arrival must end it long before
+    waited = time.monotonic() - t0
+    child.join(10)
+    assert woke and ctrl[1, EPOCH] == 1
+    assert waited < 5, f"slept {waited:.1f}s: the peer's arrival did not wake the sleeper"
+    assert me.sleep(1, 10_000_000) is True  # already there: no sleep
+    with pytest.raises(ValueError, match="wait_word"):
+        shmfast.Group(base, CTRL_WORDS, 2, 0, base + 4096, SLOT_BYTES, 0, 0).sleep(1, 10)

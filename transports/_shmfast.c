@@ -17,9 +17,16 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#define HAVE_FUTEX 1
+#endif
 
 /* Bumped whenever a signature below changes; transports/_native.py refuses a stale build. */
-#define API_VERSION 4  /* 2: pull(); 3: reduce_scatter(); 4: a2a_post(), a2a_pull(), counts/addr words */
+#define API_VERSION 5  /* 2: pull(); 3: reduce_scatter(); 4: a2a_post(), a2a_pull(), counts/addr words; 5: sleep() */
 
 /* Control block words (transports/shm.py: _EPOCH, _SIG0, _META0; base.META_LEN). */
 #define W_EPOCH 0
@@ -256,6 +263,7 @@ typedef struct {
     char **srcs;          /* scratch: the sources of one reduction */
     Py_ssize_t counts0;   /* all_to_all: word of the two parities of n send counts in a control block (-1: none) */
     Py_ssize_t addr0;     /* single copy: word of the two parities of (input, output) addresses (-1: none) */
+    Py_ssize_t wait0;     /* word holding the epoch this rank sleeps for in sleep() (0: awake; -1: no sleeping) */
     int64_t *a2a;         /* scratch: n stream starts + n output offsets of one all_to_all */
 } Group;
 
@@ -318,6 +326,37 @@ static int peer_sigs_match(Group *g, int64_t e, int64_t sig) {
     return 1;
 }
 
+/* ---- sleeping waits -----------------------------------------------------------------------------
+ * A rank that has spun and yielded long enough sleeps on a futex over the low 32 bits of the
+ * epoch word of a peer it waits for, after writing the epoch it waits for into its wait word; a
+ * rank that publishes an epoch then wakes the peers whose wait word is set. Both sides order their
+ * store before their load with a full fence (Dekker), so either the publisher sees the flag and
+ * wakes, or the sleeper sees the new epoch (or the kernel's value check at FUTEX_WAIT fails): no
+ * wake-up is lost. Sleeps are bounded, so the caller's timeout and dead-peer checks still run. */
+#ifdef HAVE_FUTEX
+static inline uint32_t *low_word(int64_t *w) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    return (uint32_t *)w;
+#else
+    return (uint32_t *)w + 1;
+#endif
+}
+#endif
+
+static void wake_sleepers(Group *g) {
+#ifdef HAVE_FUTEX
+    if (g->wait0 < 0) return;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (Py_ssize_t r = 0; r < g->n; r++)
+        if (r != g->rank && __atomic_load_n(block(g, r) + g->wait0, __ATOMIC_RELAXED) != 0) {
+            syscall(SYS_futex, low_word(block(g, g->rank) + W_EPOCH), FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+            return; /* one wake reaches every sleeper on our word */
+        }
+#else
+    (void)g;
+#endif
+}
+
 static int do_arrive(Group *g, int64_t e, int64_t sig, const int64_t *sig_words) {
     int64_t *mine = block(g, g->rank);
     if (sig >= 0) {
@@ -326,6 +365,7 @@ static int do_arrive(Group *g, int64_t e, int64_t sig, const int64_t *sig_words)
     }
     /* release: the slot data and signature above are visible to a peer that acquires this epoch */
     __atomic_store_n(mine + W_EPOCH, e, __ATOMIC_RELEASE);
+    wake_sleepers(g);
     int done = all_arrived(g, e);
     for (long i = 0; !done && i < g->spin; i++) {
         cpu_relax();
@@ -383,6 +423,38 @@ static PyObject *Group_stage(Group *g, PyObject *const *args, Py_ssize_t nargs) 
         return NULL;
     if (v[2] > 0) memmove(g->slot[v[0]][g->rank] + v[3], (const void *)(uintptr_t)v[1], (size_t)v[2]);
     Py_RETURN_NONE;
+}
+
+static PyObject *Group_sleep(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    long long v[2]; /* e, timeout_us */
+    if (ints(args, nargs, 2, "sleep", v)) return NULL;
+#ifdef HAVE_FUTEX
+    if (g->wait0 < 0 || v[1] < 0) {
+        PyErr_SetString(PyExc_ValueError, "_shmfast: sleep() needs a Group made with wait_word and a timeout >= 0");
+        return NULL;
+    }
+    int64_t e = v[0], *flag = block(g, g->rank) + g->wait0;
+    Py_ssize_t r = 0;
+    for (; r < g->n; r++)
+        if (r != g->rank && __atomic_load_n(block(g, r) + W_EPOCH, __ATOMIC_ACQUIRE) < e) break;
+    if (r == g->n) Py_RETURN_TRUE;
+    int64_t *word = block(g, r) + W_EPOCH;
+    __atomic_store_n(flag, e, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    int64_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    if (seen < e) {
+        struct timespec ts = {(time_t)(v[1] / 1000000), (long)(v[1] % 1000000) * 1000};
+        Py_BEGIN_ALLOW_THREADS
+        syscall(SYS_futex, low_word(word), FUTEX_WAIT, (uint32_t)seen, &ts, NULL, 0);
+        Py_END_ALLOW_THREADS
+    }
+    __atomic_store_n(flag, 0, __ATOMIC_RELAXED);
+    return PyBool_FromLong(all_arrived(g, e));
+#else
+    (void)g; (void)v;
+    PyErr_SetString(PyExc_OSError, "_shmfast: sleep() needs Linux futexes");
+    return NULL;
+#endif
 }
 
 static PyObject *Group_pull(Group *g, PyObject *const *args, Py_ssize_t nargs) {
@@ -579,13 +651,14 @@ static PyObject *Group_all_gather(Group *g, PyObject *const *args, Py_ssize_t na
 
 static PyObject *Group_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *names[] = {"ctrl_addr", "ctrl_words", "n", "rank", "slots_addr", "slot_bytes", "spin", "yields",
-                            "counts_word", "addr_word", NULL};
-    Py_ssize_t ctrl, cw, n, rank, slots, sb, counts0 = -1, addr0 = -1;
+                            "counts_word", "addr_word", "wait_word", NULL};
+    Py_ssize_t ctrl, cw, n, rank, slots, sb, counts0 = -1, addr0 = -1, wait0 = -1;
     long spin, yields;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "nnnnnnll|nn:Group", names, &ctrl, &cw, &n, &rank, &slots, &sb, &spin,
-                                     &yields, &counts0, &addr0))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "nnnnnnll|nnn:Group", names, &ctrl, &cw, &n, &rank, &slots, &sb, &spin,
+                                     &yields, &counts0, &addr0, &wait0))
         return NULL;
-    if ((counts0 >= 0 && counts0 + 2 * n > cw) || (addr0 >= 0 && addr0 + 4 > cw)) {
+    if ((counts0 >= 0 && counts0 + 2 * n > cw) || (addr0 >= 0 && addr0 + 4 > cw) || wait0 >= cw ||
+        (wait0 >= 0 && wait0 <= W_EPOCH)) {
         PyErr_Format(PyExc_ValueError, "_shmfast.Group: counts_word %zd or addr_word %zd outside a control block of "
                      "%zd words", counts0, addr0, cw);
         return NULL;
@@ -601,7 +674,7 @@ static PyObject *Group_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!g) return NULL;
     g->ctrl = (int64_t *)(uintptr_t)ctrl;
     g->ctrl_words = cw; g->n = n; g->rank = rank; g->slot_bytes = sb; g->spin = spin; g->yields = yields;
-    g->counts0 = counts0; g->addr0 = addr0;
+    g->counts0 = counts0; g->addr0 = addr0; g->wait0 = wait0;
     g->slot[0] = PyMem_New(char *, 3 * n);
     g->a2a = PyMem_New(int64_t, 2 * n);
     if (!g->slot[0] || !g->a2a) { Py_DECREF(g); return PyErr_NoMemory(); }
@@ -625,6 +698,8 @@ static PyMethodDef Group_methods[] = {
     FAST(sigs_match, "sigs_match(e, sig_value) -> bool: every peer's digest of epoch e equals sig_value"),
     FAST(stage, "stage(b, src_addr, nbytes, slot_off): copy into this rank's slot b"),
     FAST(pull, "pull(b, src_rank, slot_off, dst_addr, nbytes): copy out of rank src_rank's slot b"),
+    FAST(sleep, "sleep(e, timeout_us) -> bool: sleep (futex, GIL released) until a peer this rank waits for "
+                "publishes a new epoch or the timeout passes; whether every peer has reached epoch e"),
     FAST(reduce, "reduce(b, out_addr, count, dtype_code, op_code, slot_off, own_addr): out = op over ranks in order"),
     FAST(gather, "gather(b, out_addr, nbytes, slot_off, out_stride, own_addr): every rank's block, in rank order"),
     FAST(all_reduce, "all_reduce(b, e, x_addr, out_addr, count, dtype_code, op_code, sig_value, sig_words_addr) -> code\n"

@@ -87,6 +87,11 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
        "install (when every rank of the group has it); off: in Python (bitwise the same results, but for "
        "NaN payloads and a tied zero's sign in bfloat16 max/min)",
        "transports.shm", agree=True, choices=("auto", "off")),
+    _s("MOECOMM_SHM_SLEEP", str, "futex",
+       "how an shm wait sleeps once it has spun and yielded: futex (with the compiled helper: woken as soon "
+       "as the peer arrives, so ranks that lose their CPU to other work are not late by a sleep) or backoff "
+       "(timed sleeps doubling from 20 us to 1 ms)",
+       "transports.shm", choices=("futex", "backoff")),
     _s("MOECOMM_MODEL_FILE", str, None,
        "a calibrated performance model of this machine (`moecomm predict --system local --calibrate RUN.json "
        "--save-system F.json`): it sets the default switch points and comm.plan()'s predicted times "

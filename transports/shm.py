@@ -70,7 +70,10 @@ _SIG0 = 2  # two parities of the signature digest
 _META0 = 4  # two parities of META_LEN words, then two parities of `size` all-to-all send counts, then of
 # `size` declared receive counts
 _STATE_ABORTED, _STATE_CLOSED = 1, 2  # 0: running
-ARRIVED, PENDING = 0, 1  # what transports._shmfast's arrive returns (2: a signature differs); its API_VERSION 4
+ARRIVED, PENDING = 0, 1  # what transports._shmfast's arrive returns (2: a signature differs); its API_VERSION 5
+# Longest futex sleep of a wait: a peer's arrival wakes it at once; the bound keeps the timeout and
+# dead-peer checks of _wait running (they look every 50 ms).
+_FUTEX_SLEEP_US = 10_000
 
 # Per-slot size; each rank has two slots and messages larger than a slot go in rounds.
 # 1 MiB: in benchmarks/results/shm-allreduce-tuning.txt (2 vCPUs with 1 MiB of L2 each) it beat
@@ -142,7 +145,8 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         self._counts0 = _META0 + 2 * META_LEN
         self._recv0 = self._counts0 + 2 * n
         self._addr0 = self._recv0 + 2 * n  # two parities of (send address, output address): single copy
-        self._ctrl_words = _align(self._addr0 + 4, 16)  # 128-byte aligned blocks
+        self._wait0 = self._addr0 + 4  # the epoch this rank sleeps for on a futex (0: awake)
+        self._ctrl_words = _align(self._wait0 + 1, 16)  # 128-byte aligned blocks
         ctrl_bytes = _align(n * self._ctrl_words * 8, 4096)
         total = ctrl_bytes + n * 2 * self.slot_bytes
         self._map, self.segment_name = create_and_map(group, total)
@@ -175,7 +179,7 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         self._one_shot_limit = int(one_shot) if one_shot is not None else (
             ONE_SHOT_UNBOUNDED if n == 1 else ONE_SHOT_MAX_BYTES_DEFAULT)
         self._setup_single_copy(group, settings["shm_single_copy"])
-        self._setup_native(group, ctrl_bytes, settings["shm_native"] != "off")
+        self._setup_native(group, ctrl_bytes, settings["shm_native"] != "off", settings["shm_sleep"] == "futex")
         log.debug("shm transport up: segment %s, %d ranks, slot %d B, oversubscribed=%s, single copy: %s",
                   self.segment_name, n, self.slot_bytes, oversubscribed, self.single_copy_status)
 
@@ -274,6 +278,9 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         i = 0
         spin_end = self._spin_iters
         yield_end = spin_end + self._yield_iters
+        sleeper = self._sleeper
+        if sleeper is not None:
+            i = yield_end  # the compiled helper spun and yielded already: sleep on its futex at once
         deadline = None
         next_check = 0.0
         sleep = 20e-6
@@ -303,8 +310,11 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
                         f"rank(s) {missing} never arrived (stuck, deadlocked, or calling a different collective)",
                         missing,
                     )
-                time.sleep(sleep)
-                sleep = min(sleep * 2, 1e-3)
+                if sleeper is not None:  # woken when the peer publishes; bounded for the checks above
+                    sleeper(e, _FUTEX_SLEEP_US)
+                else:
+                    time.sleep(sleep)
+                    sleep = min(sleep * 2, 1e-3)
             pending = [r for r in pending if q[bases[r]] < e]
 
     def _check_peers(self, pending: list[int], e: int) -> list[int]:
@@ -357,7 +367,7 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         return v
 
     # ---- compiled small-message helper ------------------------------------------------------
-    def _setup_native(self, group: GroupInfo, ctrl_bytes: int, enabled: bool) -> None:
+    def _setup_native(self, group: GroupInfo, ctrl_bytes: int, enabled: bool, futex_sleep: bool) -> None:
         """Use transports._shmfast when every rank has it (collective: one exchange of a flag).
 
         Its results are bitwise those of the Python path except NaN payloads and the sign of a
@@ -371,12 +381,21 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
                 lacking = [self._ranks[r] for r, f in enumerate(flags) if f == b"0"]
                 log.warning("shm: rank(s) %s run without the compiled helper, so this group runs in Python", lacking)
                 fast = None
-        self._g = None
+        self._g = self._sleeper = None
         self.native_status = "compiled helper" if fast is not None else "Python"
         if fast is not None:
             base = self._ctrl.ctypes.data
+            # With a futex to sleep on and a core per rank, a wait goes from spinning straight to sleeping:
+            # a sched_yield hands the core to whatever else runs, which can cost a whole time slice (ms),
+            # a futex wake only the peer's arrival (bench-ddp under two busy loops: 1.05-1.07x gloo against
+            # 0.23-0.33x with timed sleeps, benchmarks/results/bench-ddp-contended.txt). With more ranks than cores
+            # the yields hand the core to a sibling rank, which is what the wait needs: 4x faster there
+            # than sleeping at once (4 ranks on 2 cores, small all_reduce: ~14 against ~55 us).
+            yields = 0 if futex_sleep and not group.oversubscribed else self._yield_iters
             self._g = fast.Group(base, self._ctrl_words, self.size, self.rank, base + ctrl_bytes, self.slot_bytes,
-                                 self._spin_iters, self._yield_iters, self._counts0, self._addr0)
+                                 self._spin_iters, yields, self._counts0, self._addr0, self._wait0)
+            if futex_sleep:
+                self._sleeper = self._g.sleep
         # the latency paths' limits, as plain ints: one comparison per call
         self._all_reduce_copy_min = self._copy_min.get(OpCode.ALL_REDUCE, ONE_SHOT_UNBOUNDED)
         self._native_all_reduce_max = min(self.slot_bytes, self._one_shot_limit, self._all_reduce_copy_min - 1)
@@ -657,7 +676,7 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         except (ValueError, TypeError):
             pass
         self._broken = self._broken or "closed"
-        self._g = None  # holds addresses into the mapping
+        self._g = self._sleeper = None  # they hold addresses into the mapping
         self._q.release()
         self._ctrl = self._slots = None  # drop views so the mapping can close
         self._view_cache.clear()
