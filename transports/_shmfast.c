@@ -778,7 +778,12 @@ PyMODINIT_FUNC PyInit__shmfast(void) {
     if (PyModule_AddObject(m, "Group", (PyObject *)&GroupType) < 0 ||
         PyModule_AddIntConstant(m, "API_VERSION", API_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "ARRIVED", ARRIVED) < 0 || PyModule_AddIntConstant(m, "PENDING", PENDING) < 0 ||
-        PyModule_AddIntConstant(m, "MISMATCH", MISMATCH) < 0) {
+        PyModule_AddIntConstant(m, "MISMATCH", MISMATCH) < 0 ||
+#ifdef HAVE_FUTEX
+        PyModule_AddIntConstant(m, "HAS_FUTEX", 1) < 0) {
+#else
+        PyModule_AddIntConstant(m, "HAS_FUTEX", 0) < 0) {
+#endif
         Py_DECREF(m);
         return NULL;
     }

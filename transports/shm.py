@@ -388,9 +388,11 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
             # With a futex to sleep on and a core per rank, a wait goes from spinning straight to sleeping:
             # a sched_yield hands the core to whatever else runs, which can cost a whole time slice (ms),
             # a futex wake only the peer's arrival (bench-ddp under two busy loops: 1.05-1.07x gloo against
-            # 0.23-0.33x with timed sleeps, benchmarks/results/bench-ddp-contended.txt). With more ranks than cores
-            # the yields hand the core to a sibling rank, which is what the wait needs: 4x faster there
-            # than sleeping at once (4 ranks on 2 cores, small all_reduce: ~14 against ~55 us).
+            # 0.23-0.33x with timed sleeps, benchmarks/results/bench-ddp-contended.txt). With more ranks
+            # than cores the yields hand the core to a sibling rank, which is what the wait needs: 4x
+            # faster there than sleeping at once (4 ranks on 2 cores, small all_reduce: ~14 against ~55 us,
+            # benchmarks/results/shm-sleep-oversubscribed.txt).
+            futex_sleep = futex_sleep and bool(fast.HAS_FUTEX)  # Linux only; elsewhere timed sleeps
             yields = 0 if futex_sleep and not group.oversubscribed else self._yield_iters
             self._g = fast.Group(base, self._ctrl_words, self.size, self.rank, base + ctrl_bytes, self.slot_bytes,
                                  self._spin_iters, yields, self._counts0, self._addr0, self._wait0)
