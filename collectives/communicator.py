@@ -6,10 +6,8 @@ import atexit
 import dataclasses
 import json
 import logging
-import math
 from typing import Any, Callable, Mapping, NamedTuple, NoReturn, Sequence
 
-import numpy as np
 import torch
 
 from transports.base import (
@@ -36,6 +34,7 @@ from ._arrays import (
     write_out,
     writable_view,
 )
+from ._all_to_all import all_to_all_checked, all_to_all_hot
 from ._creation import create_transports
 from ._device import resolve_device
 from ._shared import SharedState, live
@@ -604,172 +603,16 @@ class Communicator:
             self._state.refuse(self.global_ranks[self.rank], self.timeout, "all_to_all")
         try:
             if recv_counts is None and not return_counts:
-                res = self._all_to_all_hot(x, send_counts, out)
+                res = all_to_all_hot(self, x, send_counts, out)
                 if res is not None:
                     return res
             if state.closed is not None:
                 self._state.raise_closed()
-            return self._all_to_all(x, send_counts, out, return_counts, recv_counts)
+            return all_to_all_checked(self, x, send_counts, out, return_counts, recv_counts)
         finally:
             if state.conflict is not None:
                 self._state.end_after_conflict()
             state.busy.release()
-
-    def _all_to_all_hot(self, x: Array, send_counts: Any, out: Array | None) -> torch.Tensor | None:
-        """:meth:`all_to_all` of a plain contiguous tensor whose call was seen before (cached entry),
-        with counts as a list of ints or None and ``out`` None or a plain non-overlapping tensor;
-        None for anything else (then :meth:`_all_to_all` validates everything)."""
-        if type(x) is not torch.Tensor or x.requires_grad or not x.dim() or not x.is_contiguous():
-            return None
-        rest = x.shape[1:]
-        ent = self._cpu_cache.get((OpCode.ALL_TO_ALL, rest, x.dtype, None, 0)) if x.is_cpu else \
-            self._cache.get((OpCode.ALL_TO_ALL, rest, x.dtype, x.device, None, 0))
-        if ent is None or ent.staged:
-            return None
-        n, rows = self.size, x.shape[0]
-        if send_counts is None:
-            if rows % n:
-                return None
-            counts = [rows // n] * n
-        elif type(send_counts) is list and len(send_counts) == n and sum(send_counts) == rows and \
-                all(type(c) is int and c >= 0 for c in send_counts):
-            counts = send_counts
-        else:
-            return None
-        ndim = x.dim()
-        if out is not None:
-            if type(out) is not torch.Tensor or out.dtype is not x.dtype or out.requires_grad \
-                    or not out.is_contiguous() or out.dim() != ndim or (ndim > 1 and out.shape[1:] != rest) \
-                    or (not out.is_cpu if x.is_cpu else out.device != x.device):
-                return None
-            o0, x0 = out.data_ptr(), x.data_ptr()
-            if o0 < x0 + x.nbytes and x0 < o0 + out.nbytes:
-                return None
-        row_numel = x.numel() // rows if rows else math.prod(rest)
-        shaped = ent.transport.takes_shaped_rows  # then no flat views (~0.7 us each on a small tensor)
-        got: list[int] = []
-
-        def alloc(recv_counts: list[int]) -> torch.Tensor:
-            got.extend(recv_counts)
-            rows_out = sum(recv_counts)
-            if out is not None and out.shape[0] == rows_out:
-                return out if shaped else out.view(-1)
-            return torch.empty((rows_out, *rest) if shaped else (rows_out * row_numel,), dtype=x.dtype,
-                               device=x.device)
-
-        res = ent.call(x if shaped else x.view(-1), counts, row_numel, alloc, ent.sig)
-        if out is None:
-            return res if shaped else res.view(sum(got), *rest)
-        if out.shape[0] != sum(got):
-            self._raise_out_rows(out, got)
-        return out
-
-    def _raise_out_rows(self, out: Array, recv_counts: list[int]) -> NoReturn:
-        raise ValueError(f"all_to_all: out has {out.shape[0]} rows but rank "
-                         f"{self.global_ranks[self.rank]} received {sum(recv_counts)} (recv_counts {recv_counts})")
-
-    def _all_to_all(self, x: Array, send_counts: Any, out: Array | None, return_counts: bool,
-                    recv_given: Any = None) -> Any:
-        opcode = OpCode.ALL_TO_ALL
-        t, was_numpy, orig = self._input(opcode, x)
-        # the signature says whether recv_counts were given (its root field): a mix across ranks raises
-        ent = self._entry(opcode, t, None, 0 if recv_given is None else 1)
-        n, rows_in = self.size, (t.shape[0] if t.dim() else 0)
-        if send_counts is None and rows_in % n == 0:
-            counts = [rows_in // n] * n
-        elif type(send_counts) in (list, tuple) and len(send_counts) == n and \
-                all(type(c) is int and c >= 0 for c in send_counts) and sum(send_counts) == rows_in:
-            counts = list(send_counts)
-        else:
-            counts = self._checked_counts(t, send_counts)
-        expected = None
-        if recv_given is not None:
-            expected = self._checked_counts(t, recv_given, "recv_counts")
-        rest = tuple(t.shape[1:])
-        out_t = None
-        if out is not None:
-            out_t = self._out_view(opcode, out, t)
-            dtype, device = dtype_device(out, out_t)
-            if tuple(out.shape[1:]) != rest or len(out.shape) != t.dim() or dtype != t.dtype or device != t.device:
-                self._fail_locally(opcode, t.device.type, ValueError(
-                    f"all_to_all: out has shape {tuple(out.shape)}, dtype {dtype} on {device}; expected "
-                    f"(rows, {', '.join(map(str, rest))}) {t.dtype} on {t.device}".replace(", )", ")")))
-            if expected is not None and out.shape[0] != sum(expected):  # known before the exchange here
-                self._fail_locally(opcode, t.device.type, ValueError(
-                    f"all_to_all: out has {out.shape[0]} rows but rank {self.global_ranks[self.rank]} "
-                    f"receives {sum(expected)} (recv_counts {expected})"))
-        row_numel = math.prod(rest)
-        s = t.cpu() if ent.staged else t
-        holder: list[list[int]] = []
-
-        def alloc(recv_counts: list[int]) -> torch.Tensor:
-            holder.append(recv_counts)
-            rows = sum(recv_counts)
-            if out_t is not None and out_t.shape == (rows, *rest) and out_t.is_contiguous() and \
-                    out_t.device == s.device and not overlaps(out_t, orig):
-                return out_t.view(-1)
-            return torch.empty(rows * row_numel, dtype=t.dtype, device=s.device)
-
-        if expected is None:
-            flat = ent.transport.all_to_all(s.view(-1), counts, row_numel, alloc, ent.sig)
-        else:
-            flat = ent.transport.all_to_all_with_recv_counts(s.view(-1), counts, expected, row_numel, alloc, ent.sig)
-        recv_counts = holder[0]
-        rows = sum(recv_counts)
-        res = flat.view(rows, *rest)
-        if res.device != t.device:
-            res = res.to(t.device)
-        if out is not None:
-            if tuple(out.shape) != (rows, *rest):  # known only now; the peers have their data
-                self._raise_out_rows(out, recv_counts)
-            write_out(out, out_t, res)
-            result = out
-        else:
-            result = res.numpy() if was_numpy else res
-        if return_counts:
-            rc = np.array(recv_counts, dtype=np.int64)
-            return result, (rc if was_numpy else torch.from_numpy(rc))
-        return result
-
-    def _checked_counts(self, t: torch.Tensor, given: Any, what: str = "send_counts") -> list[int]:
-        """send_counts (or, with ``what="recv_counts"``, recv_counts) of any accepted kind as a list of
-        ints, or a collective TypeError/ValueError."""
-        me = self.global_ranks[self.rank]
-        try:
-            if t.dim() == 0:
-                raise ValueError("all_to_all: x needs at least 1 dim (rows)")
-            if given is None:
-                raise ValueError(f"all_to_all: rank {me} has {t.shape[0]} rows, not divisible by the group "
-                                 f"size {self.size}; pass send_counts for an uneven split")
-            if isinstance(given, (torch.Tensor, np.ndarray)):
-                if isinstance(given, torch.Tensor):
-                    if given.layout is not torch.strided or given.is_floating_point() or \
-                            given.is_complex() or given.dtype == torch.bool:
-                        raise TypeError(f"all_to_all: rank {me} passed {what} of dtype {given.dtype} "
-                                        f"({given.layout}); need a dense integer tensor")
-                    arr = given.detach().cpu().numpy()
-                else:
-                    arr = given
-                if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-                    raise TypeError(f"all_to_all: rank {me} passed {what} of dtype {arr.dtype}; need integers")
-                counts = [int(c) for c in arr.reshape(-1)]
-            elif isinstance(given, (list, tuple)):
-                counts = [as_int(c, f"all_to_all: {what}[{i}] on rank {me}") for i, c in enumerate(given)]
-            else:
-                raise TypeError(f"all_to_all: {what} must be a list/tuple of ints or an integer tensor/array, "
-                                f"got {type(given).__name__} on rank {me}")
-            if len(counts) != self.size:
-                raise ValueError(f"all_to_all: rank {me} passed {what} {counts}; need {self.size} "
-                                 "integers, one per rank")
-            if what == "recv_counts":
-                if min(counts) < 0:
-                    raise ValueError(f"all_to_all: rank {me} recv_counts {counts} must be >= 0")
-            elif min(counts) < 0 or sum(counts) != t.shape[0]:
-                raise ValueError(f"all_to_all: rank {me} send_counts {counts} must be >= 0 and sum to "
-                                 f"x.shape[0] = {t.shape[0]}")
-        except (TypeError, ValueError) as e:
-            self._fail_locally(OpCode.ALL_TO_ALL, t.device.type, e)
-        return counts
 
     def barrier(self) -> None:
         """Return once every rank of the group has called barrier (bounded by the timeout).
