@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 from typing import Iterator
 
 import pytest
@@ -33,8 +34,20 @@ def remove_mpich_segments_of_killed_ranks() -> Iterator[None]:
     before = set(glob.glob(MPICH_SEGMENTS))
     yield
     new = set(glob.glob(MPICH_SEGMENTS)) - before
-    for path in new - _mapped(new):
-        try:
-            os.unlink(path)
-        except OSError:  # another session removed it
-            pass
+    try:  # this session's own job (pytest run by mpiexec) keeps its segment: MPI_Finalize removes it
+        with open("/proc/self/maps") as f:
+            mine = f.read()
+        new = {p for p in new if p not in mine}
+    except OSError:
+        pass
+    deadline = time.monotonic() + 5.0  # a killed job's last processes may still be exiting
+    while new:
+        for path in new - _mapped(new):
+            try:
+                os.unlink(path)
+            except OSError:  # another session removed it
+                pass
+        new = {p for p in new if os.path.exists(p)}
+        if not new or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
