@@ -19,10 +19,12 @@ import multiprocessing.connection as mpc
 import os
 import pickle
 import signal
-import traceback
 import sys
+import time
+import traceback
 from typing import Any, Callable, Mapping
 
+from transports.base import CollectiveTimeoutError
 from transports.settings import check_timeout
 from transports.settings import resolve as resolve_settings
 
@@ -102,24 +104,35 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable[..., Any], args: 
 
     if threads:
         torch.set_num_threads(threads)
+    comm = None
     try:
         store = store_client("127.0.0.1", port, timeout)
         rdv = StoreRendezvous(store, rank, nprocs, timeout, "moecomm/launch", range(nprocs))
         comm = _build(rdv, transport, timeout, "launch", settings=settings, device=device)
-        try:
-            result = fn(comm, *args, **kwargs)
-        finally:
-            comm.close()
-        payload = ("ok", rank, result)
+        payload = ("ok", rank, fn(comm, *args, **kwargs))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the launcher
-        tb = traceback.format_exc()
-        payload = ("err", rank, e, tb)
+        payload = ("err", rank, e, traceback.format_exc())
+    if payload[0] == "err":  # first the cause: closing makes the peers raise at once, about this rank
+        _send(conn, payload)
+    if comm is not None:
+        try:
+            comm.close()
+        except BaseException as e:  # noqa: BLE001 - a failed close fails a rank that succeeded
+            if payload[0] == "ok":
+                payload = ("err", rank, e, traceback.format_exc())
+                _send(conn, payload)
+    if payload[0] == "ok":
+        _send(conn, payload)
+    conn.close()
+
+
+def _send(conn: mpc.Connection, payload: tuple) -> None:
+    """Send a rank's result or error to the launcher (a note of what went wrong if it cannot be pickled)."""
     try:
         conn.send_bytes(pickle.dumps(payload))
     except Exception as e:  # noqa: BLE001 - unpicklable result or error
-        conn.send_bytes(pickle.dumps(("err", rank, None, f"rank {rank}: could not send its result back: {e!r}\n"
-                                      + (payload[3] if payload[0] == "err" else ""))))
-    conn.close()
+        conn.send_bytes(pickle.dumps(("err", payload[1], None, f"rank {payload[1]}: could not send its result "
+                                      f"back: {e!r}\n" + (payload[3] if payload[0] == "err" else ""))))
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, transport: str = "auto", timeout: float = 300.0,
@@ -199,16 +212,31 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, transport: str = "au
         del store
 
 
+# How long launch() holds a rank's PeerFailedError/timeout (a consequence of another rank's failure)
+# for the failing rank's own error to arrive: that rank sends it before it closes its communicator,
+# so it is normally first; the grace covers a launcher that reads the pipes late.
+_CAUSE_GRACE_S = 2.0
+
+
 def _collect(procs: list[mp.process.BaseProcess], conns: list[mpc.Connection],
              return_exceptions: bool) -> list[Any]:
-    """Every rank's result in rank order; the first failure raised (or kept, with return_exceptions)."""
+    """Every rank's result in rank order; the first failure raised (or kept, with return_exceptions).
+
+    A rank that raised because a peer failed (PeerFailedError, a timeout) is a consequence: its error
+    is held for up to :data:`_CAUSE_GRACE_S` while another rank's error, the cause, may still arrive.
+    """
     n = len(procs)
     results: list[Any] = [None] * n
     done = [False] * n
     waiting = {c: r for r, c in enumerate(conns)}
     sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+    held: BaseException | None = None  # a consequence, raised unless a cause arrives in time
+    held_until = 0.0
     while not all(done):
-        ready = mpc.wait(list(waiting) + [s for s, r in sentinels.items() if not done[r]])
+        timeout = None if held is None else max(0.0, held_until - time.monotonic())
+        ready = mpc.wait(list(waiting) + [s for s, r in sentinels.items() if not done[r]], timeout)
+        if held is not None and (not ready or time.monotonic() >= held_until):
+            raise held
         for obj in ready:
             if obj in waiting:
                 r = waiting.pop(obj)
@@ -224,7 +252,10 @@ def _collect(procs: list[mp.process.BaseProcess], conns: list[mpc.Connection],
                     continue
                 exc = _rebuild(payload)
                 if not return_exceptions:
-                    raise exc
+                    if not isinstance(exc, CollectiveTimeoutError):
+                        raise exc
+                    if held is None:
+                        held, held_until = exc, time.monotonic() + _CAUSE_GRACE_S
                 results[r] = exc
             else:
                 r = sentinels[obj]
@@ -241,6 +272,8 @@ def _collect(procs: list[mp.process.BaseProcess], conns: list[mpc.Connection],
                 if not return_exceptions:
                     raise exc
                 results[r] = exc
+    if held is not None:
+        raise held
     return results
 
 

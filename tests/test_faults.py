@@ -122,6 +122,22 @@ def test_rank_error_is_reraised_and_others_killed():
     assert shm_segments() <= before
 
 
+def _body_cause_after_consequence(comm):
+    if comm.rank == 1:
+        comm.close()  # rank 0 raises PeerFailedError at once ...
+        time.sleep(0.5)
+        raise KeyError("the cause, reported after its consequence")  # ... and this arrives later
+    comm.barrier()
+    return "unreachable"
+
+
+@pytestmark_spawn
+def test_launch_raises_the_cause_not_the_peers_consequence():
+    with pytest.raises(KeyError, match="the cause") as info:
+        collectives.launch(_body_cause_after_consequence, 2, timeout=30)
+    assert info.value.rank == 1
+
+
 def _body_killed(comm, victim: int):
     small, large = torch.randn(1000), torch.randn(300_000)  # the latency path; single copy where it is on
     for i in range(10_000):
