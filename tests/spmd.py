@@ -7,9 +7,13 @@ routed to the requested transport, and skips cases whose rank count differs from
 
 from __future__ import annotations
 
+import argparse
 import glob
+import json
 import os
+import traceback
 import zlib
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -233,3 +237,32 @@ def outcome(fn: Callable[[], Any]) -> tuple[str, str]:
     except Exception as e:  # noqa: BLE001 - the caller compares what every rank raised
         return type(e).__name__, str(e)
     return "ok", ""
+
+
+def node_job_args(*, layout: bool = True) -> argparse.Namespace:
+    """The command line of a tests/jobs/*_job.py rank on the testbed: ``--out DIR`` (where every rank
+    writes its report) and, with ``layout``, ``--nodes N --ppn P --launcher torchrun|mpiexec``."""
+    ap = argparse.ArgumentParser()
+    if layout:
+        ap.add_argument("--nodes", type=int, required=True)
+        ap.add_argument("--ppn", type=int, required=True)
+        ap.add_argument("--launcher", choices=("torchrun", "mpiexec"), required=True)
+    ap.add_argument("--out", required=True)
+    return ap.parse_args()
+
+
+def write_rank_report(out: Path, report: dict, fill: Callable[[dict], None]) -> dict:
+    """``fill(report)``, then ``report["ok"]`` (or ``False`` and the traceback in ``report["error"]``),
+    written as JSON to ``out``: what a job rank hands back to its test.
+
+    Returns:
+        ``report``.
+    """
+    try:
+        fill(report)
+        report["ok"] = True
+    except Exception:  # noqa: BLE001 - the test reads it
+        report["ok"] = False
+        report["error"] = traceback.format_exc()
+    out.write_text(json.dumps(report))
+    return report

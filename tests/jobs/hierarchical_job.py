@@ -13,8 +13,6 @@ stage) well within the timeout. Then it writes ``<out>/<rank>.json``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import socket
 import sys
 import time
@@ -27,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: spmd'
 
 import collectives  # noqa: E402
 from collectives import selection  # noqa: E402
-from spmd import rank_input  # noqa: E402
+from spmd import node_job_args, rank_input, write_rank_report  # noqa: E402
 
 SEED = 1516
 # (dtype, op, elements): odd sizes (not divisible by the ranks per node), one over the default threshold
@@ -112,26 +110,18 @@ def intra_stage_failure(comm: collectives.Communicator) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--nodes", type=int, required=True)
-    ap.add_argument("--ppn", type=int, required=True)
-    ap.add_argument("--launcher", choices=("torchrun", "mpiexec"), required=True)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    a = node_job_args()
     torch.set_num_threads(1)
     comm = collectives.init(timeout=30.0)
-    report: dict = {"rank": comm.rank, "hostname": socket.gethostname()}
-    try:
+
+    def fill(report: dict) -> None:
         report["checks"] = check(comm, "mpi" if a.launcher == "mpiexec" else "gloo")
         report["plan"] = str(comm.plan("all_reduce", torch.zeros(1 << 20)))
         comm.barrier()
         report["failure"] = intra_stage_failure(comm)
         comm.barrier()  # the flat transport still serves
-        report["ok"] = True
-    except Exception:  # noqa: BLE001 - the test reads it
-        report["ok"] = False
-        report["error"] = traceback.format_exc()
-    (Path(a.out) / f"{comm.rank}.json").write_text(json.dumps(report))
+
+    write_rank_report(Path(a.out) / f"{comm.rank}.json", {"rank": comm.rank, "hostname": socket.gethostname()}, fill)
     comm.close()
 
 

@@ -14,11 +14,8 @@ argument on one rank makes every rank raise.
 
 from __future__ import annotations
 
-import argparse
-import json
 import socket
 import sys
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,9 +23,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))  # the repository: moe, collectives
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: spmd
 
 import collectives  # noqa: E402
 from moe import ExpertDispatcher, MoELayer  # noqa: E402
+from spmd import node_job_args, write_rank_report  # noqa: E402
 
 SEED = 2615
 E, K, H = 12, 4, 6         # 3 experts per rank on 4 ranks (4 on 3): a node of 2 ranks holds 6, so tokens pick several
@@ -214,20 +213,12 @@ def _compare_layers(c: Any) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    a = node_job_args(layout=False)
     torch.set_num_threads(1)
     comm = collectives.init(timeout=60.0)
-    report: dict = {"rank": comm.rank, "size": comm.size, "hostname": socket.gethostname(),
-                    "nodes": [list(n) for n in comm.topology.nodes]}
-    try:
-        report.update(compare_paths(comm))
-        report["ok"] = True
-    except Exception:  # noqa: BLE001 - the test reads it
-        report["ok"] = False
-        report["error"] = traceback.format_exc()
-    (Path(a.out) / f"{comm.rank}.json").write_text(json.dumps(report))
+    report = {"rank": comm.rank, "size": comm.size, "hostname": socket.gethostname(),
+              "nodes": [list(n) for n in comm.topology.nodes]}
+    write_rank_report(Path(a.out) / f"{comm.rank}.json", report, lambda rep: rep.update(compare_paths(comm)))
     comm.close()
 
 

@@ -13,14 +13,12 @@ they raised to their file.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import socket
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -28,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: spmd's references
 
 import collectives  # noqa: E402
-from spmd import assert_reduced, rank_input  # noqa: E402
+from spmd import assert_reduced, node_job_args, rank_input, write_rank_report  # noqa: E402
 
 SEED = 1515
 DTYPE_OPS = [(torch.float32, "sum"), (torch.float32, "max"), (torch.float64, "avg"), (torch.bfloat16, "sum"),
@@ -137,27 +135,19 @@ def kill_stage(victim: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--nodes", type=int, required=True)
-    ap.add_argument("--ppn", type=int, required=True)
-    ap.add_argument("--launcher", choices=("torchrun", "mpiexec"), required=True)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    a = node_job_args()
     torch.set_num_threads(1)
     comm = collectives.init(timeout=30.0)
     out = Path(a.out) / f"{comm.rank}.json"
-    report: dict = {"rank": comm.rank, "size": comm.size, "hostname": socket.gethostname()}
-    try:
+
+    def fill(report: dict) -> None:
         report["topology"] = check_topology(comm, a.nodes, a.ppn, a.launcher)
         report["checks"] = check_collectives(comm, "world") + check_groups(comm, a.ppn)
         check_mismatch(comm)
         report["checks"] += 1
         comm.barrier()
-        report["ok"] = True
-    except Exception:  # noqa: BLE001 - the test reads it
-        report["ok"] = False
-        report["error"] = traceback.format_exc()
-    out.write_text(json.dumps(report))
+
+    report = write_rank_report(out, {"rank": comm.rank, "size": comm.size, "hostname": socket.gethostname()}, fill)
     comm.close()
     if report["ok"]:
         report["kill"] = kill_stage(victim=comm.size - 1)
