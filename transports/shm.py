@@ -653,15 +653,15 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         """Copy ``nbytes`` at address ``src`` into our slot ``b`` at ``off``."""
         if self._g is not None:
             self._g.stage(b, src, nbytes, off)
-        elif nbytes > 0:
-            ctypes.memmove(self._slot_addr[b][self.rank] + off, src, nbytes)
+        else:
+            _copy(self._slot_addr[b][self.rank] + off, src, nbytes)
 
     def _pull(self, b: int, r: int, off: int, dst: int, nbytes: int) -> None:
         """Copy ``nbytes`` from rank ``r``'s slot ``b`` at ``off`` to address ``dst``."""
         if self._g is not None:
             self._g.pull(b, r, off, dst, nbytes)
-        elif nbytes > 0:
-            ctypes.memmove(dst, self._slot_addr[b][r] + off, nbytes)
+        else:
+            _copy(dst, self._slot_addr[b][r] + off, nbytes)
 
     # ---- teardown -------------------------------------------------------------------------
     def close(self) -> None:
