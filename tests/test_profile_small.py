@@ -1,0 +1,30 @@
+"""benchmarks.profile_small under mpiexec: it names the plan, times moecomm and mpi4py, and profiles the call."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spmd import UNDER_MPI, mpiexec_path
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_to_all"])
+def test_profile_small_reports_plan_times_and_profile(op):
+    mpiexec = mpiexec_path()
+    if mpiexec is None or UNDER_MPI:
+        pytest.skip("needs mpiexec, outside an mpiexec job")
+    res = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.profile_small", "--op", op,
+                          "--bytes", "64", "--calls", "300", "--top", "5"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout
+    assert re.search(rf"^# {op} of 64 B per rank on 2 ranks: .* -> shm/", out, re.M), out
+    times = re.search(r"moecomm ([0-9.]+) us, mpi4py ([0-9.]+) us", out)
+    assert times and float(times.group(1)) > 0 and float(times.group(2)) > 0, out
+    assert "function calls" in out and f"{op}" in out.split("Ordered by")[-1], out
