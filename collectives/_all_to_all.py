@@ -8,7 +8,7 @@ kept apart from communicator.py because uneven all-to-all has most of the argume
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -21,49 +21,97 @@ if TYPE_CHECKING:
     from .communicator import Communicator
 
 
-def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | None) -> torch.Tensor | None:
-    """:meth:`all_to_all` of a plain contiguous tensor whose call was seen before (cached entry),
-    with counts as a list of ints or None and ``out`` None or a plain non-overlapping tensor;
-    None for anything else (then :func:`all_to_all_checked` validates everything)."""
-    if type(x) is not torch.Tensor or x.requires_grad or not x.dim() or not x.is_contiguous():
-        return None
+class _Plan(NamedTuple):
+    """What the latency path needs of a repeated all_to_all, from its cached entry and x's shape."""
+    ent: Any  # the communicator's _Entry
+    even: list[int] | None  # the send counts of an even split (None: rows not divisible by the group size)
+    row_numel: int
+    rest: torch.Size  # x.shape[1:]
+    shaped: bool  # the transport takes [rows, *rest] tensors (else flat views)
+    takes_into: bool
+
+
+def _plan(comm: Communicator, x: torch.Tensor) -> _Plan | None:
     rest = x.shape[1:]
     ent = comm._cpu_cache.get((OpCode.ALL_TO_ALL, rest, x.dtype, None, 0)) if x.is_cpu else \
         comm._cache.get((OpCode.ALL_TO_ALL, rest, x.dtype, x.device, None, 0))
     if ent is None or ent.staged:
         return None
     n, rows = comm.size, x.shape[0]
-    if send_counts is None:
-        if rows % n:
+    tr = ent.transport
+    return _Plan(ent, None if rows % n else [rows // n] * n, math.prod(rest), rest, tr.takes_shaped_rows,
+                 tr.takes_into)
+
+
+def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | None) -> torch.Tensor | None:
+    """:meth:`all_to_all` of a plain contiguous tensor whose call was seen before (cached entry),
+    with counts as a list of ints or None and ``out`` None or a plain non-overlapping tensor;
+    None for anything else (then :func:`all_to_all_checked` validates everything).
+
+    Every step counts here (a small exchange is ~1 us of transport work): CPU calls find their
+    plan by x's shape alone, and ``out`` (or, for an even split, a guess of x's shape) is handed
+    to transports that fill it without an allocation callback (``takes_into``)."""
+    if type(x) is not torch.Tensor or x.requires_grad or not x.is_contiguous():
+        return None
+    shape = x.shape
+    if not shape:
+        return None
+    is_cpu = x.is_cpu
+    if is_cpu:
+        plan = comm._a2a_plans.get((shape, x.dtype))
+        if plan is None:
+            plan = _plan(comm, x)
+            if plan is None:
+                return None
+            comm._a2a_plans[(shape, x.dtype)] = plan
+    else:
+        plan = _plan(comm, x)
+        if plan is None:
             return None
-        counts = [rows // n] * n
-    elif type(send_counts) is list and len(send_counts) == n and sum(send_counts) == rows and \
+    ent, even, row_numel, rest, shaped, takes_into = plan
+    if send_counts is None:
+        if even is None:
+            return None
+        counts = even
+    elif type(send_counts) is list and len(send_counts) == comm.size and sum(send_counts) == shape[0] and \
             all(type(c) is int and c >= 0 for c in send_counts):
         counts = send_counts
     else:
         return None
-    ndim = x.dim()
     if out is not None:
         if type(out) is not torch.Tensor or out.dtype is not x.dtype or out.requires_grad \
-                or not out.is_contiguous() or out.dim() != ndim or (ndim > 1 and out.shape[1:] != rest) \
-                or (not out.is_cpu if x.is_cpu else out.device != x.device):
+                or not out.is_contiguous() or (out.dim() != 1 if not rest else out.shape[1:] != rest) \
+                or (not out.is_cpu if is_cpu else out.device != x.device):
             return None
         o0, x0 = out.data_ptr(), x.data_ptr()
         if o0 < x0 + x.nbytes and x0 < o0 + out.nbytes:
-            return None
-    row_numel = x.numel() // rows if rows else math.prod(rest)
-    shaped = ent.transport.takes_shaped_rows  # then no flat views (~0.7 us each on a small tensor)
+            if o0 != x0 or out.nbytes != x.nbytes:
+                return None
+            x = x.clone()  # in place (out is x): the peers read a copy while out is overwritten (MPI_IN_PLACE does the same)
+        into = out
+    elif send_counts is None:  # even split: every rank receives as many rows as it sends when all have as many
+        into = torch.empty_like(x)  # ~0.6 us; torch.empty(shape, dtype=...) takes ~1.6 us
+    else:
+        into = None
+    if into is not None and not shaped:
+        into = into.view(-1)
     got: list[int] = []
 
     def alloc(recv_counts: list[int]) -> torch.Tensor:
         got.extend(recv_counts)
         rows_out = sum(recv_counts)
-        if out is not None and out.shape[0] == rows_out:
-            return out if shaped else out.view(-1)
+        if into is not None and into.shape[0] == rows_out * (1 if shaped else row_numel):
+            return into
         return torch.empty((rows_out, *rest) if shaped else (rows_out * row_numel,), dtype=x.dtype,
                            device=x.device)
 
-    res = ent.call(x if shaped else x.view(-1), counts, row_numel, alloc, ent.sig)
+    xv = x if shaped else x.view(-1)
+    if takes_into:
+        res = ent.call(xv, counts, row_numel, alloc, ent.sig, None, into)
+        if not got:  # filled `into` without asking: its rows were right
+            return out if out is not None else res if shaped else res.view(shape)
+    else:
+        res = ent.call(xv, counts, row_numel, alloc, ent.sig)
     if out is None:
         return res if shaped else res.view(sum(got), *rest)
     if out.shape[0] != sum(got):

@@ -38,7 +38,7 @@ class SharedState:
         self.closed = why
         self.conflict = None
         for comm in list(self.members):
-            comm._cache.clear()
+            comm._forget_calls()
             comm._barrier_entry = None
             live.discard(comm)
         for t in self.transports.values():

@@ -62,7 +62,7 @@ class _Entry(NamedTuple):
     transport: Transport
     sig: Signature
     rop: ReduceOp | None
-    out_shape: torch.Size
+    out_shape: tuple[int, ...]  # a plain tuple: torch.empty/new_empty parse one ~0.4 us faster than a torch.Size
     staged: bool  # device tensors copied through host memory (no transport for that device)
     call: Callable[..., Any]  # the transport's bound method for the collective (the hot path's dispatch)
     # x.data_ptr() - out.data_ptr() at which the transport takes an aliased out directly (nccl-tests'
@@ -127,6 +127,7 @@ class Communicator:
         self._warned_staging = False
         self._cache: dict = {}
         self._cpu_cache: dict = {}  # the hot paths' view of _cache for CPU tensors: no device in the key
+        self._a2a_plans: dict = {}  # all_to_all's latency path: (x.shape, dtype) -> plan of a CPU call
         self._barrier_entry: tuple[Transport, Signature] | None = None
         self.transports: dict[str, Transport] = {}
         self._state = SharedState(self.transports, rendezvous)
@@ -341,11 +342,11 @@ class Communicator:
         nbytes = t.numel() * t.element_size()
         tr, plan = self._select(opcode, device, nbytes, t.dtype, name)
         if opcode == OpCode.ALL_GATHER:
-            out_shape = torch.Size((self.size * (t.shape[0] if t.dim() else 1), *t.shape[1:]))
+            out_shape = (self.size * (t.shape[0] if t.dim() else 1), *t.shape[1:])
         elif opcode == OpCode.REDUCE_SCATTER:
-            out_shape = torch.Size((t.shape[0] // self.size, *t.shape[1:]))
+            out_shape = (t.shape[0] // self.size, *t.shape[1:])
         else:
-            out_shape = t.shape
+            out_shape = tuple(t.shape)
         sig = Signature.of(opcode, dtype=t.dtype, shape=t.shape if t.dim() or opcode != OpCode.ALL_GATHER else (1,),
                            op=rop, root=src if opcode in (OpCode.BROADCAST, OpCode.ALL_TO_ALL) else 0,
                            compare_first_dim=opcode != OpCode.ALL_TO_ALL)
@@ -358,12 +359,17 @@ class Communicator:
             alias = self.rank * block * (1 if opcode == OpCode.ALL_GATHER else -1)
         ent = _Entry(tr, sig, rop, out_shape, device not in tr.devices, call, alias)
         if len(self._cache) > 512:
-            self._cache.clear()
-            self._cpu_cache.clear()
+            self._forget_calls()
         self._cache[key] = ent
         if device == "cpu" and not ent.staged:
             self._cpu_cache[(opcode, shape, t.dtype, op, src)] = ent
         return ent
+
+    def _forget_calls(self) -> None:
+        """Drop every cached call: the entries and the latency paths' views of them."""
+        self._cache.clear()
+        self._cpu_cache.clear()
+        self._a2a_plans.clear()
 
     def _input(self, opcode: OpCode, x: Array) -> tuple[torch.Tensor, bool, torch.Tensor]:
         try:
@@ -411,8 +417,8 @@ class Communicator:
                 ent = self._cpu_cache.get((opcode, x.shape, x.dtype, op, 0))
                 if ent is None:
                     return None
-                if out is None:
-                    return ent, torch.empty(ent.out_shape, dtype=x.dtype)
+                if out is None:  # empty_like: ~0.6 us, against ~1 us for new_empty and ~1.5 for torch.empty
+                    return ent, torch.empty_like(x) if opcode is OpCode.ALL_REDUCE else x.new_empty(ent.out_shape)
                 if type(out) is not torch.Tensor or out.dtype is not x.dtype or out.shape != ent.out_shape \
                         or out.requires_grad or not out.is_contiguous() or not out.is_cpu:
                     return None
@@ -422,7 +428,7 @@ class Communicator:
                 if ent is None or ent.staged:
                     return None
                 if out is None:
-                    return ent, torch.empty(ent.out_shape, dtype=x.dtype, device=device)
+                    return ent, torch.empty_like(x) if opcode is OpCode.ALL_REDUCE else x.new_empty(ent.out_shape)
                 if type(out) is not torch.Tensor or out.dtype is not x.dtype or out.shape != ent.out_shape \
                         or out.requires_grad or not out.is_contiguous() or out.device != device:
                     return None
@@ -651,6 +657,7 @@ class Communicator:
         view._is_view = True
         view._cache = {}
         view._cpu_cache = {}
+        view._a2a_plans = {}
         view._barrier_entry = None
         self._state.members.add(view)
         return view

@@ -377,6 +377,19 @@ def _body_all_to_all_repeated(comm):
     even = rank_input("a2a-even", r, (2 * n, 3), torch.float32, 5)
     ref = comm.all_to_all(even.clone())
     assert torch.equal(comm.all_to_all(even), ref)
+    # even splits of different row counts per rank: a rank receives more or fewer rows than it sends,
+    # so the output guessed from x's shape is wrong there (and right on the rank in the middle)
+    rows = (r + 1) * n
+    uneven = rank_input("a2a-even-rows", r, (rows,), torch.float64, 5)
+    want = torch.cat([rank_input("a2a-even-rows", s, ((s + 1) * n,), torch.float64, 5)[r * (s + 1) : (r + 1) * (s + 1)]
+                      for s in range(n)])
+    for _ in range(3):
+        assert torch.equal(comm.all_to_all(uneven), want)
+        out = torch.empty(want.shape[0], dtype=torch.float64)
+        assert comm.all_to_all(uneven, out=out) is out and torch.equal(out, want)
+    with pytest.raises(ValueError, match=f"out has {rows} rows but rank {r} received {want.shape[0]}"
+                       if rows != want.shape[0] else "out has"):
+        comm.all_to_all(uneven, out=torch.empty(rows + (rows == want.shape[0]), dtype=torch.float64))
     return first.shape[0]
 
 

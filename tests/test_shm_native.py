@@ -25,7 +25,7 @@ from transports.base import DTYPE_CODES, META_LEN, SUPPORTED_DTYPES, ReduceOp
 shmfast = _native.load_shmfast()
 needs_native = pytest.mark.skipif(shmfast is None, reason=f"transports._shmfast: {_native.describe()}")
 
-ARRIVED, PENDING, MISMATCH = 0, 1, 2
+ARRIVED, PENDING, MISMATCH, DONE = 0, 1, 2, 3
 EPOCH, SIG0, META0 = 0, 2, 4  # control block words (transports/shm.py)
 CTRL_WORDS = 64  # >= META0 + 2 * META_LEN + all_to_all's words below, 128-byte blocks as shm.py aligns them
 COUNTS0 = 4 + 2 * META_LEN  # two parities of n <= 5 send counts (shm.py: _counts0) ...
@@ -418,6 +418,37 @@ def test_all_to_all_round_matches_the_python_schedule(n):
         seg.ctrl[1, COUNTS0 + (e & 1) * n] = 4096  # rows that cannot fit one slot
         assert seg.groups[0].a2a_pull(b, e, y.data_ptr(), y.numel(), row_bytes, xs[0].data_ptr(), *own(0)) == 1
         assert not y.any()
+
+
+@needs_native
+def test_all_to_all_post_into_an_exact_output_finishes_the_round():
+    """a2a_post with an output: the last rank to arrive copies its rows at once (DONE) when they fill
+    the output exactly; an output of another size is left untouched (ARRIVED: Python allocates)."""
+    g = torch.Generator().manual_seed(42)
+    n, row_bytes, b = 3, 8, 0
+    seg = Segment(n, slot_bytes=4096)
+    words, sig = _sig_words(g), 4242
+    for e, extra in ((5, 0), (6, 8), (7, -8)):
+        counts = [[int(c) for c in torch.randint(1, 5, (n,), generator=g)] for _ in range(n)]
+        xs = [torch.randint(0, 256, (sum(row) * row_bytes,), generator=g, dtype=torch.uint8) for row in counts]
+
+        def own(s):
+            return sum(counts[s][:s]) * row_bytes, counts[s][s] * row_bytes
+
+        want = torch.cat([xs[s][sum(counts[s][: n - 1]) * row_bytes :] for s in range(n)])
+        ys = [torch.zeros(sum(c[d] for c in counts) * row_bytes + (extra if d == n - 1 else 0), dtype=torch.uint8)
+              for d in range(n)]
+        for s in range(n - 1):
+            assert seg.groups[s].a2a_post(b, e, xs[s].data_ptr(), xs[s].numel(), *own(s), counts[s], sig,
+                                          words.data_ptr(), ys[s].data_ptr(), ys[s].numel(), row_bytes) == PENDING
+            assert not ys[s].any()
+        y = ys[-1]
+        code = seg.groups[-1].a2a_post(b, e, xs[-1].data_ptr(), xs[-1].numel(), *own(n - 1), counts[-1], sig,
+                                       words.data_ptr(), y.data_ptr(), y.numel(), row_bytes)
+        if extra:
+            assert code == ARRIVED and not y.any(), f"epoch {e}: output of {extra:+d} bytes"
+        else:
+            assert code == DONE and torch.equal(y, want)
 
 
 # ---- bad arguments ---------------------------------------------------------------------------------------

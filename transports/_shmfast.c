@@ -26,7 +26,8 @@
 #endif
 
 /* Bumped whenever a signature below changes; transports/_native.py refuses a stale build. */
-#define API_VERSION 5  /* 2: pull(); 3: reduce_scatter(); 4: a2a_post(), a2a_pull(), counts/addr words; 5: sleep() */
+#define API_VERSION 6  /* 2: pull(); 3: reduce_scatter(); 4: a2a_post(), a2a_pull(), counts/addr words; 5: sleep();
+                         6: a2a_post() into y -> DONE */
 
 /* Control block words (transports/shm.py: _EPOCH, _SIG0, _META0; base.META_LEN). */
 #define W_EPOCH 0
@@ -34,7 +35,7 @@
 #define W_META0 4
 #define META_LEN 16
 
-enum { ARRIVED = 0, PENDING = 1, MISMATCH = 2 };
+enum { ARRIVED = 0, PENDING = 1, MISMATCH = 2, DONE = 3 };  /* DONE: ARRIVED, and the call finished the collective */
 
 /* transports.base.DTYPE_CODES and ReduceOp */
 enum { DT_F64 = 1, DT_F32 = 2, DT_F16 = 3, DT_BF16 = 4, DT_I64 = 5, DT_I32 = 6, DT_U8 = 7, DT_BOOL = 8 };
@@ -536,14 +537,17 @@ static PyObject *Group_reduce_scatter(Group *g, PyObject *const *args, Py_ssize_
  * single copy, (0, 0) as its addresses, and arrives; receivers pull their rows from the senders'
  * slots. These two calls serve a round whose every sender fits one slot and none reads in single
  * copy; a2a_pull says "not mine" (1) otherwise, before copying anything, and Python goes on. */
+static int a2a_pull_core(Group *g, long long b, long long e, long long y, long long y_nbytes, long long row_bytes,
+                         long long x, long long own_start, long long own_len, int exact);
+
 static PyObject *Group_a2a_post(Group *g, PyObject *const *args, Py_ssize_t nargs) {
-    /* b, e, x, total, own_start, own_len, counts (sequence), sig, sig_words */
-    if (nargs != 9) {
-        PyErr_Format(PyExc_TypeError, "Group.a2a_post() takes 9 arguments (%zd given)", nargs);
+    /* b, e, x, total, own_start, own_len, counts (sequence), sig, sig_words[, y, y_nbytes, row_bytes] */
+    if (nargs != 9 && nargs != 12) {
+        PyErr_Format(PyExc_TypeError, "Group.a2a_post() takes 9 or 12 arguments (%zd given)", nargs);
         return NULL;
     }
-    long long v[8];
-    for (int i = 0, k = 0; i < 9; i++) {
+    long long v[11];
+    for (int i = 0, k = 0; i < nargs; i++) {
         if (i == 6) continue;
         v[k] = PyLong_AsLongLong(args[i]);
         if (v[k] == -1 && PyErr_Occurred()) return NULL;
@@ -587,18 +591,24 @@ static PyObject *Group_a2a_post(Group *g, PyObject *const *args, Py_ssize_t narg
     long long head = own_start < w ? own_start : w; /* the stream: x before our block, then after it */
     if (head > 0) memcpy(slot, src, (size_t)head);
     if (w > own_start) memcpy(slot + own_start, src + own_start + own_len, (size_t)(w - own_start));
-    return PyLong_FromLong(do_arrive(g, e, v[6], (const int64_t *)(uintptr_t)v[7]));
+    int code = do_arrive(g, e, v[6], (const int64_t *)(uintptr_t)v[7]);
+    if (code == ARRIVED && nargs == 12) { /* the whole round in this call when y is exactly the rows received */
+        int pulled = a2a_pull_core(g, b, e, v[8], v[9], v[10], x, own_start, own_len, 1);
+        if (pulled < 0) return NULL;
+        if (pulled == 0) code = DONE;
+    }
+    return PyLong_FromLong(code);
 }
 
-static PyObject *Group_a2a_pull(Group *g, PyObject *const *args, Py_ssize_t nargs) {
-    long long v[8]; /* b, e, y, y_nbytes, row_bytes, x, own_start, own_len */
-    if (ints(args, nargs, 8, "a2a_pull", v)) return NULL;
-    long long b = v[0], e = v[1], y = v[2], y_nbytes = v[3], row_bytes = v[4], x = v[5], own_start = v[6],
-              own_len = v[7];
+/* Our block and every sender's rows for us, from one round of slots, in source order: 0 copied;
+ * 1 not handled (a single-copy sender, or a sender needing several rounds; nothing copied); with
+ * `exact`, 2 when the rows received would not fill y exactly (nothing copied); -1 with an error set. */
+static int a2a_pull_core(Group *g, long long b, long long e, long long y, long long y_nbytes, long long row_bytes,
+                         long long x, long long own_start, long long own_len, int exact) {
     if (g->counts0 < 0 || (b != 0 && b != 1) || row_bytes <= 0 || y_nbytes < 0 || own_start < 0 || own_len < 0) {
         PyErr_Format(PyExc_ValueError, "_shmfast: bad a2a_pull arguments (b=%lld, row_bytes=%lld, y_nbytes=%lld, "
                      "own block [%lld, +%lld))", b, row_bytes, y_nbytes, own_start, own_len);
-        return NULL;
+        return -1;
     }
     Py_ssize_t n = g->n, me = g->rank;
     int64_t *start = g->a2a, *at = g->a2a + n;
@@ -606,27 +616,28 @@ static PyObject *Group_a2a_pull(Group *g, PyObject *const *args, Py_ssize_t narg
     for (Py_ssize_t s = 0; s < n; s++) {
         const int64_t *row = block(g, s) + g->counts0 + (e & 1) * n;
         if (g->addr0 >= 0 && __atomic_load_n(block(g, s) + g->addr0 + 2 * (e & 1), __ATOMIC_RELAXED) != 0)
-            return PyLong_FromLong(1); /* a single-copy sender: Python reads it */
+            return 1; /* a single-copy sender: Python reads it */
         long long rows = 0, before = 0, len;
         for (Py_ssize_t d = 0; d < n; d++) {
             long long c = __atomic_load_n(row + d, __ATOMIC_RELAXED);
-            if (c < 0 || __builtin_add_overflow(rows, c, &rows)) return PyLong_FromLong(1);
+            if (c < 0 || __builtin_add_overflow(rows, c, &rows)) return 1;
             if (d < me) before += c;
         }
         long long staged, mine = __atomic_load_n(row + me, __ATOMIC_RELAXED);
         long long own = __atomic_load_n(row + s, __ATOMIC_RELAXED);
         if (__builtin_mul_overflow(rows - own, row_bytes, &staged) || staged > g->slot_bytes)
-            return PyLong_FromLong(1); /* several rounds: Python's schedule */
+            return 1; /* several rounds: Python's schedule */
         /* where our rows sit in the sender's stream (its own block is not in it) */
         start[s] = (before - (s < me ? own : 0)) * row_bytes;
         at[s] = y_end;
         if (__builtin_mul_overflow(mine, row_bytes, &len) || __builtin_add_overflow(y_end, len, &y_end))
-            return PyLong_FromLong(1);
+            return 1;
     }
+    if (exact && y_end != y_nbytes) return 2;
     if (y_end > y_nbytes || check_addr(y, y_end, "output") || check_addr(x, own_start + own_len, "input")) {
         if (!PyErr_Occurred())
             PyErr_Format(PyExc_ValueError, "_shmfast: a2a_pull receives %lld bytes into an output of %lld", y_end, y_nbytes);
-        return NULL;
+        return -1;
     }
     char *out = (char *)(uintptr_t)y;
     if (own_len > 0) memmove(out + at[me], (const char *)(uintptr_t)x + own_start, (size_t)own_len);
@@ -634,7 +645,14 @@ static PyObject *Group_a2a_pull(Group *g, PyObject *const *args, Py_ssize_t narg
         long long len = (s + 1 < n ? at[s + 1] : y_end) - at[s];
         if (s != me && len > 0) memcpy(out + at[s], g->slot[b][s] + start[s], (size_t)len);
     }
-    return PyLong_FromLong(0);
+    return 0;
+}
+
+static PyObject *Group_a2a_pull(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    long long v[8]; /* b, e, y, y_nbytes, row_bytes, x, own_start, own_len */
+    if (ints(args, nargs, 8, "a2a_pull", v)) return NULL;
+    int code = a2a_pull_core(g, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], 0);
+    return code < 0 ? NULL : PyLong_FromLong(code);
 }
 
 static PyObject *Group_all_gather(Group *g, PyObject *const *args, Py_ssize_t nargs) {
@@ -704,8 +722,11 @@ static PyMethodDef Group_methods[] = {
     FAST(gather, "gather(b, out_addr, nbytes, slot_off, out_stride, own_addr): every rank's block, in rank order"),
     FAST(all_reduce, "all_reduce(b, e, x_addr, out_addr, count, dtype_code, op_code, sig_value, sig_words_addr) -> code\n"
                      "stage + arrive + (if ARRIVED) reduce"),
-    FAST(a2a_post, "a2a_post(b, e, x_addr, total, own_start, own_len, counts, sig_value, sig_words_addr) -> code\n"
-                   "stage the first window of x without its own block, publish the send counts, arrive"),
+    FAST(a2a_post, "a2a_post(b, e, x_addr, total, own_start, own_len, counts, sig_value, sig_words_addr"
+                   "[, y_addr, y_nbytes, row_bytes]) -> code\n"
+                   "stage the first window of x without its own block, publish the send counts, arrive; given y, "
+                   "and ARRIVED with a one-round exchange whose rows for us fill y_nbytes exactly, a2a_pull into "
+                   "y too and return DONE (3)"),
     FAST(a2a_pull, "a2a_pull(b, e, y_addr, y_nbytes, row_bytes, x_addr, own_start, own_len) -> 0 done | 1 not handled\n"
                    "our block and every sender's rows for us from one round of slots, in source order"),
     FAST(reduce_scatter, "reduce_scatter(b, e, x_addr, out_addr, count, dtype_code, op_code, sig_value, "
@@ -778,7 +799,7 @@ PyMODINIT_FUNC PyInit__shmfast(void) {
     if (PyModule_AddObject(m, "Group", (PyObject *)&GroupType) < 0 ||
         PyModule_AddIntConstant(m, "API_VERSION", API_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "ARRIVED", ARRIVED) < 0 || PyModule_AddIntConstant(m, "PENDING", PENDING) < 0 ||
-        PyModule_AddIntConstant(m, "MISMATCH", MISMATCH) < 0 ||
+        PyModule_AddIntConstant(m, "MISMATCH", MISMATCH) < 0 || PyModule_AddIntConstant(m, "DONE", DONE) < 0 ||
 #ifdef HAVE_FUTEX
         PyModule_AddIntConstant(m, "HAS_FUTEX", 1) < 0) {
 #else

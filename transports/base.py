@@ -390,6 +390,12 @@ class Transport(abc.ABC):
     #: for the others :meth:`all_to_all_with_recv_counts` checks it after the exchange (one barrier more)
     takes_recv_counts: ClassVar[bool] = False
 
+    #: whether :meth:`all_to_all` takes ``into`` (its 7th argument, after ``recv_counts``): a contiguous
+    #: output (shaped as ``alloc``'s would be) it fills without calling ``alloc`` when the rows received
+    #: fill it exactly, so a repeated exchange of known shape needs no allocation callback between
+    #: its count exchange and its copies
+    takes_into: ClassVar[bool] = False
+
     @abc.abstractmethod
     def all_to_all(
         self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator, sig: Signature,

@@ -70,7 +70,9 @@ _SIG0 = 2  # two parities of the signature digest
 _META0 = 4  # two parities of META_LEN words, then two parities of `size` all-to-all send counts, then of
 # `size` declared receive counts
 _STATE_ABORTED, _STATE_CLOSED = 1, 2  # 0: running
-ARRIVED, PENDING = 0, 1  # what transports._shmfast's arrive returns (2: a signature differs); its API_VERSION 5
+# what transports._shmfast's arrive returns (2: a signature differs; DONE: arrived, and a2a_post finished
+# the collective); its API_VERSION 6
+ARRIVED, PENDING, DONE = 0, 1, 3
 # Longest futex sleep of a wait: a peer's arrival wakes it at once; the bound keeps the timeout and
 # dead-peer checks of _wait running (they look every 50 ms).
 _FUTEX_SLEEP_US = 10_000
@@ -191,15 +193,6 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         b = self._use & 1
         self._use += 1
         return b
-
-    def _compiled_round(self) -> tuple[int, int]:
-        """(slot, epoch) of a round whose synchronisation the compiled helper does in its fused call."""
-        if self._broken:
-            self._raise_broken()
-        b = self._use & 1
-        self._use += 1
-        self._epoch += 1
-        return b, self._epoch
 
     def _raise_broken(self):
         if self._map is None:
@@ -404,6 +397,7 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         self._native_gather_max = min(self.slot_bytes, self._copy_min.get(OpCode.ALL_GATHER, ONE_SHOT_UNBOUNDED) - 1)
         self._native_scatter_max = min(self.slot_bytes,
                                        self._copy_min.get(OpCode.REDUCE_SCATTER, ONE_SHOT_UNBOUNDED) - 1)
+        self._a2a_direct_min = max(1, self._copy_min.get(OpCode.ALL_TO_ALL, ONE_SHOT_UNBOUNDED))  # sender bytes
 
     # ---- capabilities ---------------------------------------------------------------------
     def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
@@ -429,7 +423,11 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
     def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         g = self._g
         if g is not None and send.nbytes <= self._native_all_reduce_max:  # the latency path, compiled
-            b, e = self._compiled_round()
+            if self._broken:  # a compiled round's slot and epoch (inline: a call costs ~5% of a small collective)
+                self._raise_broken()
+            b = self._use & 1
+            self._use += 1
+            e = self._epoch = self._epoch + 1
             out_addr, count, code, rop = out.data_ptr(), send.numel(), DTYPE_CODES[send.dtype], int(op)
             arrived = g.all_reduce(b, e, send.data_ptr(), out_addr, count, code, rop, sig.value, sig.addr)
             if arrived != ARRIVED:
@@ -490,7 +488,11 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
     def all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature) -> None:
         g = self._g
         if g is not None and send.nbytes <= self._native_gather_max:  # the latency path, compiled
-            b, e = self._compiled_round()
+            if self._broken:  # a compiled round's slot and epoch (inline: a call costs ~5% of a small collective)
+                self._raise_broken()
+            b = self._use & 1
+            self._use += 1
+            e = self._epoch = self._epoch + 1
             x_addr, out_addr, nbytes = send.data_ptr(), out.data_ptr(), send.nbytes
             arrived = g.all_gather(b, e, x_addr, out_addr, nbytes, sig.value, sig.addr)
             if arrived != ARRIVED:
@@ -515,7 +517,11 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
     def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         g = self._g
         if g is not None and send.nbytes <= self._native_scatter_max:  # the latency path, compiled: one round
-            b, e = self._compiled_round()
+            if self._broken:  # a compiled round's slot and epoch (inline: a call costs ~5% of a small collective)
+                self._raise_broken()
+            b = self._use & 1
+            self._use += 1
+            e = self._epoch = self._epoch + 1
             out_addr, m, code, rop = out.data_ptr(), out.numel(), DTYPE_CODES[send.dtype], int(op)
             arrived = g.reduce_scatter(b, e, send.data_ptr(), out_addr, m, code, rop, sig.value, sig.addr)
             if arrived != ARRIVED:
@@ -568,30 +574,47 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
                 np.copyto(y[lo:hi], slots[src])
 
     takes_recv_counts = True
+    takes_into = True
 
     def all_to_all(self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator,
-                   sig: Signature, recv_counts: list[int] | None = None) -> torch.Tensor:
+                   sig: Signature, recv_counts: list[int] | None = None, into: torch.Tensor | None = None
+                   ) -> torch.Tensor:
         """See :meth:`Transport.all_to_all`. With ``recv_counts`` every rank publishes them beside its
         send counts in the first synchronisation, and every rank compares the whole [size, size]
-        matrices after it, so a wrong value raises on every rank before any peer's row is read."""
-        n, me, S = self.size, self.rank, self.slot_bytes
+        matrices after it, so a wrong value raises on every rank before any peer's row is read.
+
+        ``into`` (see ``takes_into``): with the compiled helper, a one-round exchange whose rows
+        for this rank fill it exactly is one compiled call (stage, publish counts, arrive, copy)."""
+        me = self.rank
         x_addr, total = send.data_ptr(), send.nbytes  # plain addresses: small calls are all overhead
         row_bytes = row_numel * send.element_size()
         own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
         # single copy per sender, from its own size: the peers learn it from its published address
-        direct = self._use_single_copy(OpCode.ALL_TO_ALL, total)
+        direct = total >= self._a2a_direct_min
         g = self._g
-        b = self._begin_round()
         if g is not None and recv_counts is None and not direct:  # the compiled helper's round
+            if self._broken:  # a compiled round's slot and epoch (inline: a call costs ~5% of a small collective)
+                self._raise_broken()
+            b = self._use & 1
+            self._use += 1
             e = self._epoch = self._epoch + 1
-            arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, send_counts, sig.value, sig.addr)
+            if into is not None and row_bytes:
+                arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, send_counts, sig.value, sig.addr,
+                                     into.data_ptr(), into.nbytes, row_bytes)
+                if arrived == DONE:
+                    return into
+            else:
+                arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, send_counts, sig.value, sig.addr)
             if arrived != ARRIVED:
                 self._finish_arrival(e, sig, arrived)
-            q, c0 = self._q, self._counts0 + (e & 1) * n
+            c0 = self._counts0 + (e & 1) * self.size
+            q = self._q
             out = alloc([q[base + c0 + me] for base in self._bases])
             if g.a2a_pull(b, e, out.data_ptr(), out.nbytes, row_bytes, x_addr, own_start, own_len) == 0:
                 return out
             return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct, out)
+        n, S = self.size, self.slot_bytes
+        b = self._begin_round()
         if not direct:
             for off, src, nb in staged_segments(own_start, own_len, total, 0, S):
                 self._stage(b, off, x_addr + src, nb)
