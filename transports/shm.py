@@ -194,6 +194,15 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         self._use += 1
         return b
 
+    def _compiled_round(self) -> tuple[int, int]:
+        """(slot, epoch) of a round whose synchronisation the compiled helper does in its fused call."""
+        if self._broken:
+            self._raise_broken()
+        b = self._use & 1
+        self._use += 1
+        self._epoch += 1
+        return b, self._epoch
+
     def _raise_broken(self):
         if self._map is None:
             raise CommunicatorBrokenError("the shm transport of this communicator is closed; create a new communicator")
@@ -423,11 +432,7 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
     def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         g = self._g
         if g is not None and send.nbytes <= self._native_all_reduce_max:  # the latency path, compiled
-            if self._broken:  # a compiled round's slot and epoch (inline: a call costs ~5% of a small collective)
-                self._raise_broken()
-            b = self._use & 1
-            self._use += 1
-            e = self._epoch = self._epoch + 1
+            b, e = self._compiled_round()
             out_addr, count, code, rop = out.data_ptr(), send.numel(), DTYPE_CODES[send.dtype], int(op)
             arrived = g.all_reduce(b, e, send.data_ptr(), out_addr, count, code, rop, sig.value, sig.addr)
             if arrived != ARRIVED:
@@ -488,11 +493,7 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
     def all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature) -> None:
         g = self._g
         if g is not None and send.nbytes <= self._native_gather_max:  # the latency path, compiled
-            if self._broken:  # a compiled round's slot and epoch (inline: a call costs ~5% of a small collective)
-                self._raise_broken()
-            b = self._use & 1
-            self._use += 1
-            e = self._epoch = self._epoch + 1
+            b, e = self._compiled_round()
             x_addr, out_addr, nbytes = send.data_ptr(), out.data_ptr(), send.nbytes
             arrived = g.all_gather(b, e, x_addr, out_addr, nbytes, sig.value, sig.addr)
             if arrived != ARRIVED:
@@ -517,11 +518,7 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
     def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         g = self._g
         if g is not None and send.nbytes <= self._native_scatter_max:  # the latency path, compiled: one round
-            if self._broken:  # a compiled round's slot and epoch (inline: a call costs ~5% of a small collective)
-                self._raise_broken()
-            b = self._use & 1
-            self._use += 1
-            e = self._epoch = self._epoch + 1
+            b, e = self._compiled_round()
             out_addr, m, code, rop = out.data_ptr(), out.numel(), DTYPE_CODES[send.dtype], int(op)
             arrived = g.reduce_scatter(b, e, send.data_ptr(), out_addr, m, code, rop, sig.value, sig.addr)
             if arrived != ARRIVED:
@@ -593,11 +590,7 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         direct = total >= self._a2a_direct_min
         g = self._g
         if g is not None and recv_counts is None and not direct:  # the compiled helper's round
-            if self._broken:  # a compiled round's slot and epoch (inline: a call costs ~5% of a small collective)
-                self._raise_broken()
-            b = self._use & 1
-            self._use += 1
-            e = self._epoch = self._epoch + 1
+            b, e = self._compiled_round()
             if into is not None and row_bytes:
                 arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, send_counts, sig.value, sig.addr,
                                      into.data_ptr(), into.nbytes, row_bytes)
