@@ -572,3 +572,48 @@ def test_sleep_wakes_when_the_peer_arrives_and_is_bounded_otherwise():
     assert me.sleep(1, 10_000_000) is True  # already there: no sleep
     with pytest.raises(ValueError, match="wait_word"):
         shmfast.Group(base, CTRL_WORDS, 2, 0, base + 4096, SLOT_BYTES, 0, 0).sleep(1, 10)
+
+
+def _publish_later(mapping: mmap.mmap, delay: float) -> None:
+    """Rank 1 of a 2-rank Segment layout over ``mapping``: publish epoch 1 (no wait) after ``delay`` seconds."""
+    base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+    group = shmfast.Group(base, CTRL_WORDS, 2, 1, base + 4096, SLOT_BYTES, 0, 0, COUNTS0, ADDR0, WAIT0)
+    time.sleep(delay)
+    t0 = time.monotonic()
+    group.publish(1)  # rank 0 never publishes: publish must return anyway
+    os._exit(0 if time.monotonic() - t0 < 1 else 1)
+
+
+@needs_native
+def test_publish_returns_at_once_and_wakes_a_sleeper():
+    mapping = mmap.mmap(-1, 4096 + 2 * 2 * SLOT_BYTES)
+    base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+    me = shmfast.Group(base, CTRL_WORDS, 2, 0, base + 4096, SLOT_BYTES, 0, 0, COUNTS0, ADDR0, WAIT0)
+    ctrl = torch.frombuffer(mapping, dtype=torch.int64, count=2 * CTRL_WORDS).view(2, CTRL_WORDS)
+    child = multiprocessing.get_context("fork").Process(target=_publish_later, args=(mapping, 0.3))
+    child.start()
+    t0 = time.monotonic()
+    woke = False
+    while not woke and time.monotonic() - t0 < 30:
+        woke = me.sleep(1, 10_000_000)
+    waited = time.monotonic() - t0
+    child.join(10)
+    assert child.exitcode == 0, "publish() waited for the peer"
+    assert woke and ctrl[1, EPOCH] == 1 and ctrl[0, EPOCH] == 0
+    assert waited < 5, f"slept {waited:.1f}s: publish() did not wake the sleeper"
+
+
+@needs_native
+def test_spin_is_bounded_and_sees_an_arrival():
+    seg = Segment(2)
+    me = seg.groups[0]
+    t0 = time.monotonic()
+    assert me.spin(1, 20_000_000) is False  # nobody arrives: back after its 20 ms budget
+    assert 0.015 < time.monotonic() - t0 < 5
+    assert me.spin(1, 0) is False
+    seg.groups[1].publish(1)
+    assert seg.ctrl[1, EPOCH] == 1
+    t0 = time.monotonic()
+    assert me.spin(1, 10_000_000_000) is True  # already there: no wait
+    assert time.monotonic() - t0 < 1
+    assert me.spin(2, 0) is False

@@ -52,13 +52,15 @@ def test_a_rank_refused_makes_every_rank_stage_and_say_why():
     assert all(r[0] is True and r[3] == "cma_pull" for r in ok), ok
 
 
-def _body_mixed_senders(comm, seed: int):
+def _body_mixed_senders(comm, seed: int, native: str = "auto"):
     """all_to_all where some senders are read in one copy (>= 32 KiB here) and the others stage through
-    4 KiB slots in several rounds."""
+    4 KiB slots in several rounds (``native``: the compiled helper's setting; its split barrier at the
+    end is compiled, the Python one a plain store)."""
     n, r = comm.size, comm.rank
     _shm_single_copy.SINGLE_COPY_MIN_BYTES[OpCode.ALL_TO_ALL] = 32 << 10  # this process's table, read by the next transport
+    _shm_single_copy.SINGLE_COPY_MIN_BYTES[OpCode.ALL_GATHER] = 32 << 10
     _shm_single_copy.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 and 4 ranks on this 2-core machine
-    sub = comm.split(0, options={"shm_slot_bytes": 4096})
+    sub = comm.split(0, options={"shm_slot_bytes": 4096, "shm_native": native})
     # odd ranks send >= 36 KB (direct), even ranks 4.8-12.8 KB (staged in 2-4 rounds); 80-byte rows
     rows = lambda s, d: (150 + (s + d + seed) % 3) if s % 2 else 20 + 10 * ((s + d) % 3)
     width = 20
@@ -71,16 +73,18 @@ def _body_mixed_senders(comm, seed: int):
         start = sum(rows(s, d) for d in range(r))
         expected.append(xs[start : start + rows(s, r)])
     assert torch.equal(got, torch.cat(expected)), f"rank {r}"
+    gathered = sub.all_gather(rank_input("gather", r, (9001,), torch.float32, seed))  # 36 KB: single copy
+    assert torch.equal(gathered, torch.cat([rank_input("gather", s, (9001,), torch.float32, seed) for s in range(n)]))
     direct = [s for s in range(n) if sum(rows(s, d) for d in range(n)) * width * 4 >= 32 << 10]
-    return direct, sub.plan("all_to_all", x).algorithm
+    return direct, sub.plan("all_to_all", x).algorithm, sub.plan("all_gather", torch.empty(9001)).algorithm
 
 
-@pytest.mark.parametrize("nprocs", [3, 4])
-def test_all_to_all_with_direct_and_staged_senders(nprocs):
-    res = collectives.launch(_body_mixed_senders, nprocs, 2, transport="shm", timeout=30.0)
-    direct, algorithm = res[0]
+@pytest.mark.parametrize("nprocs,native", [(3, "auto"), (4, "auto"), (3, "off")])
+def test_all_to_all_with_direct_and_staged_senders(nprocs, native):
+    res = collectives.launch(_body_mixed_senders, nprocs, 2, native, transport="shm", timeout=30.0)
+    direct, algorithm, gather_algorithm = res[0]
     assert direct and len(direct) < nprocs, res  # both kinds of sender took part
-    assert algorithm == "pull+cma"
+    assert algorithm == "pull+cma" and gather_algorithm == "cma_pull"
 
 
 def _fail_reads_from_now_on(*args, **kwargs):

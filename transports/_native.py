@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 # The API_VERSION this Python code expects of the built module (the constant in _shmfast.c): a
 # stale in-place build from an older checkout is refused rather than called with other arguments.
-API_VERSION = 6
+API_VERSION = 7
 
 _HINT = "reinstall with a C compiler available (pip install -e .)"
 _loaded: ModuleType | None = None

@@ -137,18 +137,18 @@ class SingleCopyPaths:
         reduced parts from their outputs (three synchronisations, no staging)."""
         n, me, item = self.size, self.rank, x.itemsize
         self._begin_round()
-        self._sync(sig, addrs=(x.ctypes.data, y.ctypes.data))
+        self._sync(sig, addrs=(x.ctypes.data, y.ctypes.data), spin_ns=self._large_spin_ns)
         outputs = [self._peer_addrs(r)[1] for r in range(n)]
         bounds = part_bounds(x.size, n)
         self._reduce_from_peers(x, y, bounds[me], bounds[me], bounds[me + 1] - bounds[me], op, dtype)
         self._begin_round()
-        self._sync()  # every part is reduced
+        self._sync(spin_ns=self._large_spin_ns)  # every part is reduced
         for k in range(1, n):
             r = (me + k) % n
             lo, hi = bounds[r], bounds[r + 1]
             self._read_peer(r, outputs[r] + lo * item, y.ctypes.data + lo * item, (hi - lo) * item)
         self._begin_round()
-        self._sync()  # the peers finished reading our output
+        self._sync(spin_ns=self._large_spin_ns)  # the peers finished reading our output
 
     def plan_note(self, opcode: OpCode, nbytes: int) -> str:
         limit = self._copy_min.get(opcode)
@@ -163,35 +163,38 @@ class SingleCopyPaths:
     def _single_copy_all_gather(self, x: np.ndarray, y: np.ndarray, sig: Signature) -> None:
         """Read every peer's input (x: [nbytes] uint8) straight into its block of y ([size * nbytes] uint8)."""
         n, me, nbytes = self.size, self.rank, x.nbytes
+        spin = self._large_spin_ns
         self._begin_round()
-        self._sync(sig, addrs=(x.ctypes.data, 0))
+        self._sync(sig, addrs=(x.ctypes.data, 0), spin_ns=spin)
         inputs = [self._peer_addrs(r)[0] for r in range(n)]
         for k in range(1, n):
             r = (me + k) % n
             self._read_peer(r, inputs[r], y.ctypes.data + r * nbytes, nbytes)
+        self._begin_round()
+        done_reading = self._publish()
+        # our own block while the peers finish reading ours: it hides the difference in their read times
         if x.ctypes.data != y.ctypes.data + me * nbytes:  # in place: our block is there already
             np.copyto(y[me * nbytes : (me + 1) * nbytes], x)
-        self._begin_round()
-        self._sync()  # the peers finished reading our input
+        self._await(done_reading, spin)  # the peers finished reading our input
 
     def _single_copy_reduce_scatter(self, x: np.ndarray, y: np.ndarray, op: ReduceOp, dtype: torch.dtype,
                                     sig: Signature) -> None:
         """y ([m]) = our block of the reduction of every rank's x ([size * m]), read from the peers."""
         m = y.size
         self._begin_round()
-        self._sync(sig, addrs=(x.ctypes.data, 0))
+        self._sync(sig, addrs=(x.ctypes.data, 0), spin_ns=self._large_spin_ns)
         self._reduce_from_peers(x, y, self.rank * m, 0, m, op, dtype)
         self._begin_round()
-        self._sync()  # the peers finished reading our input
+        self._sync(spin_ns=self._large_spin_ns)  # the peers finished reading our input
 
     def _single_copy_broadcast(self, x: np.ndarray, y: np.ndarray, src: int, sig: Signature) -> None:
         """y ([nbytes] uint8) = rank ``src``'s x, read from its memory."""
         root = self.rank == src
         self._begin_round()
-        self._sync(sig, addrs=(x.ctypes.data if root else 0, 0))
+        self._sync(sig, addrs=(x.ctypes.data if root else 0, 0), spin_ns=self._large_spin_ns)
         if not root:
             self._read_peer(src, self._peer_addrs(src)[0], y.ctypes.data, x.nbytes)
         elif y.ctypes.data != x.ctypes.data:
             np.copyto(y, x)
         self._begin_round()
-        self._sync()  # the ranks finished reading the root's input
+        self._sync(spin_ns=self._large_spin_ns)  # the ranks finished reading the root's input

@@ -26,8 +26,8 @@
 #endif
 
 /* Bumped whenever a signature below changes; transports/_native.py refuses a stale build. */
-#define API_VERSION 6  /* 2: pull(); 3: reduce_scatter(); 4: a2a_post(), a2a_pull(), counts/addr words; 5: sleep();
-                         6: a2a_post() into y -> DONE */
+#define API_VERSION 7  /* 2: pull(); 3: reduce_scatter(); 4: a2a_post(), a2a_pull(), counts/addr words; 5: sleep();
+                         6: a2a_post() into y -> DONE; 7: publish(), spin() */
 
 /* Control block words (transports/shm.py: _EPOCH, _SIG0, _META0; base.META_LEN). */
 #define W_EPOCH 0
@@ -411,6 +411,36 @@ static PyObject *Group_arrive(Group *g, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(do_arrive(g, v[0], v[1], (const int64_t *)(uintptr_t)v[2]));
 }
 
+static PyObject *Group_publish(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    long long v[1];
+    if (ints(args, nargs, 1, "publish", v)) return NULL;
+    __atomic_store_n(block(g, g->rank) + W_EPOCH, (int64_t)v[0], __ATOMIC_RELEASE);
+    wake_sleepers(g);
+    Py_RETURN_NONE;
+}
+
+/* Busy-wait (no yield: a core per rank) until every peer reached epoch e or budget_ns passed.
+ * The clock is read every 64 turns: a turn is ~10-100 ns, so the budget overshoots by a few us at most. */
+static PyObject *Group_spin(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    long long v[2];
+    if (ints(args, nargs, 2, "spin", v)) return NULL;
+    int done = all_arrived(g, v[0]);
+#ifdef HAVE_FUTEX
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    long long end = (long long)t.tv_sec * 1000000000LL + t.tv_nsec + v[1];
+    for (long i = 1; !done; i++) {
+        cpu_relax();
+        done = all_arrived(g, v[0]);
+        if (!done && (i & 63) == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((long long)t.tv_sec * 1000000000LL + t.tv_nsec >= end) break;
+        }
+    }
+#endif
+    return PyBool_FromLong(done);
+}
+
 static PyObject *Group_sigs_match(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     long long v[2];
     if (ints(args, nargs, 2, "sigs_match", v)) return NULL;
@@ -713,6 +743,9 @@ static void Group_dealloc(Group *g) {
 static PyMethodDef Group_methods[] = {
     FAST(arrive, "arrive(e, sig_value, sig_words_addr) -> 0 ARRIVED | 1 PENDING | 2 MISMATCH\n"
                  "Publish epoch e (with the signature when sig_value >= 0), then wait spin + yields turns."),
+    FAST(publish, "publish(e): publish epoch e (release store) and wake the peers sleeping on it; no wait"),
+    FAST(spin, "spin(e, budget_ns) -> bool: busy-wait up to budget_ns for every peer to reach epoch e (Linux; "
+               "elsewhere one look); whether they all did"),
     FAST(sigs_match, "sigs_match(e, sig_value) -> bool: every peer's digest of epoch e equals sig_value"),
     FAST(stage, "stage(b, src_addr, nbytes, slot_off): copy into this rank's slot b"),
     FAST(pull, "pull(b, src_rank, slot_off, dst_addr, nbytes): copy out of rank src_rank's slot b"),

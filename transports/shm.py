@@ -73,9 +73,16 @@ _STATE_ABORTED, _STATE_CLOSED = 1, 2  # 0: running
 # what transports._shmfast's arrive returns (2: a signature differs; DONE: arrived, and a2a_post finished
 # the collective); its API_VERSION 6
 ARRIVED, PENDING, DONE = 0, 1, 3
+
 # Longest futex sleep of a wait: a peer's arrival wakes it at once; the bound keeps the timeout and
 # dead-peer checks of _wait running (they look every 50 ms).
 _FUTEX_SLEEP_US = 10_000
+# A wait that follows a large copy busy-waits this long before it sleeps on the futex: the peer's copy
+# finishes a few to a few hundred us after ours, and waking from the futex cost ~40-90 us on the CI VM
+# (2 ranks, all_gather of 8 MiB: 576 us a call sleeping at once, 541 spinning up to 100 us, 533 up to
+# 300 us; all_to_all 8 MiB: 713 against 656 and 663; benchmarks/results/shm-large-wait-spin.txt). Only
+# with a core per rank: with more ranks than cores the spinning would hold a core a peer needs.
+LARGE_WAIT_SPIN_NS = 200_000
 
 # Per-slot size; each rank has two slots and messages larger than a slot go in rounds.
 # 1 MiB: in benchmarks/results/shm-allreduce-tuning.txt (2 vCPUs with 1 MiB of L2 each) it beat
@@ -176,6 +183,7 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         spin = settings["shm_spin"]
         self._spin_iters = int(spin if spin is not None else (16 if oversubscribed else 400))
         self._yield_iters = int(settings["shm_yield"])
+        self._large_spin_ns = 0 if oversubscribed else LARGE_WAIT_SPIN_NS
         _tight_timer_slack()
         one_shot = settings["shm_one_shot_max"]
         self._one_shot_limit = int(one_shot) if one_shot is not None else (
@@ -210,11 +218,12 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
             f"shm communicator is unusable after an earlier failure ({self._broken}); create a new one")
 
     def _sync(self, sig: Signature | None = None, counts: list[int] | None = None, check: bool = True,
-              recv: list[int] | None = None, addrs: tuple[int, int] | None = None) -> None:
+              recv: list[int] | None = None, addrs: tuple[int, int] | None = None, spin_ns: int = 0) -> None:
         """Publish our arrival (with the call signature on a call's first sync) and wait for every peer.
 
         ``counts``/``recv``: all_to_all's send counts and declared receive counts, published with it.
         ``addrs``: (input address, output address) of this rank's tensors, for the single-copy path.
+        ``spin_ns``: how long a wait may busy-poll before it sleeps (``_large_spin_ns`` after large copies).
 
         With ``sig``, afterwards compares the peers' signature digests with ours (one word each) and
         raises the detailed ``ValueError`` of :func:`check_agreement` on any difference.
@@ -238,7 +247,7 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         if g is not None:  # the compiled helper publishes (release store) and spins; waits longer in Python
             code = g.arrive(e, sig.value if sig is not None else -1, sig.addr if sig is not None else 0)
             if code != ARRIVED:
-                self._finish_arrival(e, sig if check else None, code)
+                self._finish_arrival(e, sig if check else None, code, spin_ns)
             return
         if sig is not None:
             m0 = mine + _META0 + par * META_LEN
@@ -258,14 +267,14 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
                 if q[base + so] != v:
                     check_agreement(self._metas(), self._ranks)
 
-    def _finish_arrival(self, e: int, sig: Signature | None, code: int) -> None:
+    def _finish_arrival(self, e: int, sig: Signature | None, code: int, spin_ns: int = 0) -> None:
         """After the compiled helper's ``arrive`` returned PENDING or MISMATCH for epoch ``e``: wait
         (bounded, noticing dead peers) and compare the signatures, raising as the Python path does.
 
         ``sig``: the call's signature when it must be checked, else None.
         """
         if code == PENDING:
-            self._wait(e)
+            self._wait(e, spin_ns)
             _fence()
             if sig is None or self._g.sigs_match(e, sig.value):
                 return
@@ -273,7 +282,32 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
             return
         check_agreement(self._metas(), self._ranks)
 
-    def _wait(self, e: int) -> None:
+    def _publish(self) -> int:
+        """Publish this rank's arrival at the next epoch and return at once (the first half of a
+        split barrier: :meth:`_await` it after work that needs no peer); returns that epoch."""
+        if self._broken:
+            self._raise_broken()
+        e = self._epoch + 1
+        self._epoch = e
+        if self._g is not None:
+            self._g.publish(e)  # also wakes a peer asleep on our epoch
+        else:
+            _fence()
+            self._q[self._my_base] = e
+        return e
+
+    def _await(self, e: int, spin_ns: int = 0) -> None:
+        """Wait for every peer to publish epoch ``e`` (the second half of :meth:`_publish`)."""
+        q = self._q
+        for base in self._peer_bases:
+            if q[base] < e:
+                self._wait(e, spin_ns)
+                break
+        _fence()
+
+    def _wait(self, e: int, spin_ns: int = 0) -> None:
+        """Wait until every peer reached epoch ``e``: spin, yield, then sleep, bounded by the timeout and
+        raising when a peer failed. ``spin_ns``: busy-poll up to this long first (compiled helper only)."""
         q = self._q
         bases = self._bases
         pending = [r for r in self._peers if q[bases[r]] < e]
@@ -282,6 +316,8 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         yield_end = spin_end + self._yield_iters
         sleeper = self._sleeper
         if sleeper is not None:
+            if pending and spin_ns and self._g.spin(e, spin_ns):
+                return
             i = yield_end  # the compiled helper spun and yielded already: sleep on its futex at once
         deadline = None
         next_check = 0.0
@@ -612,7 +648,8 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
             for off, src, nb in staged_segments(own_start, own_len, total, 0, S):
                 self._stage(b, off, x_addr + src, nb)
         self._sync(sig, send_counts, recv=recv_counts,
-                   addrs=(x_addr if direct else 0, 0) if self.single_copy else None)
+                   addrs=(x_addr if direct else 0, 0) if self.single_copy else None,
+                   spin_ns=self._large_spin_ns if direct else 0)
         q, c0 = self._q, self._counts0 + (self._epoch & 1) * n
         counts = [q[base + c0 : base + c0 + n].tolist() for base in self._bases]  # counts[src][dst] rows
         if recv_counts is not None:  # every rank passed them: the signatures agreed on that
@@ -633,7 +670,7 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
             counts = [q[base + c0 : base + c0 + n].tolist() for base in self._bases]
         recv = [row[me] for row in counts]
         y_addr = out.data_ptr()
-        _copy(y_addr + sum(recv[:me]) * row_bytes, x_addr + own_start, own_len)  # our block to ourselves
+        own_at = y_addr + sum(recv[:me]) * row_bytes
         # direct senders: read their rows for us from their inputs; pull the rest from the slots
         inputs = [self._peer_addrs(r)[0] for r in range(n)] if self.single_copy else [0] * n
         direct_senders = [r for r in range(n) if inputs[r]]
@@ -650,9 +687,15 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
                 self._sync()
             for src, off, dst, nb in copies:
                 self._pull(b, src, off, y_addr + dst, nb)
-        if direct_senders:
-            self._begin_round()
-            self._sync()  # the peers finished reading the direct senders' inputs
+        if not direct_senders:
+            _copy(own_at, x_addr + own_start, own_len)  # our block to ourselves
+            return out
+        self._begin_round()
+        done_reading = self._publish()
+        # our own block while the peers finish reading the direct senders' inputs: it hides the
+        # difference in their read times
+        _copy(own_at, x_addr + own_start, own_len)
+        self._await(done_reading, self._large_spin_ns)
         return out
 
     def _pulls(self, counts: list[list[int]], row_bytes: int, skip: list[int]) -> list:
