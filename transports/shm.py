@@ -78,10 +78,11 @@ ARRIVED, PENDING, DONE = 0, 1, 3
 # dead-peer checks of _wait running (they look every 50 ms).
 _FUTEX_SLEEP_US = 10_000
 # A wait that follows a large copy busy-waits this long before it sleeps on the futex: the peer's copy
-# finishes a few to a few hundred us after ours, and waking from the futex cost ~40-90 us on the CI VM
-# (2 ranks, all_gather of 8 MiB: 576 us a call sleeping at once, 541 spinning up to 100 us, 533 up to
-# 300 us; all_to_all 8 MiB: 713 against 656 and 663; benchmarks/results/shm-large-wait-spin.txt). Only
-# with a core per rank: with more ranks than cores the spinning would hold a core a peer needs.
+# ends a few to a few hundred us after ours, and waking from the futex cost ~40-60 us a call on the CI VM.
+# benchmarks/results/shm-large-wait-spin.txt (2 ranks, two runs, median us a call, 0 -> 200 us budget):
+# all_gather in place 8 MiB 351/343 -> 303/306, 16 MiB 891/864 -> 803/804; all_to_all 8 MiB 508/504 ->
+# 440/450; 50 to 1000 us all alike, 2 MiB and below unchanged. Only with a core per rank: with more ranks
+# than cores the spinning would hold a core a peer needs.
 LARGE_WAIT_SPIN_NS = 200_000
 
 # Per-slot size; each rank has two slots and messages larger than a slot go in rounds.
