@@ -57,13 +57,10 @@ def read(pid: int, remote_addr: int, local_addr: int, nbytes: int) -> None:
     """
     if _readv is None:
         raise OSError(errno.ENOSYS, "process_vm_readv is not available on this platform")
-    local, remote = _IoVec(), _IoVec()
     done = 0
     while done < nbytes:
         step = min(nbytes - done, _IOV_CHUNK)
-        local.iov_base, local.iov_len = local_addr + done, step
-        remote.iov_base, remote.iov_len = remote_addr + done, step
-        got = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        got = _readv(pid, _IoVec(local_addr + done, step), 1, _IoVec(remote_addr + done, step), 1, 0)
         if got < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")

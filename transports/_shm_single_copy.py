@@ -8,6 +8,7 @@ than staging through the slots, and the collectives that do it.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 
@@ -160,21 +161,21 @@ class SingleCopyPaths:
         used = "used" if self._use_single_copy(opcode, nbytes) else "not used"
         return f"single copy ({self.single_copy_status}) {used}: from {limit} B"
 
-    def _single_copy_all_gather(self, x: np.ndarray, y: np.ndarray, sig: Signature) -> None:
-        """Read every peer's input (x: [nbytes] uint8) straight into its block of y ([size * nbytes] uint8)."""
-        n, me, nbytes = self.size, self.rank, x.nbytes
-        spin = self._large_spin_ns
+    def _single_copy_all_gather(self, x_addr: int, y_addr: int, nbytes: int, sig: Signature) -> None:
+        """Read every peer's input (``nbytes`` at its ``x_addr``) straight into its block of y (``size *
+        nbytes`` at ``y_addr``); our own block is copied while the peers finish reading ours."""
+        n, me, spin = self.size, self.rank, self._large_spin_ns
         self._begin_round()
-        self._sync(sig, addrs=(x.ctypes.data, 0), spin_ns=spin)
-        inputs = [self._peer_addrs(r)[0] for r in range(n)]
+        self._sync(sig, addrs=(x_addr, 0), spin_ns=spin)
         for k in range(1, n):
             r = (me + k) % n
-            self._read_peer(r, inputs[r], y.ctypes.data + r * nbytes, nbytes)
+            self._read_peer(r, self._peer_addrs(r)[0], y_addr + r * nbytes, nbytes)
         self._begin_round()
         done_reading = self._publish()
         # our own block while the peers finish reading ours: it hides the difference in their read times
-        if x.ctypes.data != y.ctypes.data + me * nbytes:  # in place: our block is there already
-            np.copyto(y[me * nbytes : (me + 1) * nbytes], x)
+        own = y_addr + me * nbytes
+        if x_addr != own:  # in place: our block is there already
+            ctypes.memmove(own, x_addr, nbytes)
         self._await(done_reading, spin)  # the peers finished reading our input
 
     def _single_copy_reduce_scatter(self, x: np.ndarray, y: np.ndarray, op: ReduceOp, dtype: torch.dtype,

@@ -537,12 +537,12 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
                 self._finish_arrival(e, sig, arrived)
                 g.gather(b, out_addr, nbytes, 0, nbytes, x_addr)
             return
+        if self._use_single_copy(OpCode.ALL_GATHER, send.nbytes):  # plain addresses: no NumPy views
+            self._single_copy_all_gather(send.data_ptr(), out.data_ptr(), send.nbytes, sig)
+            return
         x = as_numpy(send).view(np.uint8)
         y = as_numpy(out).view(np.uint8)
         nbytes, S, me = x.nbytes, self.slot_bytes, self.rank
-        if self._use_single_copy(OpCode.ALL_GATHER, nbytes):
-            self._single_copy_all_gather(x, y, sig)
-            return
         first = sig
         for lo, hi in windows(nbytes, S):
             slots = self._views(self._begin_round(), hi - lo, np.dtype(np.uint8))
