@@ -43,6 +43,31 @@ def _plan(comm: Communicator, x: torch.Tensor) -> _Plan | None:
                  tr.takes_into)
 
 
+# In-place all_to_all (out is x) sends from a copy of x while out is overwritten (MPI_IN_PLACE does the
+# same). On the host that copy lives in a buffer kept between calls up to this many bytes: a fresh
+# allocation faults its pages in on every call (32 MiB: 18-22 ms a call against MPICH's 3.7-4.6 ms,
+# benchmarks/results/issue16-acceptance.md). Larger copies are made afresh rather than held for good.
+INPLACE_SCRATCH_MAX_BYTES = 256 << 20
+
+
+def _inplace_copy(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
+    """A copy of the CPU tensor x (same shape and dtype) in ``comm``'s kept scratch buffer; the view of
+    the last shape is kept too (two dtype/shape views cost ~2 us, a whole small exchange ~3)."""
+    kept = comm._inplace_scratch  # (uint8 buffer, shape, dtype, view of that shape) or None
+    if kept is not None and kept[1] == x.shape and kept[2] is x.dtype:
+        copy = kept[3]
+    else:
+        nbytes = x.nbytes
+        if nbytes > INPLACE_SCRATCH_MAX_BYTES:
+            return x.clone()
+        buf = kept[0] if kept is not None and kept[0].numel() >= nbytes else \
+            torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        copy = buf[:nbytes].view(x.dtype).view(x.shape)
+        comm._inplace_scratch = (buf, x.shape, x.dtype, copy)
+    copy.copy_(x)
+    return copy
+
+
 def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | None) -> torch.Tensor | None:
     """:meth:`all_to_all` of a plain contiguous tensor whose call was seen before (cached entry),
     with counts as a list of ints or None and ``out`` None or a plain non-overlapping tensor;
@@ -87,7 +112,7 @@ def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | 
         if o0 < x0 + x.nbytes and x0 < o0 + out.nbytes:
             if o0 != x0 or out.nbytes != x.nbytes:
                 return None
-            x = x.clone()  # in place (out is x): the peers read a copy while out is overwritten (MPI_IN_PLACE does the same)
+            x = _inplace_copy(comm, x) if is_cpu else x.clone()
         into = out
     elif send_counts is None:  # even split: every rank receives as many rows as it sends when all have as many
         into = torch.empty_like(x)  # ~0.6 us; torch.empty(shape, dtype=...) takes ~1.6 us

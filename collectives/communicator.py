@@ -128,6 +128,7 @@ class Communicator:
         self._cache: dict = {}
         self._cpu_cache: dict = {}  # the hot paths' view of _cache for CPU tensors: no device in the key
         self._a2a_plans: dict = {}  # all_to_all's latency path: (x.shape, dtype) -> plan of a CPU call
+        self._inplace_scratch: tuple | None = None  # in-place all_to_all's copy of x (CPU, kept: _all_to_all)
         self._barrier_entry: tuple[Transport, Signature] | None = None
         self.transports: dict[str, Transport] = {}
         self._state = SharedState(self.transports, rendezvous)
@@ -370,6 +371,7 @@ class Communicator:
         self._cache.clear()
         self._cpu_cache.clear()
         self._a2a_plans.clear()
+        self._inplace_scratch = None
 
     def _input(self, opcode: OpCode, x: Array) -> tuple[torch.Tensor, bool, torch.Tensor]:
         try:
@@ -658,6 +660,7 @@ class Communicator:
         view._cache = {}
         view._cpu_cache = {}
         view._a2a_plans = {}
+        view._inplace_scratch = None
         view._barrier_entry = None
         self._state.members.add(view)
         return view

@@ -276,6 +276,29 @@ def test_layouts_numpy_out_and_noncontiguous(transport):
     run(_body_layouts, 2, 51, transport=transport)
 
 
+def _body_inplace_all_to_all(comm, seed: int):
+    """all_to_all with out=x, repeated (the latency path sends from a kept copy of x on the host):
+    fresh data every call, sizes that grow and shrink, a copy above the kept buffer's bound."""
+    from collectives import _all_to_all
+
+    n, r = comm.size, comm.rank
+    _all_to_all.INPLACE_SCRATCH_MAX_BYTES = 40 * 1000 * 8  # this process: the 50-row case is copied afresh
+    for step, rows in enumerate([3, 7, 50, 2, 7, 50, 7]):
+        for again in range(3):  # the first call makes the plan, the others take the latency path
+            tag = seed + 10 * step + again
+            x = rank_input("a2a-ip", r, (rows * n, 8), torch.float64, tag)
+            got = comm.all_to_all(x, out=x)
+            want = torch.cat([rank_input("a2a-ip", s, (rows * n, 8), torch.float64, tag)[r * rows : (r + 1) * rows]
+                              for s in range(n)])
+            assert got is x and torch.equal(x, want), f"rank {r}, {rows} rows, call {again}"
+    return True
+
+
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
+def test_in_place_all_to_all_repeated(transport):
+    run(_body_inplace_all_to_all, 3, 57, transport=transport)
+
+
 def _body_split(comm, seed: int):
     n, r = comm.size, comm.rank
     color = r % 2
