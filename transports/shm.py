@@ -71,7 +71,7 @@ _META0 = 4  # two parities of META_LEN words, then two parities of `size` all-to
 # `size` declared receive counts
 _STATE_ABORTED, _STATE_CLOSED = 1, 2  # 0: running
 # what transports._shmfast's arrive returns (2: a signature differs; DONE: arrived, and a2a_post finished
-# the collective); its API_VERSION 6
+# the collective); its API_VERSION 7
 ARRIVED, PENDING, DONE = 0, 1, 3
 
 # Longest futex sleep of a wait: a peer's arrival wakes it at once; the bound keeps the timeout and
