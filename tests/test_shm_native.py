@@ -540,13 +540,32 @@ def test_two_processes_all_reduce_in_lockstep():
     assert results[0][1] == results[1][1]
 
 
-def _arrive_later(mapping: mmap.mmap, delay: float) -> None:
-    """Rank 1 of a 2-rank Segment layout over ``mapping``: publish epoch 1 after ``delay`` seconds."""
+def _arrive_later(mapping: mmap.mmap, delay: float, publish_only: bool = False) -> None:
+    """Rank 1 of a 2-rank Segment layout over ``mapping``: publish epoch 1 after ``delay`` seconds, by
+    ``arrive`` (publish, then wait in vain) or by ``publish`` alone, which must return at once (exit 1 if not)."""
     base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
     group = shmfast.Group(base, CTRL_WORDS, 2, 1, base + 4096, SLOT_BYTES, 0, 0, COUNTS0, ADDR0, WAIT0)
     time.sleep(delay)
-    group.arrive(1, -1, 0)  # rank 0 never arrives: PENDING, but the epoch is out and the sleeper woken
-    os._exit(0)
+    t0 = time.monotonic()
+    if publish_only:
+        group.publish(1)
+    else:
+        group.arrive(1, -1, 0)  # rank 0 never arrives: PENDING, but the epoch is out and the sleeper woken
+    os._exit(0 if time.monotonic() - t0 < 1 else 1)
+
+
+def _sleep_until_woken(me, mapping: mmap.mmap, publish_only: bool) -> float:
+    """Rank 0 sleeps (10 s bounds) while a child process publishes epoch 1 after 0.3 s; seconds slept."""
+    child = multiprocessing.get_context("fork").Process(target=_arrive_later, args=(mapping, 0.3, publish_only))
+    child.start()
+    t0 = time.monotonic()
+    woke = False
+    while not woke and time.monotonic() - t0 < 30:
+        woke = me.sleep(1, 10_000_000)  # a 10 s bound: the peer's arrival must end it long before
+    waited = time.monotonic() - t0
+    child.join(10)
+    assert woke and child.exitcode == 0, (woke, child.exitcode)
+    return waited
 
 
 @needs_native
@@ -559,29 +578,12 @@ def test_sleep_wakes_when_the_peer_arrives_and_is_bounded_otherwise():
     assert me.sleep(1, 20_000) is False  # nobody arrives: back after its bound
     assert 0.015 < time.monotonic() - t0 < 5
     assert ctrl[0, WAIT0] == 0  # awake again
-    child = multiprocessing.get_context("fork").Process(target=_arrive_later, args=(mapping, 0.3))
-    child.start()
-    t0 = time.monotonic()
-    woke = False
-    while not woke and time.monotonic() - t0 < 30:
-        woke = me.sleep(1, 10_000_000)  # a 10 s bound: the peer's arrival must end it long before
-    waited = time.monotonic() - t0
-    child.join(10)
-    assert woke and ctrl[1, EPOCH] == 1
+    waited = _sleep_until_woken(me, mapping, publish_only=False)
+    assert ctrl[1, EPOCH] == 1
     assert waited < 5, f"slept {waited:.1f}s: the peer's arrival did not wake the sleeper"
     assert me.sleep(1, 10_000_000) is True  # already there: no sleep
     with pytest.raises(ValueError, match="wait_word"):
         shmfast.Group(base, CTRL_WORDS, 2, 0, base + 4096, SLOT_BYTES, 0, 0).sleep(1, 10)
-
-
-def _publish_later(mapping: mmap.mmap, delay: float) -> None:
-    """Rank 1 of a 2-rank Segment layout over ``mapping``: publish epoch 1 (no wait) after ``delay`` seconds."""
-    base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
-    group = shmfast.Group(base, CTRL_WORDS, 2, 1, base + 4096, SLOT_BYTES, 0, 0, COUNTS0, ADDR0, WAIT0)
-    time.sleep(delay)
-    t0 = time.monotonic()
-    group.publish(1)  # rank 0 never publishes: publish must return anyway
-    os._exit(0 if time.monotonic() - t0 < 1 else 1)
 
 
 @needs_native
@@ -590,16 +592,8 @@ def test_publish_returns_at_once_and_wakes_a_sleeper():
     base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
     me = shmfast.Group(base, CTRL_WORDS, 2, 0, base + 4096, SLOT_BYTES, 0, 0, COUNTS0, ADDR0, WAIT0)
     ctrl = torch.frombuffer(mapping, dtype=torch.int64, count=2 * CTRL_WORDS).view(2, CTRL_WORDS)
-    child = multiprocessing.get_context("fork").Process(target=_publish_later, args=(mapping, 0.3))
-    child.start()
-    t0 = time.monotonic()
-    woke = False
-    while not woke and time.monotonic() - t0 < 30:
-        woke = me.sleep(1, 10_000_000)
-    waited = time.monotonic() - t0
-    child.join(10)
-    assert child.exitcode == 0, "publish() waited for the peer"
-    assert woke and ctrl[1, EPOCH] == 1 and ctrl[0, EPOCH] == 0
+    waited = _sleep_until_woken(me, mapping, publish_only=True)  # the child's exit code: publish did not wait
+    assert ctrl[1, EPOCH] == 1 and ctrl[0, EPOCH] == 0
     assert waited < 5, f"slept {waited:.1f}s: publish() did not wake the sleeper"
 
 
