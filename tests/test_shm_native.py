@@ -554,6 +554,15 @@ def _arrive_later(mapping: mmap.mmap, delay: float, publish_only: bool = False) 
     os._exit(0 if time.monotonic() - t0 < 1 else 1)
 
 
+def _rank0_of_two() -> tuple[mmap.mmap, object, torch.Tensor]:
+    """A 2-rank layout that a forked child can map too: (mapping, rank 0's Group with a wait word, the
+    two control blocks as [2, CTRL_WORDS] int64)."""
+    mapping = mmap.mmap(-1, 4096 + 2 * 2 * SLOT_BYTES)
+    base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+    me = shmfast.Group(base, CTRL_WORDS, 2, 0, base + 4096, SLOT_BYTES, 0, 0, COUNTS0, ADDR0, WAIT0)
+    return mapping, me, torch.frombuffer(mapping, dtype=torch.int64, count=2 * CTRL_WORDS).view(2, CTRL_WORDS)
+
+
 def _sleep_until_woken(me, mapping: mmap.mmap, publish_only: bool) -> float:
     """Rank 0 sleeps (10 s bounds) while a child process publishes epoch 1 after 0.3 s; seconds slept."""
     child = multiprocessing.get_context("fork").Process(target=_arrive_later, args=(mapping, 0.3, publish_only))
@@ -570,10 +579,7 @@ def _sleep_until_woken(me, mapping: mmap.mmap, publish_only: bool) -> float:
 
 @needs_native
 def test_sleep_wakes_when_the_peer_arrives_and_is_bounded_otherwise():
-    mapping = mmap.mmap(-1, 4096 + 2 * 2 * SLOT_BYTES)
-    base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
-    me = shmfast.Group(base, CTRL_WORDS, 2, 0, base + 4096, SLOT_BYTES, 0, 0, COUNTS0, ADDR0, WAIT0)
-    ctrl = torch.frombuffer(mapping, dtype=torch.int64, count=2 * CTRL_WORDS).view(2, CTRL_WORDS)
+    mapping, me, ctrl = _rank0_of_two()
     t0 = time.monotonic()
     assert me.sleep(1, 20_000) is False  # nobody arrives: back after its bound
     assert 0.015 < time.monotonic() - t0 < 5
@@ -582,16 +588,14 @@ def test_sleep_wakes_when_the_peer_arrives_and_is_bounded_otherwise():
     assert ctrl[1, EPOCH] == 1
     assert waited < 5, f"slept {waited:.1f}s: the peer's arrival did not wake the sleeper"
     assert me.sleep(1, 10_000_000) is True  # already there: no sleep
+    base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
     with pytest.raises(ValueError, match="wait_word"):
         shmfast.Group(base, CTRL_WORDS, 2, 0, base + 4096, SLOT_BYTES, 0, 0).sleep(1, 10)
 
 
 @needs_native
 def test_publish_returns_at_once_and_wakes_a_sleeper():
-    mapping = mmap.mmap(-1, 4096 + 2 * 2 * SLOT_BYTES)
-    base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
-    me = shmfast.Group(base, CTRL_WORDS, 2, 0, base + 4096, SLOT_BYTES, 0, 0, COUNTS0, ADDR0, WAIT0)
-    ctrl = torch.frombuffer(mapping, dtype=torch.int64, count=2 * CTRL_WORDS).view(2, CTRL_WORDS)
+    mapping, me, ctrl = _rank0_of_two()
     waited = _sleep_until_woken(me, mapping, publish_only=True)  # the child's exit code: publish did not wait
     assert ctrl[1, EPOCH] == 1 and ctrl[0, EPOCH] == 0
     assert waited < 5, f"slept {waited:.1f}s: publish() did not wake the sleeper"
