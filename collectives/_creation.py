@@ -20,7 +20,7 @@ import logging
 import torch
 
 from transports import transport_class
-from transports.base import GroupInfo, Transport
+from transports.base import CollectiveTimeoutError, GroupInfo, Transport
 from transports.settings import agreed_items, check_settings_agree
 
 from .topology import Topology
@@ -87,7 +87,15 @@ def create_transports(group: GroupInfo, topology: Topology, device: torch.device
     # A transport that failed on some rank (out of memory, a bad setting) must not be used by the
     # others: they would pick different transports for one call and wait for each other forever.
     mine = {"up": sorted(made), "errors": errors, "gpu": _gpu_identity(device)}
-    reports = [json.loads(b) for b in group.rendezvous.allgather_bytes(json.dumps(mine, sort_keys=True).encode())]
+    try:
+        reports = [json.loads(b) for b in group.rendezvous.allgather_bytes(json.dumps(mine, sort_keys=True).encode())]
+    except BaseException as e:
+        for t in made.values():
+            t.close()
+        if errors and isinstance(e, CollectiveTimeoutError):  # say what went wrong here first
+            here = "; ".join(f"{name}: {why}" for name, why in sorted(errors.items()))
+            raise CollectiveTimeoutError(f"{e} (before it, on this rank: {here})", e.missing_ranks) from e
+        raise
     up = [set(r["up"]) for r in reports]
     nccl_failed = [(group.global_ranks[r], rep["errors"]["nccl"]) for r, rep in enumerate(reports)
                    if "nccl" in rep["errors"]]

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from transports.base import CollectiveTimeoutError, Rendezvous
+from transports.mpi import wait_posted
 from transports.settings import option_or_environment
 
 # Variables that MPI launchers (MPICH/Hydra, Open MPI, Intel MPI, MVAPICH, PMIx, Slurm's PMI) set.
@@ -137,10 +138,6 @@ class StoreRendezvous(Rendezvous):
                                [self.global_ranks[r] for r in ranks])
 
 
-# Requests and buffers of exchanges abandoned at a timeout (see MPIRendezvous._wait): never freed.
-_ABANDONED: list = []
-
-
 class MPIRendezvous(Rendezvous):
     """Exchange through mpi4py, posted non-blocking and polled so it is bounded by the timeout.
 
@@ -156,19 +153,9 @@ class MPIRendezvous(Rendezvous):
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(self.size))
 
     def _wait(self, req: Any, what: str, *buffers: Any) -> None:
-        """Poll ``req`` until done or the timeout. On a timeout the request stays posted (MPI cannot
-        cancel a collective) and a late peer may still complete it, writing into ``buffers``: they are
-        kept alive for good instead of being freed under MPI."""
-        deadline = time.monotonic() + self.timeout
-        sleep = 1e-5
-        while not req.Test():
-            if time.monotonic() >= deadline:
-                _ABANDONED.append((req, buffers))
-                raise CollectiveTimeoutError(
-                    f"MPI rendezvous ({what}) timed out after {self.timeout:.1f}s on rank "
-                    f"{self.global_ranks[self.rank]}")
-            time.sleep(sleep)
-            sleep = min(2 * sleep, 1e-2)
+        """Poll ``req`` until done or the timeout (:func:`transports.mpi.wait_posted`: on a timeout
+        ``buffers`` are kept alive for good, as a late peer may still write into them)."""
+        wait_posted(req, self.timeout, f"MPI rendezvous ({what})", self.global_ranks[self.rank], *buffers)
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank contributes ``data``.

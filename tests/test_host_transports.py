@@ -289,3 +289,10 @@ def test_mpi_transport_notices_a_dead_peer_before_the_timeout(tmp_path):
     """A rank that exits without closing (as a crash looks) is named within seconds, not at the timeout.
     (-disable-auto-cleanup: by default mpiexec kills the whole job when one rank dies.)"""
     _run_job("dead", 2, tmp_path, "-disable-auto-cleanup")
+
+
+@needs_mpiexec
+def test_mpi_transport_set_up_is_bounded_when_a_peer_comes_late(tmp_path):
+    """A rank that never reaches the mpi transport's set-up (here: 4 s late against a 2 s timeout)
+    makes the others raise CollectiveTimeoutError naming the set-up; it used to block in MPI_Comm_dup."""
+    _run_job("late", 2, tmp_path, "-disable-auto-cleanup")

@@ -79,6 +79,25 @@ def _listed(ranks: list[int], count: int) -> str:
 # Requests and buffers of calls abandoned after a failure (see MPITransport._wait): never freed.
 _ABANDONED: list = []
 
+
+def wait_posted(req: Any, timeout: float, what: str, rank: int, *keep: Any) -> None:
+    """Poll one posted non-blocking MPI collective until it completes or ``timeout`` seconds pass.
+
+    On a timeout the request stays posted (MPI cannot cancel a collective) and a late peer may still
+    complete it, writing into ``keep``: the request and ``keep`` are held for good instead of being
+    freed under MPI, and CollectiveTimeoutError says ``what`` timed out on world rank ``rank``.
+    """
+    deadline = time.monotonic() + timeout
+    sleep = 1e-5
+    while not req.Test():
+        if time.monotonic() >= deadline:
+            _ABANDONED.append((req, keep))
+            raise CollectiveTimeoutError(
+                f"{what} timed out after {timeout:.1f}s on rank {rank}: a peer never reached it "
+                "(stuck, dead, or calling something else)")
+        time.sleep(sleep)
+        sleep = min(2 * sleep, 1e-2)
+
 _NAN_OPS: dict = {}
 
 
@@ -115,7 +134,11 @@ class MPITransport(Transport):
             raise RuntimeError("the mpi transport needs an MPI launch (run under mpiexec/mpirun)")
         MPI = _mpi()
         self.MPI = MPI
-        self.comm = group.mpi_comm.Dup()  # private: our traffic never matches the user's
+        me = group.global_ranks[group.rank]
+        # private: our traffic never matches the user's. Idup, polled: a peer that never makes its
+        # transport makes this one raise after the timeout instead of hanging in MPI_Comm_dup.
+        self.comm, req = group.mpi_comm.Idup()
+        wait_posted(req, group.timeout, "mpi transport set-up (MPI_Comm_idup)", me)
         self.timeout = group.timeout
         self._ranks = list(group.global_ranks)
         self._broken: str | None = None  # why this transport is unusable (a failure, or "closed")
@@ -142,9 +165,12 @@ class MPITransport(Transport):
         self._local_pids = {r: group.pids[r] for r in self._peers
                             if here is not None and r < len(group.pids) and group.hosts[r] == here}
         # notices (module docstring), on a communicator of their own
-        self._notes = group.mpi_comm.Dup()
+        self._notes, req = group.mpi_comm.Idup()
+        wait_posted(req, group.timeout, "mpi transport set-up (MPI_Comm_idup of the notices)", me)
         # tells this transport's notices from those of an earlier one that MPI gave the same context id
-        self._token = self._notes.bcast(secrets.randbits(62) if self.rank == 0 else None, root=0)
+        token = np.array([secrets.randbits(62) if self.rank == 0 else 0], dtype=np.int64)
+        wait_posted(self._notes.Ibcast(token, root=0), group.timeout, "mpi transport set-up (token)", me, token)
+        self._token = int(token[0])
         self._note_in = np.zeros((self.size, _NOTICE_LEN), dtype=np.int64)
         self._note_reqs = [self._notes.Irecv(self._note_in[r], source=r, tag=_NOTICE_TAG) for r in self._peers]
         self._note_sends: list = []  # (request, buffer, peer) of notices not yet sent

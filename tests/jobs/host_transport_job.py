@@ -1,6 +1,6 @@
-"""Host transports under mpiexec: NaN in max/min, peers that close, stall, stop or die. Run by
-tests/test_host_transports.py as ``mpiexec -n 3 python host_transport_job.py main <out dir>`` and
-``mpiexec -disable-auto-cleanup -n 2 python host_transport_job.py dead <out dir>``.
+"""Host transports under mpiexec: NaN in max/min, peers that close, stall, stop or die, or come late
+to the set-up. Run by tests/test_host_transports.py as ``mpiexec -n 3 python host_transport_job.py main
+<out dir>`` and ``mpiexec -disable-auto-cleanup -n 2 python host_transport_job.py dead|late <out dir>``.
 
 Every rank writes ``{"rank": r, "results": {case: [ok, detail]}}`` to ``<out dir>/rank<r>.json``;
 the test reports every failed case of every rank together.
@@ -20,6 +20,7 @@ import torch
 
 import collectives
 from collectives import CommunicatorBrokenError
+from transports import mpi as mpi_transport
 
 results: dict[str, list] = {}
 
@@ -184,6 +185,27 @@ def dead_cases(world):
         return ok, f"{name}: {msg} ({waited:.2f}s)"
 
 
+def late_cases(world):
+    r = world.rank
+
+    @case("late_setup_peer_times_out")
+    def _():
+        # MPI_Comm_dup blocked without a deadline when a peer never made its mpi transport.
+        if r == 1:
+            real = mpi_transport.MPITransport.__init__
+
+            def late(self, group):
+                time.sleep(4.0)  # past rank 0's 2 s timeout
+                real(self, group)
+
+            mpi_transport.MPITransport.__init__ = late
+        name, msg, missing, waited = outcome(lambda: collectives.init(transport="mpi", timeout=2.0))
+        if r == 1:  # MPI_COMM_WORLD is out of step after rank 0 gave up: any bounded outcome will do
+            return name is not None, f"{name}: {msg} ({waited:.2f}s)"
+        ok = name == "CollectiveTimeoutError" and "mpi transport set-up" in msg and waited < 8
+        return ok, f"{name}: {msg} ({waited:.2f}s)"
+
+
 def report(rank, cases):
     with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "results": cases}, f)
@@ -192,8 +214,12 @@ def report(rank, cases):
 if __name__ == "__main__":
     which = sys.argv[1]
     world = collectives.init(timeout=60.0)
-    (main_cases if which == "main" else dead_cases)(world)
+    {"main": main_cases, "dead": dead_cases, "late": late_cases}[which](world)
     report(world.rank, results)
-    if which == "dead":
+    if which == "late":  # requests of the failed set-up stay posted: no MPI_Finalize, but wait for the peer
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(os.listdir(sys.argv[2])) < world.size:
+            time.sleep(0.1)
+    if which in ("dead", "late"):
         os._exit(0)  # a peer is gone without MPI_Finalize: finalizing would wait for it
     world.close()
