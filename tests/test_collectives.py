@@ -299,6 +299,50 @@ def test_in_place_all_to_all_repeated(transport):
     run(_body_inplace_all_to_all, 3, 57, transport=transport)
 
 
+def _body_repeated_small(comm, seed: int):
+    """Small calls repeated with fresh data (the first makes the cached entry, the others take the
+    latency path: on shm with the compiled helper a call by addresses), out of place, into out=,
+    without out= and in nccl-tests' in-place layouts; against a torch reference in float64."""
+    n, r = comm.size, comm.rank
+    for step in range(3):
+        tag = seed + step
+        for dtype, ops in ((torch.float32, ("sum", "max", "avg")), (torch.int32, ("sum", "min", "prod"))):
+            xs = [rank_input("small", i, (5 * n,), dtype, tag) for i in range(n)]
+            for op in ops:
+                stacked = torch.stack([x.double() for x in xs])
+                want = {"sum": stacked.sum(0), "avg": stacked.mean(0), "prod": stacked.prod(0),
+                        "max": stacked.max(0).values, "min": stacked.min(0).values}[op]
+                got = comm.all_reduce(xs[r], op=op)
+                out = torch.empty_like(xs[r])
+                assert comm.all_reduce(xs[r], op=op, out=out) is out and torch.equal(out, got)
+                inplace = xs[r].clone()
+                comm.all_reduce(inplace, op=op, out=inplace)
+                assert torch.equal(inplace, got)
+                assert torch.allclose(got.double(), want.to(got.dtype).double(), rtol=1e-5, atol=1e-5), (op, dtype)
+                block = comm.reduce_scatter(xs[r], op=op)
+                assert torch.equal(block, got[r * 5 : (r + 1) * 5]), (op, dtype)
+                whole = xs[r].clone()  # in place: out is this rank's block of x
+                comm.reduce_scatter(whole, op=op, out=whole[r * 5 : (r + 1) * 5])
+                assert torch.equal(whole[r * 5 : (r + 1) * 5], block)
+            gathered = torch.empty(n * 5 * n, dtype=dtype)
+            assert comm.all_gather(xs[r], out=gathered) is gathered and torch.equal(gathered, torch.cat(xs))
+            buf = torch.empty(n * 5 * n, dtype=dtype)
+            buf[r * 5 * n : (r + 1) * 5 * n] = xs[r]  # in place: x is this rank's block of out
+            comm.all_gather(buf[r * 5 * n : (r + 1) * 5 * n], out=buf)
+            assert torch.equal(buf, torch.cat(xs)) and torch.equal(comm.all_gather(xs[r]), buf)
+    shm = comm.transports.get("shm")
+    by_address = [e.by_address is not None for e in comm._cpu_cache.values()] if shm is not None else []
+    return getattr(shm, "native_status", None), by_address
+
+
+@pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
+def test_small_calls_repeated(transport):
+    res = run(_body_repeated_small, 3, 59, transport=transport)
+    for native, by_address in (res if isinstance(res, list) else res.values()):
+        if native == "compiled helper" and transport == "shm":  # "always" single copy has no latency path
+            assert by_address and all(by_address), by_address  # every small host call went by address
+
+
 def _body_split(comm, seed: int):
     n, r = comm.size, comm.rank
     color = r % 2

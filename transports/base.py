@@ -396,6 +396,16 @@ class Transport(abc.ABC):
     #: its count exchange and its copies
     takes_into: ClassVar[bool] = False
 
+    def latency_call(self, opcode: OpCode, numel: int, dtype: torch.dtype, op: ReduceOp | None, sig: Signature
+                     ) -> Callable[[int, int], None] | None:
+        """One repeated host call, by addresses: ``call(x_addr, out_addr)`` does what :meth:`all_reduce`,
+        :meth:`all_gather` or :meth:`reduce_scatter` (``opcode``) does for contiguous CPU tensors of this
+        argument set (x: ``numel`` elements of ``dtype``; ``op`` for the reductions; ``sig`` the call's
+        signature), without reading tensor attributes on every call. The communicator makes it once per
+        cached call and uses it on its latency path. None (this default): use the tensor methods.
+        """
+        return None
+
     @abc.abstractmethod
     def all_to_all(
         self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator, sig: Signature,

@@ -36,6 +36,7 @@ import os
 import platform
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -466,15 +467,65 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         self._begin_round()
         self._sync(sig)
 
-    def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
-        g = self._g
-        if g is not None and send.nbytes <= self._native_all_reduce_max:  # the latency path, compiled
-            b, e = self._compiled_round()
-            out_addr, count, code, rop = out.data_ptr(), send.numel(), DTYPE_CODES[send.dtype], int(op)
-            arrived = g.all_reduce(b, e, send.data_ptr(), out_addr, count, code, rop, sig.value, sig.addr)
+    # ---- the latency paths: one compiled call each, by addresses ----------------------------
+    def latency_call(self, opcode: OpCode, numel: int, dtype: torch.dtype, op: ReduceOp | None, sig: Signature
+                     ) -> Callable[[int, int], None] | None:
+        """See :meth:`Transport.latency_call`: the compiled helper's fused call where the message
+        takes its latency path, else None."""
+        if self._g is None:
+            return None
+        itemsize = dtype.itemsize
+        nbytes = numel * itemsize
+        if opcode == OpCode.ALL_GATHER and nbytes <= self._native_gather_max:
+            return self._compiled_all_gather(nbytes, sig)
+        if opcode == OpCode.ALL_REDUCE and nbytes <= self._native_all_reduce_max:
+            return self._compiled_all_reduce(numel, DTYPE_CODES[dtype], int(op), sig)
+        if opcode == OpCode.REDUCE_SCATTER and nbytes <= self._native_scatter_max:
+            return self._compiled_reduce_scatter(numel // self.size, DTYPE_CODES[dtype], int(op), itemsize, sig)
+        return None
+
+    # Each returns call(x_addr, out_addr), with everything else bound: a call then costs the fused
+    # compiled call and the round's bookkeeping, nothing per tensor. A closed or broken transport
+    # raises in _compiled_round before the Group (whose addresses die with the mapping) is touched.
+    def _compiled_all_reduce(self, count: int, code: int, rop: int, sig: Signature) -> Callable[[int, int], None]:
+        g, next_round, sig_value, sig_addr = self._g, self._compiled_round, sig.value, sig.addr
+
+        def call(x_addr: int, out_addr: int) -> None:
+            b, e = next_round()
+            arrived = g.all_reduce(b, e, x_addr, out_addr, count, code, rop, sig_value, sig_addr)
             if arrived != ARRIVED:
                 self._finish_arrival(e, sig, arrived)
                 g.reduce(b, out_addr, count, code, rop, 0, 0)
+        return call
+
+    def _compiled_all_gather(self, nbytes: int, sig: Signature) -> Callable[[int, int], None]:
+        g, next_round, sig_value, sig_addr = self._g, self._compiled_round, sig.value, sig.addr
+
+        def call(x_addr: int, out_addr: int) -> None:
+            b, e = next_round()
+            arrived = g.all_gather(b, e, x_addr, out_addr, nbytes, sig_value, sig_addr)
+            if arrived != ARRIVED:
+                self._finish_arrival(e, sig, arrived)
+                g.gather(b, out_addr, nbytes, 0, nbytes, x_addr)
+        return call
+
+    def _compiled_reduce_scatter(self, m: int, code: int, rop: int, itemsize: int, sig: Signature
+                                 ) -> Callable[[int, int], None]:
+        g, next_round, sig_value, sig_addr = self._g, self._compiled_round, sig.value, sig.addr
+        own_block = self.rank * m * itemsize
+
+        def call(x_addr: int, out_addr: int) -> None:
+            b, e = next_round()
+            arrived = g.reduce_scatter(b, e, x_addr, out_addr, m, code, rop, sig_value, sig_addr)
+            if arrived != ARRIVED:
+                self._finish_arrival(e, sig, arrived)
+                g.reduce(b, out_addr, m, code, rop, own_block, 0)
+        return call
+
+    def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
+        if self._g is not None and send.nbytes <= self._native_all_reduce_max:  # the latency path, compiled
+            self._compiled_all_reduce(send.numel(), DTYPE_CODES[send.dtype], int(op), sig)(send.data_ptr(),
+                                                                                           out.data_ptr())
             return
         dtype = send.dtype
         x, y = as_numpy(send), as_numpy(out)
@@ -528,14 +579,8 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
                     np.copyto(y[lo + bounds[r] : lo + bounds[r + 1]], slots[r][bounds[r] : bounds[r + 1]])
 
     def all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature) -> None:
-        g = self._g
-        if g is not None and send.nbytes <= self._native_gather_max:  # the latency path, compiled
-            b, e = self._compiled_round()
-            x_addr, out_addr, nbytes = send.data_ptr(), out.data_ptr(), send.nbytes
-            arrived = g.all_gather(b, e, x_addr, out_addr, nbytes, sig.value, sig.addr)
-            if arrived != ARRIVED:
-                self._finish_arrival(e, sig, arrived)
-                g.gather(b, out_addr, nbytes, 0, nbytes, x_addr)
+        if self._g is not None and send.nbytes <= self._native_gather_max:  # the latency path, compiled
+            self._compiled_all_gather(send.nbytes, sig)(send.data_ptr(), out.data_ptr())
             return
         if self._use_single_copy(OpCode.ALL_GATHER, send.nbytes):  # plain addresses: no NumPy views
             self._single_copy_all_gather(send.data_ptr(), out.data_ptr(), send.nbytes, sig)
@@ -553,14 +598,9 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
                 np.copyto(y[r * nbytes + lo : r * nbytes + hi], x[lo:hi] if r == me else slots[r])
 
     def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
-        g = self._g
-        if g is not None and send.nbytes <= self._native_scatter_max:  # the latency path, compiled: one round
-            b, e = self._compiled_round()
-            out_addr, m, code, rop = out.data_ptr(), out.numel(), DTYPE_CODES[send.dtype], int(op)
-            arrived = g.reduce_scatter(b, e, send.data_ptr(), out_addr, m, code, rop, sig.value, sig.addr)
-            if arrived != ARRIVED:
-                self._finish_arrival(e, sig, arrived)
-                g.reduce(b, out_addr, m, code, rop, self.rank * m * send.element_size(), 0)
+        if self._g is not None and send.nbytes <= self._native_scatter_max:  # the latency path, compiled: one round
+            self._compiled_reduce_scatter(out.numel(), DTYPE_CODES[send.dtype], int(op), send.element_size(),
+                                          sig)(send.data_ptr(), out.data_ptr())
             return
         x, y = as_numpy(send), as_numpy(out)
         n, me, dtype = self.size, self.rank, send.dtype
