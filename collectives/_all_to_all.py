@@ -29,6 +29,8 @@ class _Plan(NamedTuple):
     rest: torch.Size  # x.shape[1:]
     shaped: bool  # the transport takes [rows, *rest] tensors (else flat views)
     takes_into: bool
+    # host calls of the even split: the transport's call by addresses (Transport.latency_all_to_all), or None
+    even_by_address: Any
 
 
 def _plan(comm: Communicator, x: torch.Tensor) -> _Plan | None:
@@ -39,8 +41,11 @@ def _plan(comm: Communicator, x: torch.Tensor) -> _Plan | None:
         return None
     n, rows = comm.size, x.shape[0]
     tr = ent.transport
-    return _Plan(ent, None if rows % n else [rows // n] * n, math.prod(rest), rest, tr.takes_shaped_rows,
-                 tr.takes_into)
+    even = None if rows % n else [rows // n] * n
+    row_numel = math.prod(rest)
+    by_address = tr.latency_all_to_all(even, row_numel * x.element_size(), x.nbytes, ent.sig) \
+        if x.is_cpu and even is not None and tr.takes_into else None
+    return _Plan(ent, even, row_numel, rest, tr.takes_shaped_rows, tr.takes_into, by_address)
 
 
 # In-place all_to_all (out is x) sends from a copy of x while out is overwritten (MPI_IN_PLACE does the
@@ -93,7 +98,7 @@ def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | 
         plan = _plan(comm, x)
         if plan is None:
             return None
-    ent, even, row_numel, rest, shaped, takes_into = plan
+    ent, even, row_numel, rest, shaped, takes_into, even_by_address = plan
     if send_counts is None:
         if even is None:
             return None
@@ -130,13 +135,15 @@ def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | 
         return torch.empty((rows_out, *rest) if shaped else (rows_out * row_numel,), dtype=x.dtype,
                            device=x.device)
 
-    xv = x if shaped else x.view(-1)
     if takes_into:
-        res = ent.call(xv, counts, row_numel, alloc, ent.sig, None, into)
+        if even_by_address is not None and into is not None and (counts is even or counts == even):  # by address
+            res = even_by_address(x.data_ptr(), into, into.data_ptr(), into.nbytes, alloc)
+        else:
+            res = ent.call(x if shaped else x.view(-1), counts, row_numel, alloc, ent.sig, None, into)
         if not got:  # filled `into` without asking: its rows were right
             return out if out is not None else res if shaped else res.view(shape)
     else:
-        res = ent.call(xv, counts, row_numel, alloc, ent.sig)
+        res = ent.call(x if shaped else x.view(-1), counts, row_numel, alloc, ent.sig)
     if out is None:
         return res if shaped else res.view(sum(got), *rest)
     if out.shape[0] != sum(got):

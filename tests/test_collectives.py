@@ -330,8 +330,15 @@ def _body_repeated_small(comm, seed: int):
             buf[r * 5 * n : (r + 1) * 5 * n] = xs[r]  # in place: x is this rank's block of out
             comm.all_gather(buf[r * 5 * n : (r + 1) * 5 * n], out=buf)
             assert torch.equal(buf, torch.cat(xs)) and torch.equal(comm.all_gather(xs[r]), buf)
+            # all_to_all of an even split: rows [s * 5, s * 5 + 5) of rank s's x arrive from s
+            a2a_want = torch.cat([x.view(n, 5)[r] for x in xs])
+            a2a_out = torch.empty_like(xs[r])
+            assert comm.all_to_all(xs[r], out=a2a_out) is a2a_out and torch.equal(a2a_out, a2a_want)
+            assert torch.equal(comm.all_to_all(xs[r]), a2a_want)
+            assert torch.equal(comm.all_to_all(xs[r], [5] * n), a2a_want)  # the even counts, given
     shm = comm.transports.get("shm")
-    by_address = [e.by_address is not None for e in comm._cpu_cache.values()] if shm is not None else []
+    by_address = [e.by_address is not None for key, e in comm._cpu_cache.items() if key[0].name != "ALL_TO_ALL"]
+    by_address += [plan.even_by_address is not None for plan in comm._a2a_plans.values()]
     return getattr(shm, "native_status", None), by_address
 
 

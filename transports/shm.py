@@ -675,14 +675,7 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
                     return into
             else:
                 arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, send_counts, sig.value, sig.addr)
-            if arrived != ARRIVED:
-                self._finish_arrival(e, sig, arrived)
-            c0 = self._counts0 + (e & 1) * self.size
-            q = self._q
-            out = alloc([q[base + c0 + me] for base in self._bases])
-            if g.a2a_pull(b, e, out.data_ptr(), out.nbytes, row_bytes, x_addr, own_start, own_len) == 0:
-                return out
-            return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct, out)
+            return self._a2a_after_post(b, e, arrived, x_addr, total, own_start, own_len, row_bytes, sig, alloc)
         n, S = self.size, self.slot_bytes
         b = self._begin_round()
         if not direct:
@@ -700,6 +693,38 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
                 check_recv_counts(counts, declared, self._ranks)
         out = alloc([row[me] for row in counts])
         return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct, out, counts)
+
+    def _a2a_after_post(self, b: int, e: int, arrived: int, x_addr: int, total: int, own_start: int, own_len: int,
+                        row_bytes: int, sig: Signature, alloc: Allocator) -> torch.Tensor:
+        """The compiled round of all_to_all after ``a2a_post`` returned ``arrived`` (not DONE): wait for
+        the peers, read what they send us, allocate, pull."""
+        if arrived != ARRIVED:
+            self._finish_arrival(e, sig, arrived)
+        c0 = self._counts0 + (e & 1) * self.size
+        q, me = self._q, self.rank
+        out = alloc([q[base + c0 + me] for base in self._bases])
+        if self._g.a2a_pull(b, e, out.data_ptr(), out.nbytes, row_bytes, x_addr, own_start, own_len) == 0:
+            return out
+        return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, False, out)
+
+    def latency_all_to_all(self, send_counts: list[int], row_bytes: int, total: int, sig: Signature
+                           ) -> Callable[[int, torch.Tensor, int, int, Allocator], torch.Tensor] | None:
+        """See :meth:`Transport.latency_all_to_all`: the compiled helper's round for an exchange that
+        takes it (small enough to stage, rows of some bytes), else None."""
+        if self._g is None or not row_bytes or total >= self._a2a_direct_min:
+            return None
+        g, next_round, sig_value, sig_addr = self._g, self._compiled_round, sig.value, sig.addr
+        counts = list(send_counts)
+        own_start, own_len = sum(counts[: self.rank]) * row_bytes, counts[self.rank] * row_bytes
+
+        def call(x_addr: int, into: torch.Tensor, into_addr: int, into_nbytes: int, alloc: Allocator) -> torch.Tensor:
+            b, e = next_round()
+            arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, counts, sig_value, sig_addr,
+                                 into_addr, into_nbytes, row_bytes)
+            if arrived == DONE:
+                return into
+            return self._a2a_after_post(b, e, arrived, x_addr, total, own_start, own_len, row_bytes, sig, alloc)
+        return call
 
     def _all_to_all_rest(self, x_addr: int, total: int, row_bytes: int, own_start: int, own_len: int, b: int,
                          direct: bool, out: torch.Tensor, counts: list[list[int]] | None = None) -> torch.Tensor:
