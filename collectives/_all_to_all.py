@@ -137,7 +137,7 @@ def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | 
 
     if takes_into:
         if even_by_address is not None and into is not None and (counts is even or counts == even):  # by address
-            res = even_by_address(x.data_ptr(), into, into.data_ptr(), into.nbytes, alloc)
+            res = even_by_address(x.data_ptr(), into, alloc)
         else:
             res = ent.call(x if shaped else x.view(-1), counts, row_numel, alloc, ent.sig, None, into)
         if not got:  # filled `into` without asking: its rows were right

@@ -8,6 +8,7 @@ every rank sums in rank order, so all ranks get bitwise-identical results.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Sequence
 
@@ -32,6 +33,12 @@ _UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply
           ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
 _TORCH_BINARY = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PROD: torch.mul,
                  ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}
+
+
+def copy_bytes(dst: int, src: int, nbytes: int) -> None:
+    """memmove between two addresses (cheaper than building NumPy views for small blocks)."""
+    if nbytes > 0:
+        ctypes.memmove(dst, src, nbytes)
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

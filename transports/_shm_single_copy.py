@@ -8,7 +8,6 @@ than staging through the slots, and the collectives that do it.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 
 from . import _cma
-from ._host import reduce_into
+from ._host import copy_bytes, reduce_into
 from ._schedule import part_bounds
 from .base import CommunicatorBrokenError, GroupInfo, OpCode, PeerFailedError, ReduceOp, Signature
 
@@ -175,7 +174,7 @@ class SingleCopyPaths:
         # our own block while the peers finish reading ours: it hides the difference in their read times
         own = y_addr + me * nbytes
         if x_addr != own:  # in place: our block is there already
-            ctypes.memmove(own, x_addr, nbytes)
+            copy_bytes(own, x_addr, nbytes)
         self._await(done_reading, spin)  # the peers finished reading our input
 
     def _single_copy_reduce_scatter(self, x: np.ndarray, y: np.ndarray, op: ReduceOp, dtype: torch.dtype,

@@ -407,12 +407,12 @@ class Transport(abc.ABC):
         return None
 
     def latency_all_to_all(self, send_counts: list[int], row_bytes: int, total: int, sig: Signature
-                           ) -> Callable[[int, torch.Tensor, int, int, Allocator], torch.Tensor] | None:
-        """One repeated host all_to_all of fixed counts, by addresses (for transports with ``takes_into``):
-        ``call(x_addr, into, into_addr, into_nbytes, alloc)`` does what :meth:`all_to_all` does with
-        ``into`` for a contiguous CPU send of ``total`` bytes in rows of ``row_bytes``, sent ``send_counts``
-        rows to each rank, and returns the output (``into`` when the rows received fill it exactly, else
-        what ``alloc`` gave). None (this default): use :meth:`all_to_all`.
+                           ) -> Callable[[int, torch.Tensor | None, Allocator], torch.Tensor] | None:
+        """One repeated host all_to_all of fixed counts, by address (for transports with ``takes_into``):
+        ``call(x_addr, into, alloc)`` does what :meth:`all_to_all` does with ``into`` for a contiguous CPU
+        send of ``total`` bytes at ``x_addr`` in rows of ``row_bytes``, sent ``send_counts`` rows to each
+        rank, and returns the output (``into`` when the rows received fill it exactly, else what
+        ``alloc`` gave). None (this default): use :meth:`all_to_all`.
         """
         return None
 

@@ -98,6 +98,7 @@ def wait_posted(req: Any, timeout: float, what: str, rank: int, *keep: Any) -> N
         time.sleep(sleep)
         sleep = min(2 * sleep, 1e-2)
 
+
 _NAN_OPS: dict = {}
 
 

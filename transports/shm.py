@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ._native import load_shmfast
-from ._host import as_numpy, group_settings, pid_alive, reduce_into
+from ._host import as_numpy, copy_bytes, group_settings, pid_alive, reduce_into
 from ._segment import create_and_map
 from ._shm_single_copy import SingleCopyPaths
 from ._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
@@ -117,12 +117,6 @@ def _fence() -> None:
     if not _X86:
         with _fence_lock:
             pass
-
-
-def _copy(dst: int, src: int, nbytes: int) -> None:
-    """memmove between two addresses (cheaper than building NumPy views for small blocks)."""
-    if nbytes > 0:
-        ctypes.memmove(dst, src, nbytes)
 
 
 def _tight_timer_slack() -> None:
@@ -662,20 +656,12 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         me = self.rank
         x_addr, total = send.data_ptr(), send.nbytes  # plain addresses: small calls are all overhead
         row_bytes = row_numel * send.element_size()
-        own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
         # single copy per sender, from its own size: the peers learn it from its published address
         direct = total >= self._a2a_direct_min
-        g = self._g
-        if g is not None and recv_counts is None and not direct:  # the compiled helper's round
-            b, e = self._compiled_round()
-            if into is not None and row_bytes:
-                arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, send_counts, sig.value, sig.addr,
-                                     into.data_ptr(), into.nbytes, row_bytes)
-                if arrived == DONE:
-                    return into
-            else:
-                arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, send_counts, sig.value, sig.addr)
-            return self._a2a_after_post(b, e, arrived, x_addr, total, own_start, own_len, row_bytes, sig, alloc)
+        if self._g is not None and recv_counts is None and not direct:  # the compiled helper's round
+            return self._compiled_all_to_all(send_counts, row_bytes, total, sig)(
+                x_addr, into if row_bytes else None, alloc)
+        own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
         n, S = self.size, self.slot_bytes
         b = self._begin_round()
         if not direct:
@@ -708,21 +694,31 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, False, out)
 
     def latency_all_to_all(self, send_counts: list[int], row_bytes: int, total: int, sig: Signature
-                           ) -> Callable[[int, torch.Tensor, int, int, Allocator], torch.Tensor] | None:
+                           ) -> Callable[[int, torch.Tensor | None, Allocator], torch.Tensor] | None:
         """See :meth:`Transport.latency_all_to_all`: the compiled helper's round for an exchange that
         takes it (small enough to stage, rows of some bytes), else None."""
         if self._g is None or not row_bytes or total >= self._a2a_direct_min:
             return None
+        return self._compiled_all_to_all(send_counts, row_bytes, total, sig)
+
+    def _compiled_all_to_all(self, send_counts: list[int], row_bytes: int, total: int, sig: Signature
+                             ) -> Callable[[int, torch.Tensor | None, Allocator], torch.Tensor]:
+        """call(x_addr, into, alloc): the compiled helper's one-round exchange of ``total`` bytes sent
+        ``send_counts`` rows of ``row_bytes`` to each rank; with ``into`` (rows of some bytes only) a
+        rank that arrives last and receives rows filling it exactly finishes in one compiled call."""
         g, next_round, sig_value, sig_addr = self._g, self._compiled_round, sig.value, sig.addr
         counts = list(send_counts)
         own_start, own_len = sum(counts[: self.rank]) * row_bytes, counts[self.rank] * row_bytes
 
-        def call(x_addr: int, into: torch.Tensor, into_addr: int, into_nbytes: int, alloc: Allocator) -> torch.Tensor:
+        def call(x_addr: int, into: torch.Tensor | None, alloc: Allocator) -> torch.Tensor:
             b, e = next_round()
-            arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, counts, sig_value, sig_addr,
-                                 into_addr, into_nbytes, row_bytes)
-            if arrived == DONE:
-                return into
+            if into is not None:
+                arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, counts, sig_value, sig_addr,
+                                     into.data_ptr(), into.nbytes, row_bytes)
+                if arrived == DONE:
+                    return into
+            else:
+                arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, counts, sig_value, sig_addr)
             return self._a2a_after_post(b, e, arrived, x_addr, total, own_start, own_len, row_bytes, sig, alloc)
         return call
 
@@ -754,13 +750,13 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
             for src, off, dst, nb in copies:
                 self._pull(b, src, off, y_addr + dst, nb)
         if not direct_senders:
-            _copy(own_at, x_addr + own_start, own_len)  # our block to ourselves
+            copy_bytes(own_at, x_addr + own_start, own_len)  # our block to ourselves
             return out
         self._begin_round()
         done_reading = self._publish()
         # our own block while the peers finish reading the direct senders' inputs: it hides the
         # difference in their read times
-        _copy(own_at, x_addr + own_start, own_len)
+        copy_bytes(own_at, x_addr + own_start, own_len)
         self._await(done_reading, self._large_spin_ns)
         return out
 
@@ -779,14 +775,14 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         if self._g is not None:
             self._g.stage(b, src, nbytes, off)
         else:
-            _copy(self._slot_addr[b][self.rank] + off, src, nbytes)
+            copy_bytes(self._slot_addr[b][self.rank] + off, src, nbytes)
 
     def _pull(self, b: int, r: int, off: int, dst: int, nbytes: int) -> None:
         """Copy ``nbytes`` from rank ``r``'s slot ``b`` at ``off`` to address ``dst``."""
         if self._g is not None:
             self._g.pull(b, r, off, dst, nbytes)
         else:
-            _copy(dst, self._slot_addr[b][r] + off, nbytes)
+            copy_bytes(dst, self._slot_addr[b][r] + off, nbytes)
 
     # ---- teardown -------------------------------------------------------------------------
     def close(self) -> None:
