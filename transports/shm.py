@@ -14,9 +14,10 @@ rewritten only after every peer has arrived at a later synchronisation, which
 it does only after finishing its reads of the earlier round.
 
 Messages that fit a slot go through the compiled helper transports._shmfast when it is built (stage,
-publish, spin, check, reduce in one call; the Python path below is its fallback and reference). Large
-all_gather and all_to_all messages skip the slots: peers read each other's tensors in one copy with
-process_vm_readv (transports/_cma.py) where a start-up probe allows it and it measured faster.
+publish, spin, check, reduce in one call: transports/_shm_latency.py; the Python path below is its
+fallback and reference). Large all_gather and all_to_all messages skip the slots: peers read each
+other's tensors in one copy with process_vm_readv (transports/_cma.py, transports/_shm_single_copy.py)
+where a start-up probe allows it and it measured faster.
 
 Waits spin briefly, then yield, then sleep with backoff, so runs with more ranks
 than cores do not crawl, and every wait ends at the communicator's timeout, when
@@ -36,7 +37,6 @@ import os
 import platform
 import threading
 import time
-from typing import Callable
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ import torch
 from ._native import load_shmfast
 from ._host import as_numpy, copy_bytes, group_settings, pid_alive, reduce_into
 from ._segment import create_and_map
+from ._shm_latency import ARRIVED, PENDING, CompiledLatencyPaths
 from ._shm_single_copy import SingleCopyPaths
 from ._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
 from .base import (
@@ -71,10 +72,6 @@ _SIG0 = 2  # two parities of the signature digest
 _META0 = 4  # two parities of META_LEN words, then two parities of `size` all-to-all send counts, then of
 # `size` declared receive counts
 _STATE_ABORTED, _STATE_CLOSED = 1, 2  # 0: running
-# what transports._shmfast's arrive returns (2: a signature differs; DONE: arrived, and a2a_post finished
-# the collective); its API_VERSION 7
-ARRIVED, PENDING, DONE = 0, 1, 3
-
 # Longest futex sleep of a wait: a peer's arrival wakes it at once; the bound keeps the timeout and
 # dead-peer checks of _wait running (they look every 50 ms).
 _FUTEX_SLEEP_US = 10_000
@@ -131,7 +128,7 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-class SharedMemoryTransport(SingleCopyPaths, Transport):
+class SharedMemoryTransport(CompiledLatencyPaths, SingleCopyPaths, Transport):
     name = "shm"
     devices = ("cpu",)
     takes_rank_block_alias = True
@@ -461,61 +458,6 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
         self._begin_round()
         self._sync(sig)
 
-    # ---- the latency paths: one compiled call each, by addresses ----------------------------
-    def latency_call(self, opcode: OpCode, numel: int, dtype: torch.dtype, op: ReduceOp | None, sig: Signature
-                     ) -> Callable[[int, int], None] | None:
-        """See :meth:`Transport.latency_call`: the compiled helper's fused call where the message
-        takes its latency path, else None."""
-        if self._g is None:
-            return None
-        itemsize = dtype.itemsize
-        nbytes = numel * itemsize
-        if opcode == OpCode.ALL_GATHER and nbytes <= self._native_gather_max:
-            return self._compiled_all_gather(nbytes, sig)
-        if opcode == OpCode.ALL_REDUCE and nbytes <= self._native_all_reduce_max:
-            return self._compiled_all_reduce(numel, DTYPE_CODES[dtype], int(op), sig)
-        if opcode == OpCode.REDUCE_SCATTER and nbytes <= self._native_scatter_max:
-            return self._compiled_reduce_scatter(numel // self.size, DTYPE_CODES[dtype], int(op), itemsize, sig)
-        return None
-
-    # Each returns call(x_addr, out_addr), with everything else bound: a call then costs the fused
-    # compiled call and the round's bookkeeping, nothing per tensor. A closed or broken transport
-    # raises in _compiled_round before the Group (whose addresses die with the mapping) is touched.
-    def _compiled_all_reduce(self, count: int, code: int, rop: int, sig: Signature) -> Callable[[int, int], None]:
-        g, next_round, sig_value, sig_addr = self._g, self._compiled_round, sig.value, sig.addr
-
-        def call(x_addr: int, out_addr: int) -> None:
-            b, e = next_round()
-            arrived = g.all_reduce(b, e, x_addr, out_addr, count, code, rop, sig_value, sig_addr)
-            if arrived != ARRIVED:
-                self._finish_arrival(e, sig, arrived)
-                g.reduce(b, out_addr, count, code, rop, 0, 0)
-        return call
-
-    def _compiled_all_gather(self, nbytes: int, sig: Signature) -> Callable[[int, int], None]:
-        g, next_round, sig_value, sig_addr = self._g, self._compiled_round, sig.value, sig.addr
-
-        def call(x_addr: int, out_addr: int) -> None:
-            b, e = next_round()
-            arrived = g.all_gather(b, e, x_addr, out_addr, nbytes, sig_value, sig_addr)
-            if arrived != ARRIVED:
-                self._finish_arrival(e, sig, arrived)
-                g.gather(b, out_addr, nbytes, 0, nbytes, x_addr)
-        return call
-
-    def _compiled_reduce_scatter(self, m: int, code: int, rop: int, itemsize: int, sig: Signature
-                                 ) -> Callable[[int, int], None]:
-        g, next_round, sig_value, sig_addr = self._g, self._compiled_round, sig.value, sig.addr
-        own_block = self.rank * m * itemsize
-
-        def call(x_addr: int, out_addr: int) -> None:
-            b, e = next_round()
-            arrived = g.reduce_scatter(b, e, x_addr, out_addr, m, code, rop, sig_value, sig_addr)
-            if arrived != ARRIVED:
-                self._finish_arrival(e, sig, arrived)
-                g.reduce(b, out_addr, m, code, rop, own_block, 0)
-        return call
-
     def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         if self._g is not None and send.nbytes <= self._native_all_reduce_max:  # the latency path, compiled
             self._compiled_all_reduce(send.numel(), DTYPE_CODES[send.dtype], int(op), sig)(send.data_ptr(),
@@ -679,48 +621,6 @@ class SharedMemoryTransport(SingleCopyPaths, Transport):
                 check_recv_counts(counts, declared, self._ranks)
         out = alloc([row[me] for row in counts])
         return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct, out, counts)
-
-    def _a2a_after_post(self, b: int, e: int, arrived: int, x_addr: int, total: int, own_start: int, own_len: int,
-                        row_bytes: int, sig: Signature, alloc: Allocator) -> torch.Tensor:
-        """The compiled round of all_to_all after ``a2a_post`` returned ``arrived`` (not DONE): wait for
-        the peers, read what they send us, allocate, pull."""
-        if arrived != ARRIVED:
-            self._finish_arrival(e, sig, arrived)
-        c0 = self._counts0 + (e & 1) * self.size
-        q, me = self._q, self.rank
-        out = alloc([q[base + c0 + me] for base in self._bases])
-        if self._g.a2a_pull(b, e, out.data_ptr(), out.nbytes, row_bytes, x_addr, own_start, own_len) == 0:
-            return out
-        return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, False, out)
-
-    def latency_all_to_all(self, send_counts: list[int], row_bytes: int, total: int, sig: Signature
-                           ) -> Callable[[int, torch.Tensor | None, Allocator], torch.Tensor] | None:
-        """See :meth:`Transport.latency_all_to_all`: the compiled helper's round for an exchange that
-        takes it (small enough to stage, rows of some bytes), else None."""
-        if self._g is None or not row_bytes or total >= self._a2a_direct_min:
-            return None
-        return self._compiled_all_to_all(send_counts, row_bytes, total, sig)
-
-    def _compiled_all_to_all(self, send_counts: list[int], row_bytes: int, total: int, sig: Signature
-                             ) -> Callable[[int, torch.Tensor | None, Allocator], torch.Tensor]:
-        """call(x_addr, into, alloc): the compiled helper's one-round exchange of ``total`` bytes sent
-        ``send_counts`` rows of ``row_bytes`` to each rank; with ``into`` (rows of some bytes only) a
-        rank that arrives last and receives rows filling it exactly finishes in one compiled call."""
-        g, next_round, sig_value, sig_addr = self._g, self._compiled_round, sig.value, sig.addr
-        counts = list(send_counts)
-        own_start, own_len = sum(counts[: self.rank]) * row_bytes, counts[self.rank] * row_bytes
-
-        def call(x_addr: int, into: torch.Tensor | None, alloc: Allocator) -> torch.Tensor:
-            b, e = next_round()
-            if into is not None:
-                arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, counts, sig_value, sig_addr,
-                                     into.data_ptr(), into.nbytes, row_bytes)
-                if arrived == DONE:
-                    return into
-            else:
-                arrived = g.a2a_post(b, e, x_addr, total, own_start, own_len, counts, sig_value, sig_addr)
-            return self._a2a_after_post(b, e, arrived, x_addr, total, own_start, own_len, row_bytes, sig, alloc)
-        return call
 
     def _all_to_all_rest(self, x_addr: int, total: int, row_bytes: int, own_start: int, own_len: int, b: int,
                          direct: bool, out: torch.Tensor, counts: list[list[int]] | None = None) -> torch.Tensor:
