@@ -31,6 +31,8 @@ class _Plan(NamedTuple):
     takes_into: bool
     # host calls of the even split: the transport's call by addresses (Transport.latency_all_to_all), or None
     even_by_address: Any
+    # out=x on the host: the transport exchanges in place itself (Transport.takes_in_place_all_to_all)
+    in_place_native: bool
 
 
 def _plan(comm: Communicator, x: torch.Tensor) -> _Plan | None:
@@ -45,11 +47,13 @@ def _plan(comm: Communicator, x: torch.Tensor) -> _Plan | None:
     row_numel = math.prod(rest)
     by_address = tr.latency_all_to_all(even, row_numel * x.element_size(), x.nbytes, ent.sig) \
         if x.is_cpu and even is not None and tr.takes_into else None
-    return _Plan(ent, even, row_numel, rest, tr.takes_shaped_rows, tr.takes_into, by_address)
+    in_place_native = x.is_cpu and tr.takes_into and tr.takes_in_place_all_to_all(x.nbytes)
+    return _Plan(ent, even, row_numel, rest, tr.takes_shaped_rows, tr.takes_into, by_address, in_place_native)
 
 
 # In-place all_to_all (out is x) sends from a copy of x while out is overwritten (MPI_IN_PLACE does the
-# same). On the host that copy lives in a buffer kept between calls up to this many bytes: a fresh
+# same), unless the transport exchanges in place itself (shm with single copy: a swap of blocks). On
+# the host that copy lives in a buffer kept between calls up to this many bytes: a fresh
 # allocation faults its pages in on every call (32 MiB: 18-22 ms a call against MPICH's 3.7-4.6 ms,
 # benchmarks/results/issue16-acceptance.md). Larger copies are made afresh rather than held for good.
 INPLACE_SCRATCH_MAX_BYTES = 256 << 20
@@ -98,7 +102,7 @@ def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | 
         plan = _plan(comm, x)
         if plan is None:
             return None
-    ent, even, row_numel, rest, shaped, takes_into, even_by_address = plan
+    ent, even, row_numel, rest, shaped, takes_into, even_by_address, in_place_native = plan
     if send_counts is None:
         if even is None:
             return None
@@ -117,7 +121,8 @@ def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | 
         if o0 < x0 + x.nbytes and x0 < o0 + out.nbytes:
             if o0 != x0 or out.nbytes != x.nbytes:
                 return None
-            x = _inplace_copy(comm, x) if is_cpu else x.clone()
+            if not in_place_native:
+                x = _inplace_copy(comm, x) if is_cpu else x.clone()
         into = out
     elif send_counts is None:  # even split: every rank receives as many rows as it sends when all have as many
         into = torch.empty_like(x)  # ~0.6 us; torch.empty(shape, dtype=...) takes ~1.6 us

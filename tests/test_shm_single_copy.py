@@ -87,24 +87,82 @@ def test_all_to_all_with_direct_and_staged_senders(nprocs, native):
     assert algorithm == "pull+cma" and gather_algorithm == "cma_pull"
 
 
+def _in_place_case(comm, counts: list[list[int]], width: int, dtype: torch.dtype, tag: int, out_of_place: set):
+    """One all_to_all of rows ``counts[s][d]`` (rank s to rank d, rows of ``width`` ``dtype``), in place on
+    the ranks not in ``out_of_place``, called three times with fresh data (the first call makes the plan,
+    the others take the latency path); asserts the rows against each sender's input."""
+    n, r = comm.size, comm.rank
+    for again in range(3):
+        inputs = [rank_input("a2a-swap", s, (sum(counts[s]), width), dtype, tag + again) for s in range(n)]
+        x = inputs[r].clone()
+        out = torch.empty((sum(c[r] for c in counts), width), dtype=dtype) if r in out_of_place else x
+        got = comm.all_to_all(x, counts[r], out=out)
+        want = torch.cat([inputs[s][sum(counts[s][:r]) : sum(counts[s][: r + 1])] for s in range(n)])
+        assert got is out and torch.equal(out, want), f"rank {r}, counts {counts}, call {again}"
+
+
+def _body_in_place_swap(comm, seed: int):
+    """all_to_all with out=x read in one copy: swapped in place chunk by chunk when every sender is read
+    in one copy and the counts are symmetric, received aside otherwise; ranks in and out of place mixed."""
+    n, r = comm.size, comm.rank
+    _shm_single_copy.SWAP_CHUNK_BYTES = 1000  # this process: many chunks, ends that cut rows
+    _shm_single_copy.SINGLE_COPY_MIN_BYTES[OpCode.ALL_TO_ALL] = 32 << 10
+    _shm_single_copy.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 ranks on this 2-core machine
+    sub = comm.split(0)
+    swaps = []
+    swap = _shm_single_copy.SingleCopyPaths._swap_all_to_all
+    _shm_single_copy.SingleCopyPaths._swap_all_to_all = lambda self, *a: swaps.append(1) or swap(self, *a)
+    none = set()
+    # even split, and rows of odd byte sizes (3 bytes of uint8, 10 of bfloat16)
+    for k, (rows, width, dtype) in enumerate([(3000, 8, torch.float64), (17000, 3, torch.uint8),
+                                              (2000, 5, torch.bfloat16)]):
+        _in_place_case(sub, [[rows] * n for _ in range(n)], width, dtype, seed + 10 * k, none)
+    even = len(swaps)
+    # uneven but symmetric counts, an empty pair among them; then one rank in place, the others not
+    sym = [[(5000 + 1700 * (s + d)) * ((s + d) % 3 != 1) for d in range(n)] for s in range(n)]
+    _in_place_case(sub, sym, 4, torch.float32, seed + 40, none)
+    _in_place_case(sub, sym, 4, torch.float32, seed + 50, set(range(1, n)))
+    symmetric = len(swaps) - even
+    # not symmetric (each rank receives as many rows as it sends): received aside, then copied
+    cyc = [[(0, 4000, 9000)[(d - s) % 3] if n == 3 else 6000 + 1000 * s * (s != d) for d in range(n)]
+           for s in range(n)]
+    if n == 3:
+        _in_place_case(sub, cyc, 4, torch.float32, seed + 60, none)
+    # a rank that stages (below the single-copy size): received aside on the others
+    small = [[3000 if s < n - 1 and d < n - 1 else 10 for d in range(n)] for s in range(n)]
+    small[n - 1][n - 1] = 0
+    _in_place_case(sub, small, 4, torch.float32, seed + 70, none)
+    return even, symmetric, len(swaps) - even - symmetric
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_in_place_all_to_all_swaps_blocks_in_chunks(nprocs):
+    res = collectives.launch(_body_in_place_swap, nprocs, 5, transport="shm", timeout=60.0)
+    # every rank swapped on the latency path's calls: two of three per new shape, all three of the mixed
+    # case (its shape's plan exists); the asymmetric and staged cases received aside
+    assert all(r == (6, 5, 0) for r in res), res
+
+
 def _fail_reads_from_now_on(*args, **kwargs):
     raise OSError(errno.EFAULT, "Bad address (injected by the test)")
 
 
-def _body_read_fails(comm, failing_rank: int):
-    x = torch.randn(400_000)
-    comm.all_gather(x)  # the path works first
+def _body_read_fails(comm, failing_rank: int, op: str):
+    x = torch.randn(399_999)
+    call = (lambda: comm.all_gather(x)) if op == "all_gather" else (lambda: comm.all_to_all(x, out=x))
+    call()  # the path works first
     if comm.rank == failing_rank:
         _cma.read = _fail_reads_from_now_on
     try:
-        comm.all_gather(x)
+        call()  # all_to_all in place: the swap, reading in chunks
     except (CommunicatorBrokenError, PeerFailedError) as e:
         return type(e).__name__, str(e)
     return "no error", ""
 
 
-def test_a_failed_read_breaks_the_call_on_every_rank_naming_it():
-    res = collectives.launch(_body_read_fails, 3, 2, transport="shm", timeout=30.0,
+@pytest.mark.parametrize("op", ["all_gather", "all_to_all_in_place"])
+def test_a_failed_read_breaks_the_call_on_every_rank_naming_it(op):
+    res = collectives.launch(_body_read_fails, 3, 2, op, transport="shm", timeout=30.0,
                              options={"shm_single_copy": "always"})
     name, msg = res[2]
     assert name == "CommunicatorBrokenError" and "could not read rank" in msg and "MOECOMM_SHM_SINGLE_COPY=off" in msg, msg

@@ -41,6 +41,14 @@ ALWAYS_SINGLE_COPY = (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTE
 # reduced while they are still in this core's 1 MiB L2 (lscpu of the CI machine).
 SINGLE_COPY_CHUNK_BYTES = 256 << 10
 
+# In-place all_to_all swaps blocks pairwise in chunks of this many bytes: read the partner's chunk into
+# an L2-resident buffer, wait until the partner has read ours, then copy it over ours. From the in-place
+# exchange sweep on the 2-vCPU CI machine (benchmarks/results/shm-in-place-all-to-all.txt), 4 MiB blocks
+# over four runs: 128 KiB chunks 474-598 us, 256 KiB 382-462, 512 KiB 375-436, 1 MiB 393-464; MPICH's way
+# (copy the block aside, the partner reads the copy) 573-1020, reading into a whole-block buffer 415-633.
+# 256 KiB per partner leaves room in the 1 MiB L2 for the rows being copied.
+SWAP_CHUNK_BYTES = 256 << 10
+
 
 class SingleCopyPaths:
     """Single-copy collectives of the shm transport (see the module docstring)."""
@@ -54,6 +62,8 @@ class SingleCopyPaths:
         """
         self._copy_min: dict[OpCode, int] = {}
         self._tmp: np.ndarray | None = None
+        self._swap_buf: np.ndarray | None = None
+        self._swap_buf_addr = 0
         if mode == "off":
             self.single_copy_status = "off (MOECOMM_SHM_SINGLE_COPY=off)"
         elif self.size == 1:
@@ -156,7 +166,8 @@ class SingleCopyPaths:
             return f"single copy {self.single_copy_status}" + (
                 "; staged: faster for this op at every size measured" if self.single_copy else "")
         if opcode == OpCode.ALL_TO_ALL:
-            return f"single copy ({self.single_copy_status}) for senders of >= {limit} B"
+            return (f"single copy ({self.single_copy_status}) for senders of >= {limit} B; in place (out=x) "
+                    f"such a sender swaps its blocks with its peers in {SWAP_CHUNK_BYTES >> 10} KiB chunks")
         used = "used" if self._use_single_copy(opcode, nbytes) else "not used"
         return f"single copy ({self.single_copy_status}) {used}: from {limit} B"
 
@@ -198,3 +209,64 @@ class SingleCopyPaths:
             np.copyto(y, x)
         self._begin_round()
         self._sync(spin_ns=self._large_spin_ns)  # the ranks finished reading the root's input
+
+    # ---- in-place all_to_all ----------------------------------------------------------------
+    def _swap_steps(self, counts: list[list[int]], row_bytes: int) -> list[int] | None:
+        """Chunks in each step of the in-place swap (step k pairs rank s with (k - s) mod size), or None
+        when no rank exchanges in place or the swap cannot serve the call: a rank that sends rows but was
+        not read in one copy (it staged them), or counts that are not symmetric (rank s's block for d
+        would not sit where d's block for s lands). Every rank computes the same answer from what all
+        published at the first synchronisation."""
+        n = self.size
+        published = [self._peer_addrs(r) for r in range(n)]
+        if not any(out for _, out in published):
+            return None
+        for s in range(n):
+            if not published[s][0] and any(counts[s]):
+                return None
+            for d in range(s):
+                if counts[s][d] != counts[d][s]:
+                    return None
+        steps = []
+        for k in range(n):
+            biggest = max((counts[s][(k - s) % n] for s in range(n) if (k - s) % n != s), default=0)
+            steps.append(-(-biggest * row_bytes // SWAP_CHUNK_BYTES))
+        return steps
+
+    def _swap_buffer(self) -> int:
+        """Address of the in-place swap's chunk buffer (kept between calls, like _chunk_buffers')."""
+        if self._swap_buf is None or self._swap_buf.nbytes < SWAP_CHUNK_BYTES:
+            self._swap_buf = np.empty(SWAP_CHUNK_BYTES, dtype=np.uint8)
+            self._swap_buf_addr = self._swap_buf.ctypes.data
+        return self._swap_buf_addr
+
+    def _swap_all_to_all(self, x_addr: int, out: torch.Tensor, counts: list[list[int]], row_bytes: int,
+                         steps: list[int]) -> torch.Tensor:
+        """all_to_all after its first synchronisation, as pairwise swaps in lockstep: in step k this rank
+        and its partner p = (k - rank) mod size read each other's block chunk by chunk; after each chunk
+        every rank waits for all (the partner has read that chunk of ours), then a rank in place copies
+        the chunk it read over its own. A rank out of place reads straight into ``out``. The blocks sit
+        at the same offsets in x and out (symmetric counts: :meth:`_swap_steps`)."""
+        n, me, spin = self.size, self.rank, self._large_spin_ns
+        y_addr = out.data_ptr()
+        in_place = y_addr == x_addr
+        offsets = [0] * (n + 1)  # our block for rank r = its block for us: offsets[r] in x and in out
+        for r in range(n):
+            offsets[r + 1] = offsets[r] + counts[me][r] * row_bytes
+        inputs = [self._peer_addrs(r)[0] for r in range(n)]  # read now: the parity words move with each round
+        if not in_place:
+            copy_bytes(y_addr + offsets[me], x_addr + offsets[me], offsets[me + 1] - offsets[me])
+        buf = self._swap_buffer() if in_place else 0
+        for k in range(n):
+            p = (k - me) % n
+            size = (offsets[p + 1] - offsets[p]) if p != me else 0
+            theirs = inputs[p] + sum(counts[p][:me]) * row_bytes if size else 0
+            for lo in range(0, steps[k] * SWAP_CHUNK_BYTES, SWAP_CHUNK_BYTES):
+                nb = min(SWAP_CHUNK_BYTES, size - lo)
+                if nb > 0:
+                    self._read_peer(p, theirs + lo, buf if in_place else y_addr + offsets[p] + lo, nb)
+                self._begin_round()
+                self._await(self._publish(), spin)  # every rank read this chunk of its partner's block
+                if in_place and nb > 0:
+                    copy_bytes(x_addr + offsets[p] + lo, buf, nb)
+        return out

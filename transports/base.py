@@ -396,6 +396,13 @@ class Transport(abc.ABC):
     #: its count exchange and its copies
     takes_into: ClassVar[bool] = False
 
+    def takes_in_place_all_to_all(self, nbytes: int) -> bool:
+        """Whether :meth:`all_to_all` (with ``takes_into``) may be given ``into`` that is ``send`` itself
+        (an in-place exchange, out is x) for a CPU send of ``nbytes``: the transport then reads every
+        peer's rows before it overwrites the rows they read. False (this default): the communicator
+        sends from a copy of x, as MPI_IN_PLACE implementations do."""
+        return False
+
     def latency_call(self, opcode: OpCode, numel: int, dtype: torch.dtype, op: ReduceOp | None, sig: Signature
                      ) -> Callable[[int, int], None] | None:
         """One repeated host call, by addresses: ``call(x_addr, out_addr)`` does what :meth:`all_reduce`,

@@ -600,6 +600,10 @@ class SharedMemoryTransport(CompiledLatencyPaths, SingleCopyPaths, Transport):
         row_bytes = row_numel * send.element_size()
         # single copy per sender, from its own size: the peers learn it from its published address
         direct = total >= self._a2a_direct_min
+        in_place = into is not None and into.data_ptr() == x_addr and total > 0
+        if in_place and not direct:  # callers ask takes_in_place_all_to_all first; stay correct anyway
+            send = send.clone()
+            x_addr, in_place = send.data_ptr(), False
         if self._g is not None and recv_counts is None and not direct:  # the compiled helper's round
             return self._compiled_all_to_all(send_counts, row_bytes, total, sig)(
                 x_addr, into if row_bytes else None, alloc)
@@ -609,8 +613,9 @@ class SharedMemoryTransport(CompiledLatencyPaths, SingleCopyPaths, Transport):
         if not direct:
             for off, src, nb in staged_segments(own_start, own_len, total, 0, S):
                 self._stage(b, off, x_addr + src, nb)
+        # the output address published is only a flag: nonzero = this rank exchanges in place
         self._sync(sig, send_counts, recv=recv_counts,
-                   addrs=(x_addr if direct else 0, 0) if self.single_copy else None,
+                   addrs=(x_addr if direct else 0, x_addr if in_place else 0) if self.single_copy else None,
                    spin_ns=self._large_spin_ns if direct else 0)
         q, c0 = self._q, self._counts0 + (self._epoch & 1) * n
         counts = [q[base + c0 : base + c0 + n].tolist() for base in self._bases]  # counts[src][dst] rows
@@ -620,6 +625,15 @@ class SharedMemoryTransport(CompiledLatencyPaths, SingleCopyPaths, Transport):
             if any(declared[d][s] != counts[s][d] for s in range(n) for d in range(n)):
                 check_recv_counts(counts, declared, self._ranks)
         out = alloc([row[me] for row in counts])
+        if self.single_copy:
+            steps = self._swap_steps(counts, row_bytes)
+            if steps is not None:  # some rank exchanges in place, and every rank can swap with its peers
+                return self._swap_all_to_all(x_addr, out, counts, row_bytes, steps)
+            if out.data_ptr() == x_addr and total:  # in place, but not as a swap: receive aside, then copy
+                aside = torch.empty_like(out)
+                self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct, aside, counts)
+                out.copy_(aside)  # the peers finished reading x: _all_to_all_rest ended on that barrier
+                return out
         return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct, out, counts)
 
     def _all_to_all_rest(self, x_addr: int, total: int, row_bytes: int, own_start: int, own_len: int, b: int,
@@ -659,6 +673,11 @@ class SharedMemoryTransport(CompiledLatencyPaths, SingleCopyPaths, Transport):
         copy_bytes(own_at, x_addr + own_start, own_len)
         self._await(done_reading, self._large_spin_ns)
         return out
+
+    def takes_in_place_all_to_all(self, nbytes: int) -> bool:
+        """See :meth:`Transport.takes_in_place_all_to_all`: a sender read in one copy (its peers read
+        its rows from x itself, so it may overwrite them once they have)."""
+        return nbytes >= self._a2a_direct_min
 
     def _pulls(self, counts: list[list[int]], row_bytes: int, skip: list[int]) -> list:
         """:func:`all_to_all_pulls` for this rank, cached by counts (MoE steps and benchmarks repeat them)."""
