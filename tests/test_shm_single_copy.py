@@ -104,7 +104,7 @@ def _in_place_case(comm, counts: list[list[int]], width: int, dtype: torch.dtype
 def _body_in_place_swap(comm, seed: int):
     """all_to_all with out=x read in one copy: swapped in place chunk by chunk when every sender is read
     in one copy and the counts are symmetric, received aside otherwise; ranks in and out of place mixed."""
-    n, r = comm.size, comm.rank
+    n = comm.size
     _shm_single_copy.SWAP_CHUNK_BYTES = 1000  # this process: many chunks, ends that cut rows
     _shm_single_copy.SINGLE_COPY_MIN_BYTES[OpCode.ALL_TO_ALL] = 32 << 10
     _shm_single_copy.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 ranks on this 2-core machine
