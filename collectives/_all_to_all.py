@@ -35,10 +35,10 @@ class _Plan(NamedTuple):
     in_place_native: bool
 
 
-def _plan(comm: Communicator, x: torch.Tensor) -> _Plan | None:
+def _plan(comm: Communicator, x: torch.Tensor, recv_given: int) -> _Plan | None:
     rest = x.shape[1:]
-    ent = comm._cpu_cache.get((OpCode.ALL_TO_ALL, rest, x.dtype, None, 0)) if x.is_cpu else \
-        comm._cache.get((OpCode.ALL_TO_ALL, rest, x.dtype, x.device, None, 0))
+    ent = comm._cpu_cache.get((OpCode.ALL_TO_ALL, rest, x.dtype, None, recv_given)) if x.is_cpu else \
+        comm._cache.get((OpCode.ALL_TO_ALL, rest, x.dtype, x.device, None, recv_given))
     if ent is None or ent.staged:
         return None
     n, rows = comm.size, x.shape[0]
@@ -77,10 +77,12 @@ def _inplace_copy(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
     return copy
 
 
-def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | None) -> torch.Tensor | None:
+def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | None,
+                   recv_counts: Any = None) -> torch.Tensor | None:
     """:meth:`all_to_all` of a plain contiguous tensor whose call was seen before (cached entry),
-    with counts as a list of ints or None and ``out`` None or a plain non-overlapping tensor;
-    None for anything else (then :func:`all_to_all_checked` validates everything).
+    with counts as a list of ints or None, ``recv_counts`` None or a list of ints (then ``out``, if
+    given, has their rows), and ``out`` None or a plain non-overlapping tensor (or x itself); None for
+    anything else (then :func:`all_to_all_checked` validates everything).
 
     Every step counts here (a small exchange is ~1 us of transport work): CPU calls find their
     plan by x's shape alone, and ``out`` (or, for an even split, a guess of x's shape) is handed
@@ -91,15 +93,16 @@ def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | 
     if not shape:
         return None
     is_cpu = x.is_cpu
+    recv_given = 0 if recv_counts is None else 1  # the signature's root field says whether they were given
     if is_cpu:
-        plan = comm._a2a_plans.get((shape, x.dtype))
+        plan = comm._a2a_plans.get((shape, x.dtype, recv_given))
         if plan is None:
-            plan = _plan(comm, x)
+            plan = _plan(comm, x, recv_given)
             if plan is None:
                 return None
-            comm._a2a_plans[(shape, x.dtype)] = plan
+            comm._a2a_plans[(shape, x.dtype, recv_given)] = plan
     else:
-        plan = _plan(comm, x)
+        plan = _plan(comm, x, recv_given)
         if plan is None:
             return None
     ent, even, row_numel, rest, shaped, takes_into, even_by_address, in_place_native = plan
@@ -112,6 +115,13 @@ def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | 
         counts = send_counts
     else:
         return None
+    if recv_given:
+        if type(recv_counts) is not list or len(recv_counts) != comm.size or \
+                not all(type(c) is int and c >= 0 for c in recv_counts):
+            return None
+        rows_in = sum(recv_counts)
+        if out is not None and (type(out) is not torch.Tensor or out.dim() == 0 or out.shape[0] != rows_in):
+            return None  # the checked path raises, naming the rows
     if out is not None:
         if type(out) is not torch.Tensor or out.dtype is not x.dtype or out.requires_grad \
                 or not out.is_contiguous() or (out.dim() != 1 if not rest else out.shape[1:] != rest) \
@@ -124,6 +134,8 @@ def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | 
             if not in_place_native:
                 x = _inplace_copy(comm, x) if is_cpu else x.clone()
         into = out
+    elif recv_given:
+        into = torch.empty((rows_in, *rest), dtype=x.dtype, device=x.device)
     elif send_counts is None:  # even split: every rank receives as many rows as it sends when all have as many
         into = torch.empty_like(x)  # ~0.6 us; torch.empty(shape, dtype=...) takes ~1.6 us
     else:
@@ -140,15 +152,21 @@ def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | 
         return torch.empty((rows_out, *rest) if shaped else (rows_out * row_numel,), dtype=x.dtype,
                            device=x.device)
 
+    send = x if shaped else x.view(-1)
     if takes_into:
-        if even_by_address is not None and into is not None and (counts is even or counts == even):  # by address
+        if even_by_address is not None and into is not None and not recv_given and \
+                (counts is even or counts == even):  # by address
             res = even_by_address(x.data_ptr(), into, alloc)
         else:
-            res = ent.call(x if shaped else x.view(-1), counts, row_numel, alloc, ent.sig, None, into)
+            res = ent.call(send, counts, row_numel, alloc, ent.sig, recv_counts, into)
         if not got:  # filled `into` without asking: its rows were right
-            return out if out is not None else res if shaped else res.view(shape)
+            if out is not None or shaped:
+                return out if out is not None else res
+            return res.view(rows_in, *rest) if recv_given else res.view(shape)
+    elif recv_given:
+        res = ent.transport.all_to_all_with_recv_counts(send, counts, recv_counts, row_numel, alloc, ent.sig)
     else:
-        res = ent.call(x if shaped else x.view(-1), counts, row_numel, alloc, ent.sig)
+        res = ent.call(send, counts, row_numel, alloc, ent.sig)
     if out is None:
         return res if shaped else res.view(sum(got), *rest)
     if out.shape[0] != sum(got):

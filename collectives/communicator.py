@@ -631,8 +631,8 @@ class Communicator:
         if not state.busy.acquire(False):
             self._state.refuse(self.global_ranks[self.rank], self.timeout, "all_to_all")
         try:
-            if recv_counts is None and not return_counts:
-                res = all_to_all_hot(self, x, send_counts, out)
+            if not return_counts:
+                res = all_to_all_hot(self, x, send_counts, out, recv_counts)
                 if res is not None:
                     return res
             if state.closed is not None:

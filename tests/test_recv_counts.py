@@ -103,7 +103,7 @@ def _body_recv_counts(comm, native: bool = True) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("transport", spmd.transports_under_test())
+@pytest.mark.parametrize("transport", spmd.transports_under_test(shm_paths=True))
 def test_recv_counts_equal_plain_and_a_wrong_count_raises_everywhere(transport):
     res = spmd.run(_body_recv_counts, 3, transport=transport, timeout=30.0)
     assert all(r == [] for r in res), [f"rank {r}: {f}" for r, fs in enumerate(res) for f in fs]

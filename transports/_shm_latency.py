@@ -9,11 +9,12 @@ per cached call (:meth:`Transport.latency_call`, :meth:`Transport.latency_all_to
 
 from __future__ import annotations
 
+import array
 from typing import Callable
 
 import torch
 
-from .base import DTYPE_CODES, Allocator, OpCode, ReduceOp, Signature
+from .base import DTYPE_CODES, Allocator, OpCode, ReduceOp, Signature, check_recv_counts
 
 # what transports._shmfast's arrive returns (2: a signature differs; DONE: arrived, and a2a_post finished
 # the collective); its API_VERSION 7
@@ -89,6 +90,29 @@ class CompiledLatencyPaths:
         if self._g.a2a_pull(b, e, out.data_ptr(), out.nbytes, row_bytes, x_addr, own_start, own_len) == 0:
             return out
         return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, False, out)
+
+    def _compiled_all_to_all_declared(self, send_counts: list[int], recv_counts: list[int], row_bytes: int,
+                                      total: int, sig: Signature, x_addr: int, alloc: Allocator) -> torch.Tensor:
+        """The compiled round of all_to_all for a caller that declared its receive counts: they are
+        published beside the send counts before the arrival and compared on every rank after it, so a
+        wrong value raises check_recv_counts' ValueError everywhere before any row is read."""
+        n, me, q = self.size, self.rank, self._q
+        b, e = self._compiled_round()
+        d0 = self._recv0 + (e & 1) * n
+        q[self._my_base + d0 : self._my_base + d0 + n] = array.array("q", recv_counts)  # before the release store
+        own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
+        arrived = self._g.a2a_post(b, e, x_addr, total, own_start, own_len, send_counts, sig.value, sig.addr)
+        if arrived != ARRIVED:
+            self._finish_arrival(e, sig, arrived)
+        c0 = self._counts0 + (e & 1) * n
+        counts = [q[base + c0 : base + c0 + n].tolist() for base in self._bases]  # counts[src][dst]
+        declared = [q[base + d0 : base + d0 + n].tolist() for base in self._bases]  # declared[dst][src]
+        if any(declared[d][s] != counts[s][d] for s in range(n) for d in range(n)):
+            check_recv_counts(counts, declared, self._ranks)
+        out = alloc([row[me] for row in counts])
+        if self._g.a2a_pull(b, e, out.data_ptr(), out.nbytes, row_bytes, x_addr, own_start, own_len) == 0:
+            return out
+        return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, False, out, counts)
 
     def latency_all_to_all(self, send_counts: list[int], row_bytes: int, total: int, sig: Signature
                            ) -> Callable[[int, torch.Tensor | None, Allocator], torch.Tensor] | None:

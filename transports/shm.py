@@ -604,7 +604,10 @@ class SharedMemoryTransport(CompiledLatencyPaths, SingleCopyPaths, Transport):
         if in_place and not direct:  # callers ask takes_in_place_all_to_all first; stay correct anyway
             send = send.clone()
             x_addr, in_place = send.data_ptr(), False
-        if self._g is not None and recv_counts is None and not direct:  # the compiled helper's round
+        if self._g is not None and not direct:  # the compiled helper's round
+            if recv_counts is not None:
+                return self._compiled_all_to_all_declared(send_counts, recv_counts, row_bytes, total, sig, x_addr,
+                                                          alloc)
             return self._compiled_all_to_all(send_counts, row_bytes, total, sig)(
                 x_addr, into if row_bytes else None, alloc)
         own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
@@ -625,7 +628,7 @@ class SharedMemoryTransport(CompiledLatencyPaths, SingleCopyPaths, Transport):
             if any(declared[d][s] != counts[s][d] for s in range(n) for d in range(n)):
                 check_recv_counts(counts, declared, self._ranks)
         out = alloc([row[me] for row in counts])
-        if self.single_copy:
+        if self.single_copy and (direct or not total):  # a rank that stages rows rules the swap out
             steps = self._swap_steps(counts, row_bytes)
             if steps is not None:  # some rank exchanges in place, and every rank can swap with its peers
                 return self._swap_all_to_all(x_addr, out, counts, row_bytes, steps)
