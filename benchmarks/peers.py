@@ -74,6 +74,9 @@ class Peer:
     library: str = "?"
     device: str = "cpu"
     reference_op: str | None = None  # a reference (MemcpyPeer): the one op it runs, once per size
+    # whether the library defines an in-place all_to_all (out is the input), so the sweep checks that
+    # variant like the others; nccl-tests checks none ("We don't support in-place alltoall": NCCL has none)
+    defines_in_place_all_to_all: bool = False
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
@@ -155,6 +158,7 @@ class MoecommPeer(Peer):
     """moecomm through one communicator (a ``comm.using(t)`` view, or the auto-selecting comm)."""
 
     library = "moecomm"
+    defines_in_place_all_to_all = True  # Communicator.all_to_all(x, out=x), on every device
 
     def __init__(self, comm, name: str, *, show_transport: bool = False, device: str = "cpu") -> None:
         super().__init__(comm.rank, comm.size)
@@ -227,6 +231,7 @@ class Mpi4pyPeer(Peer):
     """mpi4py's blocking collectives on NumPy views of the tensors, on a duplicate of COMM_WORLD."""
 
     name = library = "mpi4py"
+    defines_in_place_all_to_all = True  # MPI_Alltoall(MPI_IN_PLACE, ...), defined by the MPI standard since 2.2
 
     def __init__(self, mpi_comm) -> None:
         from mpi4py import MPI

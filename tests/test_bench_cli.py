@@ -45,8 +45,9 @@ def _check_table(out: str, ops: list[str], transports: set[str]) -> list[dict]:
     assert {r["op"] for r in rows} == set(ops)
     assert {r["peer"] for r in rows} == transports
     assert all(r["wrong"] == 0 for r in rows), "a row has wrong results"
-    # nccl-tests checks every in-place variant except all_to_all's
-    assert all((r["ip_wrong"] == -1) == (r["op"] == "all_to_all") for r in rows)
+    # every in-place variant is checked; nccl-tests skips all_to_all's, which moecomm and MPI define
+    # (torch.distributed does not: its in-place all_to_all stays unchecked)
+    assert all((r["ip_wrong"] == -1) == (r["op"] == "all_to_all" and r["peer"] in ("gloo", "nccl")) for r in rows)
     assert all(r["ip_wrong"] in (0, -1) for r in rows)
     assert all(r["time"] > 0 and r["ip_time"] > 0 and r["p99"] >= r["p50"] > 0 for r in rows)
     for t in transports:

@@ -108,7 +108,7 @@ def test_count_wrong_accepts_correct_and_counts_errors():
 def test_best_algbw_counts_only_checked_variants():
     r = dict(algbw=1.0, busbw=0.5, wrong=0, ip_algbw=2.0, ip_busbw=1.0, ip_wrong=0)
     assert cm.best_algbw(r) == 2.0 and cm.best_algbw(r, bus=True) == 1.0
-    assert cm.best_algbw({**r, "ip_wrong": -1}) == 1.0  # in-place all_to_all: not checked
+    assert cm.best_algbw({**r, "ip_wrong": -1}) == 1.0  # in-place all_to_all of torch.distributed: not checked
     assert cm.best_algbw({**r, "ip_wrong": 3}) == 1.0  # wrong results are not bandwidth
     assert cm.best_algbw({**r, "wrong": 1, "ip_wrong": 1}) is None
     assert cm.best_algbw({**r, "wrong": -1, "ip_wrong": -1}) == 1.0  # -c 0: out-of-place only
@@ -186,8 +186,9 @@ def _check_compare(stdout: str, peers: set[str]) -> list[dict]:
     rows = parse_rows(stdout)
     assert {r["peer"] for r in rows} == peers
     assert {(r["op"], r["peer"]) for r in rows} == {(op, p) for op in OPS4 for p in peers}
-    assert all(r["wrong"] == 0 and r["ip_wrong"] == (-1 if r["op"] == "all_to_all" else 0) for r in rows), \
-        [r for r in rows if r["wrong"] or r["ip_wrong"] > 0]
+    # in-place all_to_all is checked where the library defines one (moecomm, MPI), not for torch's gloo
+    assert all(r["wrong"] == 0 and r["ip_wrong"] == (-1 if (r["op"], r["peer"]) == ("all_to_all", "gloo") else 0)
+               for r in rows), [r for r in rows if r["wrong"] or r["ip_wrong"] != 0]
     for p in peers:
         assert f"# {p}: Avg bus bandwidth" in stdout
     others = [p for p in sorted(peers) if p in ("gloo", "mpi4py")]
