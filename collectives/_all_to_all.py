@@ -93,6 +93,12 @@ def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | 
     if not shape:
         return None
     is_cpu = x.is_cpu
+    if is_cpu and send_counts is None and recv_counts is None:  # the even split on the host: by address
+        plan = comm._a2a_plans.get((shape, x.dtype, 0))
+        if plan is not None and plan.even_by_address is not None and (out is not x or plan.in_place_native):
+            res = _even_by_address(comm, x, out, shape, plan)
+            if res is not None:
+                return res
     recv_given = 0 if recv_counts is None else 1  # the signature's root field says whether they were given
     if is_cpu:
         plan = comm._a2a_plans.get((shape, x.dtype, recv_given))
@@ -172,6 +178,41 @@ def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | 
     if out.shape[0] != sum(got):
         raise_out_rows(comm, out, got)
     return out
+
+def _even_by_address(comm: Communicator, x: torch.Tensor, out: Array | None, shape: torch.Size, plan: _Plan
+                     ) -> torch.Tensor | None:
+    """:func:`all_to_all_hot` of an even split on the host whose transport exchanges it by address, with
+    ``out`` None, x itself (the transport exchanges in place), or a plain tensor of x's shape apart from
+    it; None for anything else. The fewest steps of all: the exchange itself is ~0.5 us of a ~2 us
+    call, and each check here ~50 ns."""
+    x0 = x.data_ptr()
+    if out is x:  # in place: x's checks were out's
+        into = x
+    elif out is None:
+        into = torch.empty_like(x)
+    elif type(out) is torch.Tensor and out.shape == shape and out.dtype is x.dtype and not out.requires_grad \
+            and out.is_contiguous() and out.is_cpu:
+        o0 = out.data_ptr()
+        if o0 == x0:
+            if not plan.in_place_native:
+                return None
+        elif o0 < x0 + x.nbytes and x0 < o0 + x.nbytes:
+            return None
+        into = out
+    else:
+        return None
+    got: list[int] = []
+
+    def alloc(recv_counts: list[int]) -> torch.Tensor:  # called by a rank that arrives before its peers
+        got.extend(recv_counts)
+        rows = sum(recv_counts)
+        return into if rows == shape[0] else torch.empty((rows, *shape[1:]), dtype=x.dtype)
+
+    res = plan.even_by_address(x0, into, alloc)
+    if res is not into and out is not None:
+        raise_out_rows(comm, out, got)
+    return res
+
 
 def raise_out_rows(comm: Communicator, out: Array, recv_counts: list[int]) -> NoReturn:
     """The ValueError for an ``out=`` whose row count is not what this rank received."""

@@ -277,8 +277,9 @@ def test_layouts_numpy_out_and_noncontiguous(transport):
 
 
 def _body_inplace_all_to_all(comm, seed: int):
-    """all_to_all with out=x, repeated (the latency path sends from a kept copy of x on the host):
-    fresh data every call, sizes that grow and shrink, a copy above the kept buffer's bound."""
+    """all_to_all with out=x, repeated: fresh data every call, sizes that grow and shrink. shm exchanges
+    in place (these sizes stage in one round); other transports send from a kept copy of x on the host,
+    copied afresh above the kept buffer's bound. Returns whether that copy was ever made."""
     from collectives import _all_to_all
 
     n, r = comm.size, comm.rank
@@ -291,12 +292,24 @@ def _body_inplace_all_to_all(comm, seed: int):
             want = torch.cat([rank_input("a2a-ip", s, (rows * n, 8), torch.float64, tag)[r * rows : (r + 1) * rows]
                               for s in range(n)])
             assert got is x and torch.equal(x, want), f"rank {r}, {rows} rows, call {again}"
-    return True
+    # uneven counts whose blocks sit elsewhere in out than in x (rank s sends k[(d - s) % n] rows to d, so it
+    # receives as many as it sends): a transport exchanging in place must move its own block first
+    for step, k in enumerate([(1, 2, 4, 3), (5, 0, 3, 9), (300, 7, 1200, 40)]):
+        counts = [[k[(d - s) % n] for d in range(n)] for s in range(n)]
+        for again in range(3):
+            tag = seed + 100 + 10 * step + again
+            inputs = [rank_input("a2a-ip-uneven", s, (sum(counts[s]), 5), torch.float32, tag) for s in range(n)]
+            x = inputs[r].clone()
+            got = comm.all_to_all(x, counts[r], out=x)
+            want = torch.cat([inputs[s][sum(counts[s][:r]) : sum(counts[s][: r + 1])] for s in range(n)])
+            assert got is x and torch.equal(x, want), f"rank {r}, counts {counts}, call {again}"
+    return comm._inplace_scratch is not None
 
 
 @pytest.mark.parametrize("transport", transports_under_test(shm_paths=True))
 def test_in_place_all_to_all_repeated(transport):
-    run(_body_inplace_all_to_all, 3, 57, transport=transport)
+    copied = run(_body_inplace_all_to_all, 3, 57, transport=transport)
+    assert not any(copied) if transport.startswith("shm") else all(copied), copied
 
 
 def _body_repeated_small(comm, seed: int):

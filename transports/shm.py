@@ -367,8 +367,11 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         row_bytes = row_numel * send.element_size()
         # single copy per sender, from its own size: the peers learn it from its published address
         direct = total >= self._a2a_direct_min
+        # out=x: a sender read in one copy swaps in place (_swap_all_to_all) or receives aside; one that
+        # stages stages all it sends in the first round (total <= slot_bytes), so only its own block
+        # is read from x after that, and moved before any row lands (_all_to_all_rest, a2a_pull)
         in_place = into is not None and into.data_ptr() == x_addr and total > 0
-        if in_place and not direct:  # callers ask takes_in_place_all_to_all first; stay correct anyway
+        if in_place and not direct and total > self.slot_bytes:  # callers ask takes_in_place_all_to_all first
             send = send.clone()
             x_addr, in_place = send.data_ptr(), False
         if self._g is not None and not direct:  # the compiled helper's round
@@ -417,6 +420,9 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         recv = [row[me] for row in counts]
         y_addr = out.data_ptr()
         own_at = y_addr + sum(recv[:me]) * row_bytes
+        if y_addr == x_addr:  # in place, staged in one round: move our block before the peers' rows land
+            copy_bytes(own_at, x_addr + own_start, own_len)  # memmove: the two may overlap
+            own_len = 0
         # direct senders: read their rows for us from their inputs; pull the rest from the slots
         inputs = [self._peer_addrs(r)[0] for r in range(n)] if self.single_copy else [0] * n
         direct_senders = [r for r in range(n) if inputs[r]]
@@ -446,8 +452,9 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
 
     def takes_in_place_all_to_all(self, nbytes: int) -> bool:
         """See :meth:`Transport.takes_in_place_all_to_all`: a sender read in one copy (its peers read
-        its rows from x itself, so it may overwrite them once they have)."""
-        return nbytes >= self._a2a_direct_min
+        its rows from x itself, so it may overwrite them once they have), or one that stages all it
+        sends in the first round (nothing but its own block is read from x after that)."""
+        return nbytes >= self._a2a_direct_min or nbytes <= self.slot_bytes
 
     def _pulls(self, counts: list[list[int]], row_bytes: int, skip: list[int]) -> list:
         """:func:`all_to_all_pulls` for this rank, cached by counts (MoE steps and benchmarks repeat them)."""
