@@ -49,7 +49,26 @@ def test_a_rank_refused_makes_every_rank_stage_and_say_why():
         assert "unavailable" in plan, plan
     # the same group without the refusal reads in one copy (the probe is not what fails here)
     ok = collectives.launch(_body_refused, 3, -1, transport="shm", timeout=30.0, options=always)
-    assert all(r[0] is True and r[3] == "cma_pull" for r in ok), ok
+    assert all(r[0] is True and r[3] == "cma_push" for r in ok), ok
+
+
+def _body_writes_refused(comm):
+    """Rank 1 cannot write its peers' memory: single copy stays on, and every rank's all_gather reads."""
+    if comm.rank == 1:
+        _cma.write = _refuse_reads  # this process only: the next probe's writes fail here
+    sub = comm.split(0)
+    shm = sub.transports["shm"]
+    xs = [rank_input("writes-refused", r, (300_001,), torch.float32, 3) for r in range(comm.size)]
+    assert torch.equal(sub.all_gather(xs[comm.rank]), torch.cat(xs))
+    return shm.single_copy, shm.single_copy_status, sub.plan("all_gather", xs[0]).algorithm
+
+
+def test_refused_writes_make_all_gather_read_and_say_why():
+    res = collectives.launch(_body_writes_refused, 3, transport="shm", timeout=30.0,
+                             options={"shm_single_copy": "always"})
+    for single_copy, status, algorithm in res:
+        assert single_copy is True and algorithm == "cma_pull", res
+        assert "all_gather reads: rank 1 cannot write rank 0's memory" in status, status
 
 
 def _body_mixed_senders(comm, seed: int, native: str = "auto"):
@@ -84,7 +103,7 @@ def test_all_to_all_with_direct_and_staged_senders(nprocs, native):
     res = collectives.launch(_body_mixed_senders, nprocs, 2, native, transport="shm", timeout=30.0)
     direct, algorithm, gather_algorithm = res[0]
     assert direct and len(direct) < nprocs, res  # both kinds of sender took part
-    assert algorithm == "pull+cma" and gather_algorithm == "cma_pull"
+    assert algorithm == "pull+cma" and gather_algorithm == "cma_push"
 
 
 def _in_place_case(comm, counts: list[list[int]], width: int, dtype: torch.dtype, tag: int, out_of_place: set):
@@ -152,9 +171,9 @@ def _body_read_fails(comm, failing_rank: int, op: str):
     call = (lambda: comm.all_gather(x)) if op == "all_gather" else (lambda: comm.all_to_all(x, out=x))
     call()  # the path works first
     if comm.rank == failing_rank:
-        _cma.read = _fail_reads_from_now_on
+        _cma.read = _cma.write = _fail_reads_from_now_on
     try:
-        call()  # all_to_all in place: the swap, reading in chunks
+        call()  # all_gather writes into the peers; all_to_all in place: the swap, reading in chunks
     except (CommunicatorBrokenError, PeerFailedError) as e:
         return type(e).__name__, str(e)
     return "no error", ""
@@ -165,7 +184,8 @@ def test_a_failed_read_breaks_the_call_on_every_rank_naming_it(op):
     res = collectives.launch(_body_read_fails, 3, 2, op, transport="shm", timeout=30.0,
                              options={"shm_single_copy": "always"})
     name, msg = res[2]
-    assert name == "CommunicatorBrokenError" and "could not read rank" in msg and "MOECOMM_SHM_SINGLE_COPY=off" in msg, msg
+    verb = "write" if op == "all_gather" else "read"
+    assert name == "CommunicatorBrokenError" and f"could not {verb} rank" in msg and "MOECOMM_SHM_SINGLE_COPY=off" in msg, msg
     # the others raise instead of waiting, each naming the peer it saw fail: rank 2 aborting, or a rank
     # that aborted (or exited) because of it
     assert all(res[r][0] == "PeerFailedError" and ("aborted after a failure" in res[r][1] or "exited" in res[r][1])

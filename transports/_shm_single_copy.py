@@ -35,6 +35,14 @@ SINGLE_COPY_MIN_BYTES = {
     OpCode.ALL_TO_ALL: 2 << 20,
 }
 SINGLE_COPY_WHEN_OVERSUBSCRIBED = False
+# all_gather writes each rank's block into its peers' outputs (process_vm_writev) instead of reading the
+# peers' blocks: the writer's core reads its own block from its own cache, where a reader pulls lines the
+# owner has just written out of the owner's cache. In place, with the block rewritten before each call as
+# the bench does (benchmarks/results/shm-single-copy-push.txt, 2 ranks, median us), in one phase of the CI
+# VM: 2 MiB 78-80 against 126-130, 8 MiB 432-476 against 593-650, 32 MiB 2560-2664 against 2756-3210
+# (MPICH, which reads: 123-126, 536-573, 2675-2763); in a later phase the two were equal within ~5%.
+# Never slower beyond the noise. Where writes are refused, it reads.
+PUSH_ALL_GATHER = True
 ALWAYS_SINGLE_COPY = (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER, OpCode.ALL_TO_ALL,
                       OpCode.BROADCAST)
 # Bytes read from each peer per step of a single-copy reduction: the peers' chunks and ours are
@@ -64,12 +72,13 @@ class SingleCopyPaths:
         self._tmp: np.ndarray | None = None
         self._swap_buf: np.ndarray | None = None
         self._swap_buf_addr = 0
+        self._push = False  # all_gather writes its block into the peers' outputs (else reads theirs)
         if mode == "off":
             self.single_copy_status = "off (MOECOMM_SHM_SINGLE_COPY=off)"
         elif self.size == 1:
             self.single_copy_status = "not needed (one rank)"
         else:
-            refused = _cma.probe(group)
+            refused, writes_refused = _cma.probe(group)
             if refused:
                 self.single_copy_status = f"unavailable: {refused}; large messages are staged"
                 log.info("shm single copy unavailable, staging large messages: %s", refused)
@@ -82,6 +91,12 @@ class SingleCopyPaths:
             else:
                 self._copy_min = dict(SINGLE_COPY_MIN_BYTES)
                 self.single_copy_status = "process_vm_readv"
+            if self._copy_min:
+                self._push = writes_refused is None and PUSH_ALL_GATHER
+                if writes_refused is not None:
+                    self.single_copy_status += f" (all_gather reads: {writes_refused})"
+                elif self._push:
+                    self.single_copy_status += ", all_gather by process_vm_writev"
         self.single_copy = bool(self._copy_min)
 
     def _use_single_copy(self, opcode: OpCode, nbytes: int) -> bool:
@@ -96,19 +111,30 @@ class SingleCopyPaths:
     def _read_peer(self, r: int, remote: int, local: int, nbytes: int) -> None:
         """Copy ``nbytes`` at address ``remote`` of rank ``r``'s process to ``local`` here; a failure
         (the peer died, or the kernel refused) breaks the transport and names the rank."""
-        if nbytes <= 0:
-            return
+        if nbytes > 0:
+            self._cross(r, remote, local, nbytes, False)
+
+    def _write_peer(self, r: int, local: int, remote: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at ``local`` here to address ``remote`` of rank ``r``'s process; failures
+        as :meth:`_read_peer`."""
+        if nbytes > 0:
+            self._cross(r, remote, local, nbytes, True)
+
+    def _cross(self, r: int, remote: int, local: int, nbytes: int, write: bool) -> None:
         try:
-            _cma.read(self._pids[r], remote, local, nbytes)
+            if write:
+                _cma.write(self._pids[r], local, remote, nbytes)
+            else:
+                _cma.read(self._pids[r], remote, local, nbytes)
         except OSError as e:
-            who = self._ranks[r]
+            who, verb = self._ranks[r], ("write", "wrote to") if write else ("read", "read")
             self._check_peers([r], self._epoch + 2)  # raises if it aborted, closed or died meanwhile
             if e.errno == errno.ESRCH:
                 self._abort(f"rank {who} (pid {self._pids[r]}) exited")
                 raise PeerFailedError(f"rank {who} (pid {self._pids[r]}) exited while rank "
-                                      f"{self._ranks[self.rank]} read its data in a collective", [who]) from e
-            self._abort(f"reading rank {who}'s memory failed: {e}")
-            raise CommunicatorBrokenError(f"shm single copy: rank {self._ranks[self.rank]} could not read rank "
+                                      f"{self._ranks[self.rank]} {verb[1]} its memory in a collective", [who]) from e
+            self._abort(f"{verb[0]}ing rank {who}'s memory failed: {e}")
+            raise CommunicatorBrokenError(f"shm single copy: rank {self._ranks[self.rank]} could not {verb[0]} rank "
                                           f"{who}'s memory ({e}); set MOECOMM_SHM_SINGLE_COPY=off to stage "
                                           "through shared memory instead") from e
 
@@ -172,21 +198,25 @@ class SingleCopyPaths:
         return f"single copy ({self.single_copy_status}) {used}: from {limit} B"
 
     def _single_copy_all_gather(self, x_addr: int, y_addr: int, nbytes: int, sig: Signature) -> None:
-        """Read every peer's input (``nbytes`` at its ``x_addr``) straight into its block of y (``size *
-        nbytes`` at ``y_addr``); our own block is copied while the peers finish reading ours."""
+        """Write our input (``nbytes`` at ``x_addr``) straight into our block of every peer's y (``size *
+        nbytes`` at its ``y_addr``), or, where writes were refused, read every peer's input into its
+        block of ours; our own block is copied while the peers finish."""
         n, me, spin = self.size, self.rank, self._large_spin_ns
         self._begin_round()
-        self._sync(sig, addrs=(x_addr, 0), spin_ns=spin)
+        self._sync(sig, addrs=(x_addr, y_addr), spin_ns=spin)
         for k in range(1, n):
             r = (me + k) % n
-            self._read_peer(r, self._peer_addrs(r)[0], y_addr + r * nbytes, nbytes)
+            if self._push:
+                self._write_peer(r, x_addr, self._peer_addrs(r)[1] + me * nbytes, nbytes)
+            else:
+                self._read_peer(r, self._peer_addrs(r)[0], y_addr + r * nbytes, nbytes)
         self._begin_round()
-        done_reading = self._publish()
-        # our own block while the peers finish reading ours: it hides the difference in their read times
+        done = self._publish()
+        # our own block while the peers finish: it hides the difference in their copy times
         own = y_addr + me * nbytes
         if x_addr != own:  # in place: our block is there already
             copy_bytes(own, x_addr, nbytes)
-        self._await(done_reading, spin)  # the peers finished reading our input
+        self._await(done, spin)  # the peers finished writing our output (reading our input)
 
     def _single_copy_reduce_scatter(self, x: np.ndarray, y: np.ndarray, op: ReduceOp, dtype: torch.dtype,
                                     sig: Signature) -> None:

@@ -78,7 +78,8 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
        "one-shot and two-shot times cross for the group's rank count, see MOECOMM_MODEL_FILE)",
        "transports.shm", agree=True, minimum=0),
     _s("MOECOMM_SHM_SINGLE_COPY", str, "auto",
-       "large shm messages: auto: peers read each other's tensors in one copy (Linux process_vm_readv) from "
+       "large shm messages: auto: peers read or write each other's tensors in one copy (Linux "
+       "process_vm_readv/writev) from "
        "the per-op sizes in transports/_shm_single_copy.py, where a start-up probe on every rank allows it; off: always "
        "stage through the shared slots; always: single copy at every size (tests)",
        "transports.shm", agree=True, choices=("auto", "off", "always")),

@@ -15,8 +15,9 @@ it does only after finishing its reads of the earlier round.
 
 Messages that fit a slot go through the compiled helper transports._shmfast when it is built (stage,
 publish, spin, check, reduce in one call: transports/_shm_latency.py; the Python path below is its
-fallback and reference). Large all_gather and all_to_all messages skip the slots: peers read each
-other's tensors in one copy with process_vm_readv (transports/_cma.py, transports/_shm_single_copy.py)
+fallback and reference). Large all_gather and all_to_all messages skip the slots: peers read (all_gather:
+write) each other's tensors in one copy with process_vm_readv/writev (transports/_cma.py,
+transports/_shm_single_copy.py)
 where a start-up probe allows it and it measured faster.
 
 Waits spin briefly, then yield, then sleep with backoff, so runs with more ranks
@@ -207,6 +208,8 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
     # ---- capabilities ---------------------------------------------------------------------
     def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
         if self._use_single_copy(opcode, nbytes) and opcode != OpCode.ALL_TO_ALL:
+            if opcode == OpCode.ALL_GATHER and self._push:
+                return "cma_push"
             return {OpCode.ALL_REDUCE: "cma_two_shot", OpCode.REDUCE_SCATTER: "cma_pull_reduce"}.get(opcode, "cma_pull")
         if opcode == OpCode.ALL_REDUCE:
             return "one_shot" if nbytes <= self._one_shot_limit else "two_shot"
