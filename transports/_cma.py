@@ -57,18 +57,7 @@ def read(pid: int, remote_addr: int, local_addr: int, nbytes: int) -> None:
     Raises OSError (errno ESRCH: the process is gone; EFAULT: the range is not mapped there;
     EPERM: not allowed) when the kernel refuses or stops early.
     """
-    if _readv is None:
-        raise OSError(errno.ENOSYS, "process_vm_readv is not available on this platform")
-    done = 0
-    while done < nbytes:
-        step = min(nbytes - done, _IOV_CHUNK)
-        got = _readv(pid, _IoVec(local_addr + done, step), 1, _IoVec(remote_addr + done, step), 1, 0)
-        if got < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
-        if got == 0:
-            raise OSError(errno.EFAULT, f"process_vm_readv from pid {pid} read nothing at {remote_addr + done:#x}")
-        done += got
+    _move(_readv, "process_vm_readv", pid, local_addr, remote_addr, nbytes)
 
 
 def write(pid: int, local_addr: int, remote_addr: int, nbytes: int) -> None:
@@ -76,18 +65,23 @@ def write(pid: int, local_addr: int, remote_addr: int, nbytes: int) -> None:
 
     Raises OSError as :func:`read` does.
     """
-    if _writev is None:
-        raise OSError(errno.ENOSYS, "process_vm_writev is not available on this platform")
+    _move(_writev, "process_vm_writev", pid, local_addr, remote_addr, nbytes)
+
+
+def _move(fn, name: str, pid: int, local_addr: int, remote_addr: int, nbytes: int) -> None:
+    """``nbytes`` through ``fn`` (process_vm_readv or _writev), looping over partial transfers."""
+    if fn is None:
+        raise OSError(errno.ENOSYS, f"{name} is not available on this platform")
     done = 0
     while done < nbytes:
         step = min(nbytes - done, _IOV_CHUNK)
-        put = _writev(pid, _IoVec(local_addr + done, step), 1, _IoVec(remote_addr + done, step), 1, 0)
-        if put < 0:
+        moved = fn(pid, _IoVec(local_addr + done, step), 1, _IoVec(remote_addr + done, step), 1, 0)
+        if moved < 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_writev to pid {pid}: {os.strerror(err)}")
-        if put == 0:
-            raise OSError(errno.EFAULT, f"process_vm_writev to pid {pid} wrote nothing at {remote_addr + done:#x}")
-        done += put
+            raise OSError(err, f"{name} with pid {pid}: {os.strerror(err)}")
+        if moved == 0:
+            raise OSError(errno.EFAULT, f"{name} with pid {pid} moved nothing at remote {remote_addr + done:#x}")
+        done += moved
 
 
 def probe(group: GroupInfo) -> tuple[str | None, str | None]:
