@@ -127,13 +127,13 @@ class SingleCopyPaths:
             else:
                 _cma.read(self._pids[r], remote, local, nbytes)
         except OSError as e:
-            who, verb = self._ranks[r], ("write", "wrote to") if write else ("read", "read")
+            who, verb = self._ranks[r], ("write", "wrote to", "writing") if write else ("read", "read", "reading")
             self._check_peers([r], self._epoch + 2)  # raises if it aborted, closed or died meanwhile
             if e.errno == errno.ESRCH:
                 self._abort(f"rank {who} (pid {self._pids[r]}) exited")
                 raise PeerFailedError(f"rank {who} (pid {self._pids[r]}) exited while rank "
                                       f"{self._ranks[self.rank]} {verb[1]} its memory in a collective", [who]) from e
-            self._abort(f"{verb[0]}ing rank {who}'s memory failed: {e}")
+            self._abort(f"{verb[2]} rank {who}'s memory failed: {e}")
             raise CommunicatorBrokenError(f"shm single copy: rank {self._ranks[self.rank]} could not {verb[0]} rank "
                                           f"{who}'s memory ({e}); set MOECOMM_SHM_SINGLE_COPY=off to stage "
                                           "through shared memory instead") from e
