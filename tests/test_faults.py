@@ -140,10 +140,17 @@ def test_launch_raises_the_cause_not_the_peers_consequence():
 
 def _body_killed(comm, victim: int):
     small, large = torch.randn(1000), torch.randn(300_000)  # the latency path; single copy where it is on
+    rows = torch.randn(4 * 40_000)  # in-place all_to_all: swapped in chunks where single copy is on
     for i in range(10_000):
-        if comm.rank == victim and i == 50:
+        if comm.rank == victim and i == 50 + victim:  # the others wait in an all_to_all swap (rank 2 here)
             os.kill(os.getpid(), signal.SIGKILL)
-        comm.all_reduce(small if i % 2 else large)
+        step = i % 4
+        if step == 3:
+            comm.all_to_all(rows, out=rows)
+        elif step == 2:
+            comm.all_gather(large)  # pushed into the peers where single copy is on
+        else:
+            comm.all_reduce(small if step else large)
     return "finished"
 
 
