@@ -414,7 +414,7 @@ class Communicator(CallPaths):
                 or array); None splits x.shape[0] evenly.
             out: optional [sum(recv_counts), *rest] tensor/array of x's dtype to write; its dtype
                 and trailing dims are checked before the exchange, its row count after. It may be x
-                itself (in place, as MPI_IN_PLACE: every rank then receives as many rows as it sends).
+                itself (in place, as MPI_IN_PLACE: this rank then receives as many rows as it sends).
             return_counts: also return the received counts.
             recv_counts: [size] ints (same kinds as send_counts), the rows this rank receives from
                 each rank, i.e. ``send_counts[rank]`` of every rank; None: exchanged here.
