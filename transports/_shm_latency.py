@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .base import DTYPE_CODES, Allocator, OpCode, ReduceOp, Signature, check_recv_counts
+from .base import DTYPE_CODES, Allocator, OpCode, ReduceOp, Signature
 
 # what transports._shmfast's arrive returns (2: a signature differs; DONE: arrived, and a2a_post finished
 # the collective); its API_VERSION 7
@@ -79,40 +79,40 @@ class CompiledLatencyPaths:
         return call
 
     def _a2a_after_post(self, b: int, e: int, arrived: int, x_addr: int, total: int, own_start: int, own_len: int,
-                        row_bytes: int, sig: Signature, alloc: Allocator) -> torch.Tensor:
+                        row_bytes: int, sig: Signature, alloc: Allocator,
+                        counts: list[list[int]] | None = None) -> torch.Tensor:
         """The compiled round of all_to_all after ``a2a_post`` returned ``arrived`` (not DONE): wait for
-        the peers, read what they send us, allocate, pull."""
+        the peers, read what they send us, allocate, pull (``counts``: the published send counts,
+        when the caller read them already)."""
         if arrived != ARRIVED:
             self._finish_arrival(e, sig, arrived)
-        c0 = self._counts0 + (e & 1) * self.size
-        q, me = self._q, self.rank
-        out = alloc([q[base + c0 + me] for base in self._bases])
+        me = self.rank
+        if counts is None:
+            c0 = self._counts0 + (e & 1) * self.size
+            recv = [self._q[base + c0 + me] for base in self._bases]
+        else:
+            recv = [row[me] for row in counts]
+        out = alloc(recv)
         if self._g.a2a_pull(b, e, out.data_ptr(), out.nbytes, row_bytes, x_addr, own_start, own_len) == 0:
             return out
-        return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, False, out)
+        return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, False, out, counts)
 
     def _compiled_all_to_all_declared(self, send_counts: list[int], recv_counts: list[int], row_bytes: int,
                                       total: int, sig: Signature, x_addr: int, alloc: Allocator) -> torch.Tensor:
         """The compiled round of all_to_all for a caller that declared its receive counts: they are
         published beside the send counts before the arrival and compared on every rank after it, so a
         wrong value raises check_recv_counts' ValueError everywhere before any row is read."""
-        n, me, q = self.size, self.rank, self._q
+        n, me = self.size, self.rank
         b, e = self._compiled_round()
-        d0 = self._recv0 + (e & 1) * n
-        q[self._my_base + d0 : self._my_base + d0 + n] = array.array("q", recv_counts)  # before the release store
+        d0 = self._my_base + self._recv0 + (e & 1) * n
+        self._q[d0 : d0 + n] = array.array("q", recv_counts)  # before a2a_post's release store
         own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
         arrived = self._g.a2a_post(b, e, x_addr, total, own_start, own_len, send_counts, sig.value, sig.addr)
         if arrived != ARRIVED:
             self._finish_arrival(e, sig, arrived)
-        c0 = self._counts0 + (e & 1) * n
-        counts = [q[base + c0 : base + c0 + n].tolist() for base in self._bases]  # counts[src][dst]
-        declared = [q[base + d0 : base + d0 + n].tolist() for base in self._bases]  # declared[dst][src]
-        if any(declared[d][s] != counts[s][d] for s in range(n) for d in range(n)):
-            check_recv_counts(counts, declared, self._ranks)
-        out = alloc([row[me] for row in counts])
-        if self._g.a2a_pull(b, e, out.data_ptr(), out.nbytes, row_bytes, x_addr, own_start, own_len) == 0:
-            return out
-        return self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, False, out, counts)
+        counts = self._published_counts(e)
+        self._check_declared(counts, e)
+        return self._a2a_after_post(b, e, ARRIVED, x_addr, total, own_start, own_len, row_bytes, sig, alloc, counts)
 
     def latency_all_to_all(self, send_counts: list[int], row_bytes: int, total: int, sig: Signature
                            ) -> Callable[[int, torch.Tensor | None, Allocator], torch.Tensor] | None:

@@ -384,22 +384,17 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
             return self._compiled_all_to_all(send_counts, row_bytes, total, sig)(
                 x_addr, into if row_bytes else None, alloc)
         own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
-        n, S = self.size, self.slot_bytes
         b = self._begin_round()
         if not direct:
-            for off, src, nb in staged_segments(own_start, own_len, total, 0, S):
+            for off, src, nb in staged_segments(own_start, own_len, total, 0, self.slot_bytes):
                 self._stage(b, off, x_addr + src, nb)
         # the output address published is only a flag: nonzero = this rank exchanges in place
         self._sync(sig, send_counts, recv=recv_counts,
                    addrs=(x_addr if direct else 0, x_addr if in_place else 0) if self.single_copy else None,
                    spin_ns=self._large_spin_ns if direct else 0)
-        q, c0 = self._q, self._counts0 + (self._epoch & 1) * n
-        counts = [q[base + c0 : base + c0 + n].tolist() for base in self._bases]  # counts[src][dst] rows
+        counts = self._published_counts(self._epoch)
         if recv_counts is not None:  # every rank passed them: the signatures agreed on that
-            r0 = self._recv0 + (self._epoch & 1) * n
-            declared = [q[base + r0 : base + r0 + n].tolist() for base in self._bases]  # declared[dst][src]
-            if any(declared[d][s] != counts[s][d] for s in range(n) for d in range(n)):
-                check_recv_counts(counts, declared, self._ranks)
+            self._check_declared(counts, self._epoch)
         out = alloc([row[me] for row in counts])
         if self.single_copy and (direct or not total):  # a rank that stages rows rules the swap out
             steps = self._swap_steps(counts, row_bytes)
@@ -418,8 +413,7 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         the staged rounds (``counts``: the [n][n] send counts, read from the control blocks if None)."""
         n, me, S = self.size, self.rank, self.slot_bytes
         if counts is None:
-            q, c0 = self._q, self._counts0 + (self._epoch & 1) * n
-            counts = [q[base + c0 : base + c0 + n].tolist() for base in self._bases]
+            counts = self._published_counts(self._epoch)
         recv = [row[me] for row in counts]
         y_addr = out.data_ptr()
         own_at = y_addr + sum(recv[:me]) * row_bytes
@@ -452,6 +446,19 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         copy_bytes(own_at, x_addr + own_start, own_len)
         self._await(done_reading, self._large_spin_ns)
         return out
+
+    def _published_counts(self, e: int) -> list[list[int]]:
+        """The [size][size] all_to_all send counts every rank published at epoch ``e`` (counts[src][dst] rows)."""
+        q, n, c0 = self._q, self.size, self._counts0 + (e & 1) * self.size
+        return [q[base + c0 : base + c0 + n].tolist() for base in self._bases]
+
+    def _check_declared(self, counts: list[list[int]], e: int) -> None:
+        """Raise check_recv_counts' ValueError (on every rank alike) unless the receive counts every rank
+        declared at epoch ``e`` are what the others send it (``counts``: :meth:`_published_counts`)."""
+        q, n, r0 = self._q, self.size, self._recv0 + (e & 1) * self.size
+        declared = [q[base + r0 : base + r0 + n].tolist() for base in self._bases]  # declared[dst][src]
+        if any(declared[d][s] != counts[s][d] for s in range(n) for d in range(n)):
+            check_recv_counts(counts, declared, self._ranks)
 
     def takes_in_place_all_to_all(self, nbytes: int) -> bool:
         """See :meth:`Transport.takes_in_place_all_to_all`: a sender read in one copy (its peers read
