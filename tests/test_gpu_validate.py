@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 import collectives
-from benchmarks import gpu_validate as gv
+from benchmarks import gpu_checks, gpu_validate as gv
 from benchmarks.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,18 +191,18 @@ class _WrongMax:
 
 
 def _check_bodies(comm):
-    return (gv._collectives_body(comm, "cpu", ["shm"]), gv._collectives_body(_WrongMax(comm), "cpu", ["shm"]),
-            gv._collectives_body(comm, "cpu", ["nccl"]))
+    return (gpu_checks._collectives_body(comm, "cpu", ["shm"]), gpu_checks._collectives_body(_WrongMax(comm), "cpu", ["shm"]),
+            gpu_checks._collectives_body(comm, "cpu", ["nccl"]))
 
 
 def test_collectives_check_passes_on_cpu_and_names_exactly_the_wrong_cases():
     res = collectives.launch(_check_bodies, 2, transport="shm", device="cpu", timeout=120.0)
-    ints = sum(not getattr(torch, d).is_floating_point for d in gv._DTYPES)
-    per_transport = len(gv._DTYPES) * (2 * len(gv._OPS) + 3) - 2 * ints  # no avg for ints
+    ints = sum(not getattr(torch, d).is_floating_point for d in gpu_checks._DTYPES)
+    per_transport = len(gpu_checks._DTYPES) * (2 * len(gpu_checks._OPS) + 3) - 2 * ints  # no avg for ints
     for rank, (good, wrong, no_nccl) in enumerate(res):
         assert good["failures"] == [] and good["transports"] == ["shm", "auto"], (rank, good)
         assert good["cases"] == 2 * per_transport + 2  # + the two splits
-        want = {f"{t} all_reduce(max) {d}: wrong result" for t in ("shm", "auto") for d in gv._DTYPES}
+        want = {f"{t} all_reduce(max) {d}: wrong result" for t in ("shm", "auto") for d in gpu_checks._DTYPES}
         assert {f.split(" (")[0] for f in wrong["failures"]} == want, (rank, wrong["failures"])
         assert len(no_nccl["failures"]) == 1 and "['nccl'] did not come up" in no_nccl["failures"][0]
     summary = gv.check_collectives(1, device="cpu", required=("shm",), transport="shm", timeout=60.0)
