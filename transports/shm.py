@@ -213,8 +213,11 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
             return {OpCode.ALL_REDUCE: "cma_two_shot", OpCode.REDUCE_SCATTER: "cma_pull_reduce"}.get(opcode, "cma_pull")
         if opcode == OpCode.ALL_REDUCE:
             return "one_shot" if nbytes <= self._one_shot_limit else "two_shot"
-        if opcode == OpCode.ALL_TO_ALL and self.single_copy:
-            return "pull+cma"  # each sender picks single copy from its own size
+        if opcode == OpCode.ALL_TO_ALL:
+            # Each sender picks single copy from its own input size: this names how this rank's rows
+            # travel (an uneven exchange may mix both), so that an even sweep's rows, and the model
+            # fitted on them, tell the staged reads from the single-copy ones.
+            return "cma_pull" if self.single_copy and 0 < nbytes and nbytes >= self._a2a_direct_min else "pull"
         return {OpCode.ALL_GATHER: "pull", OpCode.REDUCE_SCATTER: "pull_reduce", OpCode.ALL_TO_ALL: "pull",
                 OpCode.BROADCAST: "pull", OpCode.BARRIER: "flags"}.get(opcode, "flags")
 
