@@ -29,6 +29,7 @@ import numpy as np
 
 from collectives.model import (NCCL_ALGORITHMS, System, bus_factor, calibrate, get_system, predict_collective,
                                predict_moe)
+from collectives.model.calibrate import fitted_time_us, row_time_us
 
 from .common import format_size
 
@@ -399,11 +400,14 @@ def _predict_run(system: System, run: dict) -> tuple[list[list[str]], dict[tuple
             continue
         pred = predict_collective(system, r["op"], r["size"], nodes=1, gpus_per_node=nranks, dtype=r["dtype"])
         label = f"{r['transport']}/{r['algorithm']}"
-        same = [c for c in pred.candidates if c.algorithm == label]
-        predicted = same[0].time_us if same else None
-        err = None if predicted is None else 100.0 * (predicted - r["time_us"]) / r["time_us"]
+        try:  # the used algorithm's own fit, even where the model would not pick it (outside its span)
+            predicted = fitted_time_us(system, r["op"], label, r["size"], ranks=nranks)
+        except ValueError:  # the calibration run never ran that algorithm
+            predicted = None
+        measured = row_time_us(r)
+        err = None if predicted is None else 100.0 * (predicted - measured) / measured
         errors.setdefault((r["op"], _size_range(r["size"])), []).append(err)
-        rows.append([r["op"], str(r["size"]), label, f"{r['time_us']:.1f}", _fmt(predicted), _fmt(err),
+        rows.append([r["op"], str(r["size"]), label, f"{measured:.1f}", _fmt(predicted), _fmt(err),
                      f"{pred.algorithm} {pred.time_us:.1f}"])
     return rows, errors
 
@@ -438,7 +442,7 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
            "(`tests/test_model_validation.py` regenerates it).", "",
            "The model is fitted (`collectives.model.calibrate`: piecewise least-squares alpha-beta per transport, "
            "algorithm and op, up to 3 size segments where the cache regime changes; one row per segment below) "
-           "on the first run and predicts the out-of-place time of every row of the second run, which "
+           "on the first run and predicts the out-of-place median call time (`p50`) of every row of the second run, which "
            "used other sizes. Each row is compared with the fitted term of the algorithm the run actually used; "
            "the last column is the model's own pick.", ""]
     out += _table(["run", "command", "commit", "1-min load before / after"],
@@ -486,7 +490,7 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
 def _repeatability(run1: dict, repeats: list[Path], ranges: tuple[str, ...]) -> list[str]:
     """How far the calibration run's own command, made again, lands from it (the floor of any prediction)."""
     def times(run: dict) -> dict[tuple[str, str, int], float]:
-        return {(r["op"], r["transport"], r["size"]): r["time_us"] for r in run["rows"]
+        return {(r["op"], r["transport"], r["size"]): row_time_us(r) for r in run["rows"]
                 if r.get("library", "moecomm") == "moecomm"}
 
     first = times(run1)

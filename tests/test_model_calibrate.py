@@ -265,10 +265,20 @@ def test_fitted_time_follows_the_segments() -> None:
     assert one_shot(0) == 5.0 and one_shot(1000) == pytest.approx(5.0 + 0.1)
     assert one_shot(1 << 20) == pytest.approx(2.0 + 2e-4 * (1 << 20))
     assert one_shot(1 << 30) == pytest.approx(4e-4 * (1 << 30))  # beyond every range: the last segment
-    # 160 KiB lies in the 64K..256K gap, nearer to 256K in log; the faster neighbour (segment 0) predicts it
-    assert one_shot(160 << 10) == pytest.approx(5.0 + 1e-4 * (160 << 10))
-    # 8 MiB: gap 4M..16M, where segment 1's line is the faster
-    assert one_shot(8 << 20) == pytest.approx(2.0 + 2e-4 * (8 << 20))
+    def chord(low: int, t_low: float, high: int, t_high: float, size: int) -> float:
+        return t_low + (t_high - t_low) * (size - low) / (high - low)
+    # 160 KiB lies in the 64K..256K gap: the chord from segment 0 at 64K to segment 1 at 256K predicts it
+    assert one_shot(160 << 10) == pytest.approx(
+        chord(64 << 10, 5.0 + 1e-4 * (64 << 10), 256 << 10, 2.0 + 2e-4 * (256 << 10), 160 << 10))
+    assert one_shot(160 << 10) == pytest.approx(32.9912, abs=1e-3)  # by hand: -2.7381 + 2.180745e-4 * 163840
+    # 8 MiB: gap 4M..16M, from segment 1 at 4M (840.86 us) to segment 2 at 16M (6710.89 us)
+    assert one_shot(8 << 20) == pytest.approx(chord(4 << 20, 2.0 + 2e-4 * (4 << 20), 16 << 20, 4e-4 * (16 << 20), 8 << 20))
+    assert one_shot(8 << 20) == pytest.approx(2797.54, abs=0.01)
+    # the chord never falls: an upper segment starting below the lower one's end leaves the gap flat
+    flat = [dict(t) for t in system.calibration["all_reduce"] if t["algorithm"] == "shm/one_shot"]
+    flat[1].update(alpha_us=0.0, beta_us_per_byte=1e-9)
+    flat_system = System(**{**system.__dict__, "calibration": {"all_reduce": flat}})
+    assert fitted_time_us(flat_system, "all_reduce", "one_shot", 160 << 10, ranks=2) == pytest.approx(5.0 + 1e-4 * (64 << 10))
     # predict_collective uses the same rule, and picks among 3-segment and 1-segment algorithms
     for size in (1000, 160 << 10, 1 << 20, 8 << 20, 32 << 20):
         p = predict_collective(system, "all_reduce", size, nodes=1, gpus_per_node=2)
@@ -304,20 +314,18 @@ def test_crossover_on_segmented_fits() -> None:
     # one line of segment 0 would never cross two_shot
     assert crossover_bytes(system, "all_reduce", "one_shot", "two_shot", ranks=2) == 560_000
     assert crossover_bytes(system, "all_reduce", "two_shot", "one_shot", ranks=2) == 560_000
-    # one_shot vs mpi: segment 0 (5 + 1e-4 s) meets 40 + 5e-5 s at 700000 B, in segment 1's range,
-    # where 2 + 2e-4 s already lost at 38 / 1.5e-4 = 253334 B: in the 64K..256K gap, segment 0 is
-    # the faster neighbour up to 262144 (256 KiB), so the first size one_shot loses is 256 KiB
-    assert crossover_bytes(system, "all_reduce", "one_shot", "Iallreduce", ranks=2) == 256 << 10
+    # one_shot vs mpi (40 + 5e-5 s): in the 64K..256K gap one_shot is the chord from 11.5536 us at 65536
+    # to 54.4288 at 262144, -2.7381 + 2.180745e-4 s, which meets mpi at 42.7381 / 1.680745e-4 = 254280.6 B
+    assert crossover_bytes(system, "all_reduce", "one_shot", "Iallreduce", ranks=2) == 254_281
     for a, b in (("one_shot", "two_shot"), ("one_shot", "Iallreduce"), ("two_shot", "Iallreduce")):
         _faster_until(system, a, b)
-    # In the 4M..16M gap the faster neighbour changes where segments 1 and 2 cross: with segment 2
-    # at 1000 + 1e-4 s that is 998 / 1e-4 = 9.98 MB, and a flat 2100 us is first reached on
-    # segment 2's line at 11 MB (segment 1's line would say 10.49 MB).
+    # In the 4M..16M gap, with segment 2 at 1000 + 1e-4 s, the chord runs from 840.8608 us at 4194304 B
+    # to 2677.7216 at 16777216: a flat 2100 us is reached at 4194304 + 1259.1392 / 1.459770e-4 = 12819692.x B
     cal = [dict(t) for t in system.calibration["all_reduce"] if t["algorithm"] == "shm/one_shot"]
     cal[2].update(alpha_us=1000.0, beta_us_per_byte=1e-4)
     cal.append({**cal[0], "algorithm": "mpi/flat", "alpha_us": 2100.0, "beta_us_per_byte": 0.0, "segment": 0})
     gap_system = System(**{**system.__dict__, "calibration": {"all_reduce": cal}})
-    assert crossover_bytes(gap_system, "all_reduce", "one_shot", "flat", ranks=2) == 11_000_000
+    assert crossover_bytes(gap_system, "all_reduce", "one_shot", "flat", ranks=2) == 12_819_693
     rng = np.random.default_rng(3)
     for _ in range(20):  # random piecewise fits: the closed form agrees with the scan
         cal = _segmented_system().calibration["all_reduce"]

@@ -26,7 +26,8 @@ search (dynamic programming over the ~12 sizes of a sweep) minimising the total 
 residual; the number of segments by an information criterion whose charge per segment was set by
 simulation (:func:`fit_segments`), so noise does not buy segments.
 
-Rows used: the library's own transports (``library == "moecomm"``), not the peers (gloo, mpi4py:
+Times: each row's median call time (:func:`row_time_us`), not nccl-tests' mean, which one descheduled
+call moves on a shared VM. Rows used: the library's own transports (``library == "moecomm"``), not the peers (gloo, mpi4py:
 the library cannot choose them) and not ``auto`` (its rows repeat a transport's under another
 name); rows that failed their check (``wrong > 0``) are dropped. ``tune_shm --json`` runs carry
 non-default slot sizes as their own transport (``shm/slot 1M``), so they are fitted apart.
@@ -113,7 +114,12 @@ MIN_SEGMENT_SIZES = 3  # a line through 2 sizes has no residual: its fit error w
 # Below this RMS relative error two fits are equally exact: no timing repeats to 0.1% between runs
 # (the local runs' small sizes vary by 10-30%), so a split that only removes rounding error is noise.
 RMS_FLOOR = 1e-3
-SEGMENT_PENALTY = 8.0  # ln(points) per extra segment: false splits ~0.5% (simulation in fit_segments)
+# ln(points) per extra segment: false splits ~3% at 12 sizes, 0.3% at 23 (simulation in fit_segments).
+# 8 (0.5%) left this VM's gradual cache transitions as one line (2-rank two_shot all_reduce 0.5-128 MiB
+# at 30% rms, cma_push all_gather 2-128 MiB at 38%) and missed the local check's 24 and 96 MiB rows by
+# 40-50%; with 6 the mean |error| at >= 64 KiB over 3 calibration x 3 prediction runs went from
+# 19.4 / 16.0 / 8.8% to 11.4 / 11.7 / 8.8% (medians, before gaps were chords; model-local-check.md).
+SEGMENT_PENALTY = 6.0
 
 
 @dataclass(frozen=True)
@@ -143,13 +149,15 @@ def fit_segments(sizes: Sequence[float], times_us: Sequence[float], *, max_segme
     sizes; a segment holds every point of its sizes). The k kept minimises
     ``P ln(RSS / P) + penalty (k - 1) ln P`` over the ``P`` points (relative residuals ~ log
     residuals), the fewest segments on a tie: each extra segment must cut the RSS by
-    ``P ** (penalty / P)``, with 12 points and the default 8: 5.2x (the RMS 2.3x), with 23 points
-    3x. BIC would charge 3 ln P per segment (two coefficients and a breakpoint), but the exact
+    ``P ** (penalty / P)``, with 12 points and the default 6: 3.5x (the RMS 1.9x), with 23 points
+    2.3x. BIC would charge 3 ln P per segment (two coefficients and a breakpoint), but the exact
     search over breakpoints with 3-size segments (one residual degree of freedom each) fits noise
     far better than 3 free parameters would: on one line with 2-10% log-normal noise, 12 sizes of
-    a x4 sweep, BIC's 3 split 34% of 400 simulated runs, 6 split 3%, 8 split 0.5% (and none of
-    100 runs of a 23-size x2 sweep), while a bandwidth halving above 2 MiB on the x2 sweep was
-    split at 2 MiB in 99 of 100 runs with 2% noise. RSS under :data:`RMS_FLOOR` counts as the floor.
+    a x4 sweep, BIC's 3 split 34% of 400 simulated runs, 6 split 3%, 8 split 0.5% (6: 0.3% of 300
+    runs of a 23-size x2 sweep), while a bandwidth halving above 2 MiB on the x2 sweep was split at
+    2 MiB in every run with 2% noise. A false split costs little (each side still fits its own
+    sizes); a transition left unsplit misses by tens of percent (:data:`SEGMENT_PENALTY`). RSS under
+    :data:`RMS_FLOOR` counts as the floor.
 
     Args:
         sizes: bytes per point (``[P]``, >= 0), at least two distinct values.
@@ -222,6 +230,19 @@ def _usable(row: Mapping[str, Any]) -> bool:
             and row.get("op") in OPS and int(row.get("wrong", -1)) <= 0)
 
 
+def row_time_us(row: Mapping[str, Any]) -> float:
+    """The time a bench row is fitted on (and a prediction checked against): its median call time.
+
+    ``p50_us`` where the row has one (> 0), else ``time_us`` (nccl-tests' mean over the timed calls;
+    ``tune_shm`` rows carry only that, already a median of repeats). On the shared 2-vCPU VM one call
+    descheduled for a few ms moves a 20-call mean by tens of percent, the median hardly: fitted on
+    means, the local check's predictions missed by 24% on average at >= 64 KiB, on medians by 17%
+    (same runs; benchmarks/results/model-local-check.md).
+    """
+    p50 = float(row.get("p50_us") or 0.0)
+    return p50 if p50 > 0 and math.isfinite(p50) else float(row.get("time_us", 0.0))
+
+
 def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any]]]:
     """The fitted terms of a run, in :attr:`System.calibration`'s form.
 
@@ -244,7 +265,7 @@ def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any
         if not isinstance(row, Mapping) or not _usable(row):
             continue
         ranks = int(row.get("nranks") or default_ranks)
-        time_us = float(row.get("time_us", 0.0))
+        time_us = row_time_us(row)
         if ranks < 1 or not math.isfinite(time_us) or time_us <= 0:
             continue
         key = (row["op"], str(row["transport"]), str(row.get("algorithm") or row["transport"]), ranks)
@@ -325,7 +346,10 @@ def _segments(system: System, op: str, algorithm: str, ranks: int) -> list[Mappi
 
 
 def _line(term: Mapping[str, Any]) -> tuple[float, float]:
-    return max(0.0, float(term["alpha_us"])), max(0.0, float(term["beta_us_per_byte"]))  # as collective.py
+    """(alpha, beta) of a term as :func:`~collectives.model.segments.segment_time` evaluates it."""
+    if term.get("chord"):
+        return float(term["alpha_us"]), float(term["beta_us_per_byte"])
+    return max(0.0, float(term["alpha_us"])), max(0.0, float(term["beta_us_per_byte"]))
 
 
 def fitted_time_us(system: System, op: str, algorithm: str, size: int, *, ranks: int) -> float:
@@ -341,7 +365,7 @@ def fitted_time_us(system: System, op: str, algorithm: str, size: int, *, ranks:
     Returns:
         ``alpha + beta * size`` (us) of the segment that predicts ``size``
         (:func:`collectives.model.segments.fitted_segment`, as ``predict_collective`` chooses it:
-        the one holding ``size``, in a gap the faster neighbour, beyond all the nearest).
+        the one holding ``size``, in a gap the chord between its two neighbours, beyond all the nearest).
 
     Raises:
         ValueError: an algorithm not fitted (or ambiguous) for that op and rank count.
@@ -351,21 +375,14 @@ def fitted_time_us(system: System, op: str, algorithm: str, size: int, *, ranks:
 
 
 def _knots(segments: Sequence[Mapping[str, Any]]) -> set[int]:
-    """Sizes around which the segment predicting a size can change (fitted_segment's rule): range
-    ends, and in a gap between two segments the size where their lines cross."""
+    """Sizes around which the term predicting a size can change (fitted_segment's rule): the ends of
+    every fitted range (a gap between two ranges is one line, their chord)."""
     out: set[int] = set()
-    ranges = sorted(((max(1, int(t.get("min_bytes", 0) or 1)), t.get("max_bytes"), t) for t in segments),
-                    key=lambda r: r[0])
-    for low, high, _ in ranges:
+    for t in segments:
+        low, high = max(1, int(t.get("min_bytes", 0) or 1)), t.get("max_bytes")
         out.update((low - 1, low))
         if high is not None:
             out.update((int(high), int(high) + 1))
-    for (_, high, lower), (low, _, upper) in zip(ranges, ranges[1:]):
-        (alpha_l, beta_l), (alpha_u, beta_u) = _line(lower), _line(upper)
-        if high is not None and low > int(high) and beta_l != beta_u:
-            crossing = (alpha_u - alpha_l) / (beta_l - beta_u)
-            if int(high) < crossing < low:
-                out.update(range(math.floor(crossing) - 1, math.floor(crossing) + 3))
     return out
 
 

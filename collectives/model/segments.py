@@ -28,8 +28,20 @@ def _fitted_range(term: Mapping[str, Any]) -> tuple[int, int | None]:
 
 
 def segment_time(term: Mapping[str, Any], size: int) -> float:
-    """``alpha + beta * size`` (us) of one fitted term, negative coefficients counted as 0."""
+    """``alpha + beta * size`` (us) of one fitted term, negative coefficients counted as 0 (a chord
+    between two segments, :func:`fitted_segment`, keeps its own: only its time is kept >= 0)."""
+    if term.get("chord"):
+        return max(0.0, float(term["alpha_us"]) + float(term["beta_us_per_byte"]) * size)
     return max(0.0, float(term["alpha_us"])) + max(0.0, float(term["beta_us_per_byte"])) * size
+
+
+def _chord(lower: Mapping[str, Any], high: int, upper: Mapping[str, Any], low: int) -> dict[str, Any]:
+    """The line from ``lower``'s prediction at its last fitted size ``high`` to ``upper``'s at its
+    first ``low`` (never falling: a larger size never predicts a shorter time inside the gap)."""
+    start, end = segment_time(lower, high), segment_time(upper, low)
+    beta = max(0.0, (end - start) / (low - high))
+    return {**lower, "alpha_us": start - beta * high, "beta_us_per_byte": beta, "min_bytes": high,
+            "max_bytes": low, "chord": True}
 
 
 def fitted_segment(segments: Sequence[Mapping[str, Any]], size: int) -> Mapping[str, Any]:
@@ -42,12 +54,13 @@ def fitted_segment(segments: Sequence[Mapping[str, Any]], size: int) -> Mapping[
 
     Returns:
         The term whose range holds ``size`` (the lowest-starting one if several do). In the gap
-        between two segments, the one of the two that predicts the shorter time there: a cache
-        cliff of bandwidth ratio r lies somewhere in the gap, and the faster side misses a size
-        beyond it by at most ``1 - 1/r`` (-50% for r = 2) where the slower side misses one before it
-        by up to ``r - 1`` (+100%); on this VM's local check (benchmarks/results/model-local-check.md)
-        the nearest-in-log choice predicted 1.5 MiB all_gather +163%, this one -19%. Below or
-        above every range: the nearest one (the first or last segment, extrapolated).
+        between two segments, their chord: a term (``"chord": True``, its alpha may be negative) that
+        joins the lower segment's prediction at its last size to the upper one's at its first. A CPU's
+        cache transition is gradual (this VM's 2-rank all_reduce: 65 us/MB at 8 MiB, 85 at 16, 111 at
+        32), so a gap's sizes lie between its two sides; on the local check's runs
+        (benchmarks/results/model-local-check.md) taking the faster side instead missed 24 MiB by
+        40-53%, the chord by up to 22%. Below or above every range: the nearest one (the first or
+        last segment, extrapolated).
     """
     if not segments:
         raise ValueError("fitted_segment: no terms given")
@@ -59,8 +72,8 @@ def fitted_segment(segments: Sequence[Mapping[str, Any]], size: int) -> Mapping[
     below = [(high, i) for i, (t, low, high) in enumerate(ranges) if high is not None and high < at]
     above = [(low, i) for i, (t, low, high) in enumerate(ranges) if low > at]
     if below and above:
-        lower, upper = segments[max(below)[1]], segments[min(above)[1]]
-        return lower if segment_time(lower, size) <= segment_time(upper, size) else upper
+        (high, lower), (low, upper) = max(below), min(above)
+        return _chord(segments[lower], high, segments[upper], low)
     return segments[max(below)[1]] if below else segments[min(above)[1]]
 
 
