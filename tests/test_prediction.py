@@ -56,22 +56,25 @@ def test_fits_that_favour_two_shot_at_small_sizes_give_two_shot_everywhere(caplo
 
 def test_switch_point_on_piecewise_fits_and_rescaled_segments():
     # one-shot fitted in two size segments: 7 + 1e-4 s up to 64 KiB, 1 + 3e-4 s from 256 KiB;
-    # two-shot 19 + 1e-4 s. Segment 0 alone never crosses two-shot; in the 64K..256K gap the faster
-    # neighbour (segment 0) holds, so one-shot first loses at 256 KiB, where segment 1 takes over.
+    # two-shot 19 + 1e-4 s. Segment 0 alone never crosses two-shot; in the 64K..256K gap one-shot is
+    # the chord from 13.5536 us at 65536 B to 79.6432 at 262144 (-8.4763 + 3.361491e-4 s), which meets
+    # two-shot at 27.4763 / 2.361491e-4 = 116351.4 B: one-shot first loses at 116352.
     system = _system((7.0, 1e-4), (19.0, 1e-4))
     first = system.calibration["all_reduce"][0]
     system.calibration["all_reduce"][:1] = [{**first, "max_bytes": 64 << 10, "segment": 0},
                                             {**first, "alpha_us": 1.0, "beta_us_per_byte": 3e-4,
                                              "min_bytes": 256 << 10, "segment": 1}]
-    assert prediction.shm_one_shot_limit(system, 2) == (256 << 10) - 1
+    assert prediction.shm_one_shot_limit(system, 2) == 116_351
     # at 4 ranks every segment is rescaled by traffic (one-shot x3, two-shot x1.5) and keeps its range:
-    # 7 + 3e-4 s vs 19 + 1.5e-4 s cross at 80000 B, inside segment 0's range
+    # at 64 KiB one-shot (7 + 3e-4 s: 26.66 us) still beats two-shot (19 + 1.5e-4 s: 28.83); in the gap the
+    # chord to segment 1 at 256 KiB (1 + 9e-4 s: 236.93 us), -43.4288 + 1.0694824e-3 s, meets two-shot at
+    # 62.4288 / 9.194824e-4 = 67895.6 B: one-shot first loses at 67896
     scaled = prediction.at_ranks(system, 4)
     one_shot = [t for t in scaled.calibration["all_reduce"] if t["algorithm"] == "shm/one_shot"]
     assert [(t["min_bytes"], t["max_bytes"], t["beta_us_per_byte"]) for t in one_shot] == [
         (8, 64 << 10, pytest.approx(3e-4)), (256 << 10, 1 << 26, pytest.approx(9e-4))]
     assert all(t["ranks"] == 4 and t["rescaled_from_ranks"] == 2 for t in scaled.calibration["all_reduce"])
-    assert prediction.shm_one_shot_limit(system, 4) == pytest.approx(79_999, abs=1)
+    assert prediction.shm_one_shot_limit(system, 4) == 67_895
     # two-shot faster at small sizes (lower latency, parallel lines): 0
     assert prediction.shm_one_shot_limit(_system((7.0, 1e-4), (5.0, 1e-4)), 2) == 0
 
