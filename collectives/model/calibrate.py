@@ -119,6 +119,10 @@ RMS_FLOOR = 1e-3
 # at 30% rms, cma_push all_gather 2-128 MiB at 38%) and missed the local check's 24 and 96 MiB rows by
 # 40-50%; with 6 the mean |error| at >= 64 KiB over 3 calibration x 3 prediction runs went from
 # 19.4 / 16.0 / 8.8% to 11.4 / 11.7 / 8.8% (medians, before gaps were chords; model-local-check.md).
+# Tried instead: choosing the segment count by leave-one-size-out prediction error. Over six calibration
+# runs it matched 6 on five and beat it on one (largest miss 45 -> 30%: a 7-size group that 6 left one
+# line by a hair), but it split 25-29% of simulated noisy single lines; the one-standard-error variant
+# of it stopped finding cliffs. Not adopted.
 SEGMENT_PENALTY = 6.0
 
 
