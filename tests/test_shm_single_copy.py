@@ -190,3 +190,46 @@ def test_a_failed_read_breaks_the_call_on_every_rank_naming_it(op):
     # that aborted (or exited) because of it
     assert all(res[r][0] == "PeerFailedError" and ("aborted after a failure" in res[r][1] or "exited" in res[r][1])
                for r in (0, 1)), res
+
+
+def _body_timed_all_gather(comm, forced: int | None):
+    """Large all_gathers whose path rank 0 chooses (single copy or staged) by timing: every rank takes
+    rank 0's path on every call, and every result is right. ``forced``: rank 0 always chooses it."""
+    _shm_single_copy.SINGLE_COPY_MIN_BYTES[OpCode.ALL_GATHER] = 32 << 10  # this process's table, read by the next transport
+    _shm_single_copy.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 ranks on this 2-core machine
+    comm = comm.split(0, options={"shm_slot_bytes": 4096})  # staged: several rounds per call
+    shm = comm.transports["shm"]
+    assert shm._timed_gather and (shm._gather_chooser is not None) == (comm.rank == 0)
+    if comm.rank == 0:
+        if forced is None:  # try the other path every third call: both paths, and the switches between them
+            shm._gather_chooser = _shm_single_copy.PathChooser(shm._gather_chooser.paths, explore_every=3)
+        else:
+            shm._gather_chooser.choose = lambda key: forced
+            shm._gather_chooser.record = lambda key, path, seconds: None
+    n, numel = comm.size, 9001  # 36004 B: above the single-copy size set here, 9 staged rounds
+    paths = []
+    for call in range(12):
+        in_place = call % 2 == 1
+        xs = [rank_input("timed", r, (numel,), torch.float32, call) for r in range(n)]
+        if in_place:
+            out = torch.zeros(n * numel)
+            out[comm.rank * numel : (comm.rank + 1) * numel] = xs[comm.rank]
+            got = comm.all_gather(out[comm.rank * numel : (comm.rank + 1) * numel], out=out)
+        else:
+            got = comm.all_gather(xs[comm.rank])
+        assert torch.equal(got, torch.cat(xs)), (comm.rank, call)
+        paths.append(shm._gather_paths[(numel * 4, in_place)])
+    return paths, comm.plan("all_gather", xs[comm.rank]).algorithm
+
+
+@pytest.mark.parametrize("forced", [None, _shm_single_copy.STAGED_PATH, _shm_single_copy.SINGLE_PATH])
+def test_timed_all_gather_follows_rank_0_on_every_rank(forced):
+    res = collectives.launch(_body_timed_all_gather, 3, forced, transport="shm", timeout=60.0)
+    paths = [r[0] for r in res]
+    assert all(p == paths[0] for p in paths), paths  # no call split the ranks between paths
+    if forced is None:
+        assert set(paths[0]) == {_shm_single_copy.SINGLE_PATH, _shm_single_copy.STAGED_PATH}, paths[0]
+    else:
+        assert set(paths[0]) == {forced}
+        label = {_shm_single_copy.STAGED_PATH: "pull", _shm_single_copy.SINGLE_PATH: "cma_push"}[forced]
+        assert all(r[1] == label for r in res), res

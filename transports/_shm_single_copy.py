@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 
 import numpy as np
 import torch
 
 from . import _cma
 from ._host import copy_bytes, reduce_into
+from ._path_choice import EXPLORE_EVERY, PathChooser
 from ._schedule import part_bounds
 from .base import CommunicatorBrokenError, GroupInfo, OpCode, PeerFailedError, ReduceOp, Signature
 
@@ -43,6 +45,13 @@ SINGLE_COPY_WHEN_OVERSUBSCRIBED = False
 # (MPICH, which reads: 123-126, 536-573, 2675-2763); in a later phase the two were equal within ~5%.
 # Never slower beyond the noise. Where writes are refused, it reads.
 PUSH_ALL_GATHER = True
+# From that size on (SINGLE_COPY_MIN_BYTES), all_gather is timed rather than switched: rank 0 times the
+# single-copy and the staged path on the first calls of each size and keeps the faster
+# (transports/_path_choice.py). The staged path, compiled since the table above was measured, was
+# 1.2-1.6x faster than single copy at 2-32 MiB in one phase of the CI VM and 2-2.5x slower in the next
+# (shm-single-copy-tuning.txt, last section); no constant is right in both.
+TIME_ALL_GATHER_PATHS = True
+SINGLE_PATH, STAGED_PATH = 1, 2  # the paths of a timed all_gather, as rank 0 publishes them
 ALWAYS_SINGLE_COPY = (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER, OpCode.ALL_TO_ALL,
                       OpCode.BROADCAST)
 # Bytes read from each peer per step of a single-copy reduction: the peers' chunks and ours are
@@ -73,6 +82,9 @@ class SingleCopyPaths:
         self._swap_buf: np.ndarray | None = None
         self._swap_buf_addr = 0
         self._push = False  # all_gather writes its block into the peers' outputs (else reads theirs)
+        self._timed_gather = False  # all_gather above its switch point is timed (TIME_ALL_GATHER_PATHS)
+        self._gather_chooser: PathChooser | None = None  # rank 0's
+        self._gather_paths: dict[tuple[int, bool], int] = {}  # (bytes, in place) -> path rank 0 last chose
         if mode == "off":
             self.single_copy_status = "off (MOECOMM_SHM_SINGLE_COPY=off)"
         elif self.size == 1:
@@ -91,6 +103,7 @@ class SingleCopyPaths:
             else:
                 self._copy_min = dict(SINGLE_COPY_MIN_BYTES)
                 self.single_copy_status = "process_vm_readv"
+                self._timed_gather = TIME_ALL_GATHER_PATHS
             if self._copy_min:
                 self._push = writes_refused is None and PUSH_ALL_GATHER
                 if writes_refused is not None:
@@ -98,6 +111,8 @@ class SingleCopyPaths:
                 elif self._push:
                     self.single_copy_status += ", all_gather by process_vm_writev"
         self.single_copy = bool(self._copy_min)
+        if self._timed_gather and self.rank == 0:
+            self._gather_chooser = PathChooser((SINGLE_PATH, STAGED_PATH))
 
     def _use_single_copy(self, opcode: OpCode, nbytes: int) -> bool:
         limit = self._copy_min.get(opcode)
@@ -186,8 +201,21 @@ class SingleCopyPaths:
         self._begin_round()
         self._sync(spin_ns=self._large_spin_ns)  # the peers finished reading our output
 
+    def _gather_label(self, nbytes: int) -> str:
+        """all_gather's algorithm above its switch point: the path rank 0 last chose for this size
+        out of place (both, before the first call of the size)."""
+        single = "cma_push" if self._push else "cma_pull"
+        if not self._timed_gather:
+            return single
+        path = self._gather_paths.get((nbytes, False))
+        return {SINGLE_PATH: single, STAGED_PATH: "pull"}.get(path, f"{single}|pull")
+
     def plan_note(self, opcode: OpCode, nbytes: int) -> str:
         limit = self._copy_min.get(opcode)
+        if opcode == OpCode.ALL_GATHER and self._timed_gather and limit is not None:
+            return (f"single copy ({self.single_copy_status}) or staged from {limit} B, whichever rank 0 timed "
+                    f"faster on recent calls of the size (tried again every {EXPLORE_EVERY} calls); "
+                    f"{'now ' + self._gather_label(nbytes) if self._use_single_copy(opcode, nbytes) else 'staged'}")
         if limit is None:
             return f"single copy {self.single_copy_status}" + (
                 "; staged: faster for this op at every size measured" if self.single_copy else "")
@@ -201,9 +229,34 @@ class SingleCopyPaths:
         """Write our input (``nbytes`` at ``x_addr``) straight into our block of every peer's y (``size *
         nbytes`` at its ``y_addr``), or, where writes were refused, read every peer's input into its
         block of ours; our own block is copied while the peers finish."""
-        n, me, spin = self.size, self.rank, self._large_spin_ns
         self._begin_round()
-        self._sync(sig, addrs=(x_addr, y_addr), spin_ns=spin)
+        self._sync(sig, addrs=(x_addr, y_addr), spin_ns=self._large_spin_ns)
+        self._gather_copies(x_addr, y_addr, nbytes)
+
+    def _timed_all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature) -> None:
+        """all_gather by single copy or through the slots, as rank 0 chose (``_gather_chooser``): it
+        publishes the path with the addresses in the first synchronisation, every rank reads it
+        there, and rank 0 times the whole call for its next choice."""
+        x_addr, y_addr, nbytes = send.data_ptr(), out.data_ptr(), send.nbytes
+        key = (nbytes, x_addr == y_addr + self.rank * nbytes)
+        chooser, t0 = self._gather_chooser, time.perf_counter()
+        self._begin_round()
+        self._sync(sig, addrs=(x_addr, y_addr), spin_ns=self._large_spin_ns,
+                   choice=chooser.choose(key) if chooser is not None else None)
+        path = self._q[self._bases[0] + self._choice0 + (self._epoch & 1)]
+        if path == STAGED_PATH:
+            self._staged_all_gather(send, out, None)  # the signature was checked above
+        elif path == SINGLE_PATH:
+            self._gather_copies(x_addr, y_addr, nbytes)
+        else:
+            raise RuntimeError(f"shm all_gather: rank 0 published path {path}, not {SINGLE_PATH} or {STAGED_PATH}")
+        self._gather_paths[key] = path
+        if chooser is not None:
+            chooser.record(key, path, time.perf_counter() - t0)
+
+    def _gather_copies(self, x_addr: int, y_addr: int, nbytes: int) -> None:
+        """The single-copy all_gather after its first synchronisation (the peers' addresses are published)."""
+        n, me, spin = self.size, self.rank, self._large_spin_ns
         for k in range(1, n):
             r = (me + k) % n
             if self._push:

@@ -74,12 +74,14 @@ class RoundSync:
             f"shm communicator is unusable after an earlier failure ({self._broken}); create a new one")
 
     def _sync(self, sig: Signature | None = None, counts: list[int] | None = None, check: bool = True,
-              recv: list[int] | None = None, addrs: tuple[int, int] | None = None, spin_ns: int = 0) -> None:
+              recv: list[int] | None = None, addrs: tuple[int, int] | None = None, spin_ns: int = 0,
+              choice: int | None = None) -> None:
         """Publish our arrival (with the call signature on a call's first sync) and wait for every peer.
 
         ``counts``/``recv``: all_to_all's send counts and declared receive counts, published with it.
         ``addrs``: (input address, output address) of this rank's tensors, for the single-copy path.
         ``spin_ns``: how long a wait may busy-poll before it sleeps (``_large_spin_ns`` after large copies).
+        ``choice``: the path of a timed call (rank 0's counts, :meth:`_published_choice` reads it).
 
         With ``sig``, afterwards compares the peers' signature digests with ours (one word each) and
         raises the detailed ``ValueError`` of :func:`check_agreement` on any difference.
@@ -99,6 +101,8 @@ class RoundSync:
             a0 = mine + self._addr0 + 2 * par
             q[a0] = addrs[0]
             q[a0 + 1] = addrs[1]
+        if choice is not None:
+            q[mine + self._choice0 + par] = choice
         g = self._g
         if g is not None:  # the compiled helper publishes (release store) and spins; waits longer in Python
             code = g.arrive(e, sig.value if sig is not None else -1, sig.addr if sig is not None else 0)

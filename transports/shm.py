@@ -117,7 +117,8 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         self._recv0 = self._counts0 + 2 * n
         self._addr0 = self._recv0 + 2 * n  # two parities of (send address, output address): single copy
         self._wait0 = self._addr0 + 4  # the epoch this rank sleeps for on a futex (0: awake)
-        self._ctrl_words = _align(self._wait0 + 1, 16)  # 128-byte aligned blocks
+        self._choice0 = self._wait0 + 1  # two parities of the path rank 0 chose for a timed call
+        self._ctrl_words = _align(self._choice0 + 2, 16)  # 128-byte aligned blocks
         ctrl_bytes = _align(n * self._ctrl_words * 8, 4096)
         total = ctrl_bytes + n * 2 * self.slot_bytes
         self._map, self.segment_name = create_and_map(group, total)
@@ -208,8 +209,8 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
     # ---- capabilities ---------------------------------------------------------------------
     def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
         if self._use_single_copy(opcode, nbytes) and opcode != OpCode.ALL_TO_ALL:
-            if opcode == OpCode.ALL_GATHER and self._push:
-                return "cma_push"
+            if opcode == OpCode.ALL_GATHER:
+                return self._gather_label(nbytes)
             return {OpCode.ALL_REDUCE: "cma_two_shot", OpCode.REDUCE_SCATTER: "cma_pull_reduce"}.get(opcode, "cma_pull")
         if opcode == OpCode.ALL_REDUCE:
             return "one_shot" if nbytes <= self._one_shot_limit else "two_shot"
@@ -292,8 +293,16 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
             self._compiled_all_gather(send.nbytes, sig)(send.data_ptr(), out.data_ptr())
             return
         if self._use_single_copy(OpCode.ALL_GATHER, send.nbytes):  # plain addresses: no NumPy views
-            self._single_copy_all_gather(send.data_ptr(), out.data_ptr(), send.nbytes, sig)
+            if self._timed_gather:
+                self._timed_all_gather(send, out, sig)
+            else:
+                self._single_copy_all_gather(send.data_ptr(), out.data_ptr(), send.nbytes, sig)
             return
+        self._staged_all_gather(send, out, sig)
+
+    def _staged_all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature | None) -> None:
+        """all_gather through the slots, one slot's worth of every rank's input per round (``sig``:
+        checked in the first round's synchronisation; None when an earlier one checked it)."""
         x = as_numpy(send).view(np.uint8)
         y = as_numpy(out).view(np.uint8)
         nbytes, S, me = x.nbytes, self.slot_bytes, self.rank

@@ -1,0 +1,94 @@
+"""Which of two ways to run a repeated collective, from how long each took on this run's recent calls.
+
+The shm transport's large all_gather can stage through the shared slots or copy in one step between
+the processes (transports/_shm_single_copy.py). Which is faster changes while a job runs: on the CI
+VM the staged path was 1.2-1.6x faster in one phase and 2-2.5x slower in the next, while single copy
+held steady (benchmarks/results/shm-single-copy-tuning.txt, last section). A constant switch point
+can only be right in one of them, so rank 0 times both on the first calls of each size and then
+keeps the faster, trying the other again every :data:`EXPLORE_EVERY` calls; it publishes its choice
+in the call's first synchronisation and every rank follows it, so the ranks never split between
+paths. This module is the policy alone (no communication), so it is tested on its own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Hashable
+
+# Calls between two tries of the path not in use. A try of the slower path costs at most its time
+# ratio (2-2.5x above) once in this many calls: ~2% on average; and a change of phase is noticed
+# within this many calls.
+EXPLORE_EVERY = 64
+# Recent times kept per path; the median of them decides, so one call delayed by the VM does not
+# flip the choice, and a lasting change does within two calls of the path in use.
+WINDOW = 3
+# A path's first call of a size is not timed: it pays for first touches (page faults, cold caches).
+UNTIMED_FIRST_CALLS = 1
+
+
+@dataclass
+class _History:
+    calls: int = 0
+    untimed: dict[int, int] = field(default_factory=dict)  # path -> first calls still to skip
+    times: dict[int, deque] = field(default_factory=dict)  # path -> recent seconds
+
+
+class PathChooser:
+    """Rank 0's choice between ``paths`` for each kind of call (its ``key``), by timing.
+
+    Args:
+        paths: the candidates (ints: they are published in shared memory), in the order tried first.
+        explore_every: calls between tries of the path not in use.
+        window: recent times kept per path.
+    """
+
+    def __init__(self, paths: tuple[int, ...], *, explore_every: int = EXPLORE_EVERY, window: int = WINDOW) -> None:
+        if len(paths) < 2 or len(set(paths)) != len(paths):
+            raise ValueError(f"PathChooser needs two or more distinct paths, got {paths!r}")
+        if explore_every < 2 or window < 1:
+            raise ValueError(f"explore_every must be >= 2 and window >= 1, got {explore_every}, {window}")
+        self.paths, self.explore_every, self.window = tuple(paths), explore_every, window
+        self._history: dict[Hashable, _History] = {}
+
+    def choose(self, key: Hashable) -> int:
+        """The path for the next call of kind ``key`` (then :meth:`record` how long it took).
+
+        Every path is first run until it has :data:`UNTIMED_FIRST_CALLS` untimed and one timed call,
+        the paths taking turns; from then on the path with the lowest median recent time, except
+        every ``explore_every``-th call, which tries the path with the oldest times instead.
+        """
+        h = self._history.setdefault(key, _History(untimed={p: UNTIMED_FIRST_CALLS for p in self.paths},
+                                                   times={p: deque(maxlen=self.window) for p in self.paths}))
+        h.calls += 1
+        for p in self.paths:  # warm-up: in turn, until every path has a timed call
+            if h.untimed[p] or not h.times[p]:
+                return p
+        best = min(self.paths, key=lambda p: (_median(h.times[p]), self.paths.index(p)))
+        if h.calls % self.explore_every == 0:
+            others = [p for p in self.paths if p != best]
+            return others[h.calls // self.explore_every % len(others)]
+        return best
+
+    def record(self, key: Hashable, path: int, seconds: float) -> None:
+        """How long the call of kind ``key`` that :meth:`choose` sent down ``path`` took."""
+        h = self._history.get(key)
+        if h is None or path not in h.times:
+            raise ValueError(f"record: no choice was made for {key!r} on path {path!r}")
+        if h.untimed[path]:
+            h.untimed[path] -= 1
+            return
+        h.times[path].append(seconds)
+
+    def best(self, key: Hashable) -> int | None:
+        """The path the next ordinary call of ``key`` would take, or None while warming up."""
+        h = self._history.get(key)
+        if h is None or any(h.untimed[p] or not h.times[p] for p in self.paths):
+            return None
+        return min(self.paths, key=lambda p: (_median(h.times[p]), self.paths.index(p)))
+
+
+def _median(values: deque) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
