@@ -233,3 +233,53 @@ def test_timed_all_gather_follows_rank_0_on_every_rank(forced):
         assert set(paths[0]) == {forced}
         label = {_shm_single_copy.STAGED_PATH: "pull", _shm_single_copy.SINGLE_PATH: "cma_push"}[forced]
         assert all(r[1] == label for r in res), res
+
+
+def _body_timed_all_to_all(comm, forced: int | None):
+    """Out-of-place all_to_all whose senders are all read in one copy: rank 0 chooses single copy or
+    staged by timing (``forced``: always that one), every rank follows; calls with a staged sender or
+    in place are not timed. Every result is checked."""
+    _shm_single_copy.SINGLE_COPY_MIN_BYTES[OpCode.ALL_TO_ALL] = 32 << 10  # this process's table
+    _shm_single_copy.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 ranks on this 2-core machine
+    comm = comm.split(0, options={"shm_slot_bytes": 4096})  # staged: several rounds per call
+    shm = comm.transports["shm"]
+    assert shm._timed_a2a and (shm._a2a_chooser is not None) == (comm.rank == 0)
+    if comm.rank == 0:
+        if forced is None:
+            shm._a2a_chooser = _shm_single_copy.PathChooser(shm._a2a_chooser.paths, explore_every=3)
+        else:
+            shm._a2a_chooser.choose = lambda key: forced
+            shm._a2a_chooser.record = lambda key, path, seconds: None
+    n, r, width = comm.size, comm.rank, 20  # 80-byte rows
+    paths = []
+    for call in range(12):
+        rows = [150 + (s + d + call) % 4 for s in range(n) for d in range(n)]  # >= 36 KB per sender: direct
+        send = [rows[r * n + d] for d in range(n)]
+        xs = [rank_input("timed-a2a", s, (sum(rows[s * n : (s + 1) * n]), width), torch.float32, call) for s in range(n)]
+        got = comm.all_to_all(xs[r], send_counts=send)
+        expected = [xs[s][sum(rows[s * n : s * n + r]) : sum(rows[s * n : s * n + r + 1])] for s in range(n)]
+        assert torch.equal(got, torch.cat(expected)), (r, call)
+        paths.append(shm._a2a_paths[sum(rows[:n]) * width * 4])
+    timed = dict(shm._a2a_paths)
+    # a staged sender (rank 1 sends 4 KB) or an exchange in place: not timed, and still right
+    per = lambda s: 12 if s == 1 else 600  # rows rank s sends to each rank
+    xs = [rank_input("untimed", s, (3 * per(s), width), torch.float32, 0) for s in range(n)]
+    got = comm.all_to_all(xs[r], send_counts=[per(r)] * 3)
+    assert torch.equal(got, torch.cat([xs[s][r * per(s) : (r + 1) * per(s)] for s in range(n)]))
+    y = rank_input("in-place", r, (3 * 600, width), torch.float32, 0)
+    ref = torch.cat([rank_input("in-place", s, (3 * 600, width), torch.float32, 0)[r * 600 : (r + 1) * 600]
+                     for s in range(n)])
+    assert torch.equal(comm.all_to_all(y, out=y), ref)
+    assert shm._a2a_paths == timed
+    return paths, comm.plan("all_to_all", xs[r]).algorithm
+
+
+@pytest.mark.parametrize("forced", [None, _shm_single_copy.STAGED_PATH, _shm_single_copy.SINGLE_PATH])
+def test_timed_all_to_all_follows_rank_0_on_every_rank(forced):
+    res = collectives.launch(_body_timed_all_to_all, 3, forced, transport="shm", timeout=60.0)
+    paths = [p for p, _ in res]
+    assert all(p == paths[0] for p in paths), paths
+    if forced is None:
+        assert set(paths[0]) == {_shm_single_copy.SINGLE_PATH, _shm_single_copy.STAGED_PATH}, paths[0]
+    else:
+        assert set(paths[0]) == {forced}

@@ -45,12 +45,15 @@ SINGLE_COPY_WHEN_OVERSUBSCRIBED = False
 # (MPICH, which reads: 123-126, 536-573, 2675-2763); in a later phase the two were equal within ~5%.
 # Never slower beyond the noise. Where writes are refused, it reads.
 PUSH_ALL_GATHER = True
-# From that size on (SINGLE_COPY_MIN_BYTES), all_gather is timed rather than switched: rank 0 times the
-# single-copy and the staged path on the first calls of each size and keeps the faster
-# (transports/_path_choice.py). The staged path, compiled since the table above was measured, was
-# 1.2-1.6x faster than single copy at 2-32 MiB in one phase of the CI VM and 2-2.5x slower in the next
-# (shm-single-copy-tuning.txt, last section); no constant is right in both.
+# From that size on (SINGLE_COPY_MIN_BYTES), all_gather, and an out-of-place all_to_all whose senders
+# are all read in one copy, are timed rather than switched: rank 0 times the single-copy and the staged
+# path on the first calls of each size and keeps the faster (transports/_path_choice.py). The staged
+# path, compiled since the table above was measured, was 1.2-1.6x faster than single copy at 2-32 MiB
+# in one phase of the CI VM and 2-2.5x slower in the next (shm-single-copy-tuning.txt, last section);
+# no constant is right in both. (In-place all_to_all keeps its swap: staged, it copies x first, and
+# was 1.7-2.1x slower even in the fast phase.)
 TIME_ALL_GATHER_PATHS = True
+TIME_ALL_TO_ALL_PATHS = True
 SINGLE_PATH, STAGED_PATH = 1, 2  # the paths of a timed all_gather, as rank 0 publishes them
 ALWAYS_SINGLE_COPY = (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER, OpCode.ALL_TO_ALL,
                       OpCode.BROADCAST)
@@ -85,6 +88,9 @@ class SingleCopyPaths:
         self._timed_gather = False  # all_gather above its switch point is timed (TIME_ALL_GATHER_PATHS)
         self._gather_chooser: PathChooser | None = None  # rank 0's
         self._gather_paths: dict[tuple[int, bool], int] = {}  # (bytes, in place) -> path rank 0 last chose
+        self._timed_a2a = False  # out-of-place all_to_all of direct senders is timed (TIME_ALL_TO_ALL_PATHS)
+        self._a2a_chooser: PathChooser | None = None  # rank 0's
+        self._a2a_paths: dict[int, int] = {}  # rank 0's send bytes -> the path it last chose
         if mode == "off":
             self.single_copy_status = "off (MOECOMM_SHM_SINGLE_COPY=off)"
         elif self.size == 1:
@@ -104,6 +110,7 @@ class SingleCopyPaths:
                 self._copy_min = dict(SINGLE_COPY_MIN_BYTES)
                 self.single_copy_status = "process_vm_readv"
                 self._timed_gather = TIME_ALL_GATHER_PATHS
+                self._timed_a2a = TIME_ALL_TO_ALL_PATHS
             if self._copy_min:
                 self._push = writes_refused is None and PUSH_ALL_GATHER
                 if writes_refused is not None:
@@ -111,8 +118,9 @@ class SingleCopyPaths:
                 elif self._push:
                     self.single_copy_status += ", all_gather by process_vm_writev"
         self.single_copy = bool(self._copy_min)
-        if self._timed_gather and self.rank == 0:
-            self._gather_chooser = PathChooser((SINGLE_PATH, STAGED_PATH))
+        if self.rank == 0:
+            self._gather_chooser = PathChooser((SINGLE_PATH, STAGED_PATH)) if self._timed_gather else None
+            self._a2a_chooser = PathChooser((SINGLE_PATH, STAGED_PATH)) if self._timed_a2a else None
 
     def _use_single_copy(self, opcode: OpCode, nbytes: int) -> bool:
         limit = self._copy_min.get(opcode)
@@ -210,6 +218,26 @@ class SingleCopyPaths:
         path = self._gather_paths.get((nbytes, False))
         return {SINGLE_PATH: single, STAGED_PATH: "pull"}.get(path, f"{single}|pull")
 
+    def _a2a_label(self, nbytes: int) -> str:
+        """all_to_all's algorithm for a sender of ``nbytes``: pull below the single-copy size; above it
+        cma_pull, or the path rank 0 last chose for its send of that size when it is timed."""
+        if not self.single_copy or not 0 < nbytes or nbytes < self._a2a_direct_min:
+            return "pull"
+        if not self._timed_a2a:
+            return "cma_pull"
+        return {SINGLE_PATH: "cma_pull", STAGED_PATH: "pull"}.get(self._a2a_paths.get(nbytes), "cma_pull|pull")
+
+    def _timed_a2a_path(self) -> int | None:
+        """After an all_to_all's first synchronisation: rank 0's path when the call is timed (every
+        sender read in one copy, none in place), else None. The same answer on every rank."""
+        n = self.size
+        if not self._timed_a2a or any(not self._peer_addrs(r)[0] or self._peer_addrs(r)[1] for r in range(n)):
+            return None
+        path = self._q[self._bases[0] + self._choice0 + (self._epoch & 1)]
+        if path not in (SINGLE_PATH, STAGED_PATH):
+            raise RuntimeError(f"shm all_to_all: rank 0 published path {path}, not {SINGLE_PATH} or {STAGED_PATH}")
+        return path
+
     def plan_note(self, opcode: OpCode, nbytes: int) -> str:
         limit = self._copy_min.get(opcode)
         if opcode == OpCode.ALL_GATHER and self._timed_gather and limit is not None:
@@ -220,7 +248,9 @@ class SingleCopyPaths:
             return f"single copy {self.single_copy_status}" + (
                 "; staged: faster for this op at every size measured" if self.single_copy else "")
         if opcode == OpCode.ALL_TO_ALL:
-            return (f"single copy ({self.single_copy_status}) for senders of >= {limit} B; in place (out=x) "
+            timed = (f"; out of place, when every sender is, single copy or staged, whichever rank 0 timed faster "
+                     f"(now {self._a2a_label(nbytes)})" if self._timed_a2a else "")
+            return (f"single copy ({self.single_copy_status}) for senders of >= {limit} B{timed}; in place (out=x) "
                     f"such a sender swaps its blocks with its peers in {SWAP_CHUNK_BYTES >> 10} KiB chunks")
         used = "used" if self._use_single_copy(opcode, nbytes) else "not used"
         return f"single copy ({self.single_copy_status}) {used}: from {limit} B"

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from ._native import load_shmfast
 from ._host import as_numpy, copy_bytes, group_settings, reduce_into
 from ._segment import create_and_map
 from ._shm_latency import CompiledLatencyPaths
-from ._shm_single_copy import SingleCopyPaths
+from ._shm_single_copy import STAGED_PATH, SingleCopyPaths
 from ._shm_sync import _META0, _STATE, _STATE_CLOSED, RoundSync
 from ._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
 from .base import (
@@ -218,7 +219,7 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
             # Each sender picks single copy from its own input size: this names how this rank's rows
             # travel (an uneven exchange may mix both), so that an even sweep's rows, and the model
             # fitted on them, tell the staged reads from the single-copy ones.
-            return "cma_pull" if self.single_copy and 0 < nbytes and nbytes >= self._a2a_direct_min else "pull"
+            return self._a2a_label(nbytes)
         return {OpCode.ALL_GATHER: "pull", OpCode.REDUCE_SCATTER: "pull_reduce", OpCode.ALL_TO_ALL: "pull",
                 OpCode.BROADCAST: "pull", OpCode.BARRIER: "flags"}.get(opcode, "flags")
 
@@ -369,19 +370,22 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
     takes_into = True
 
     def all_to_all(self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator,
-                   sig: Signature, recv_counts: list[int] | None = None, into: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   sig: Signature, recv_counts: list[int] | None = None, into: torch.Tensor | None = None,
+                   *, _staged: bool = False) -> torch.Tensor:
         """See :meth:`Transport.all_to_all`. With ``recv_counts`` every rank publishes them beside its
         send counts in the first synchronisation, and every rank compares the whole [size, size]
         matrices after it, so a wrong value raises on every rank before any peer's row is read.
 
         ``into`` (see ``takes_into``): with the compiled helper, a one-round exchange whose rows
-        for this rank fill it exactly is one compiled call (stage, publish counts, arrive, copy)."""
+        for this rank fill it exactly is one compiled call (stage, publish counts, arrive, copy).
+
+        Out of place with every sender read in one copy, rank 0 may choose the staged path instead
+        (``_timed_a2a_path``): then every rank makes the call again with ``_staged`` (all stage)."""
         me = self.rank
         x_addr, total = send.data_ptr(), send.nbytes  # plain addresses: small calls are all overhead
         row_bytes = row_numel * send.element_size()
         # single copy per sender, from its own size: the peers learn it from its published address
-        direct = total >= self._a2a_direct_min
+        direct = total >= self._a2a_direct_min and not _staged
         # out=x: a sender read in one copy swaps in place (_swap_all_to_all) or receives aside; one that
         # stages stages all it sends in the first round (total <= slot_bytes), so only its own block
         # is read from x after that, and moved before any row lands (_all_to_all_rest, a2a_pull)
@@ -400,13 +404,27 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         if not direct:
             for off, src, nb in staged_segments(own_start, own_len, total, 0, self.slot_bytes):
                 self._stage(b, off, x_addr + src, nb)
+        chooser = self._a2a_chooser if direct and not in_place else None  # rank 0's, for a call that may be timed
+        t0 = time.perf_counter()
         # the output address published is only a flag: nonzero = this rank exchanges in place
         self._sync(sig, send_counts, recv=recv_counts,
                    addrs=(x_addr if direct else 0, x_addr if in_place else 0) if self.single_copy else None,
-                   spin_ns=self._large_spin_ns if direct else 0)
+                   spin_ns=self._large_spin_ns if direct else 0,
+                   choice=chooser.choose(total) if chooser is not None else None)
         counts = self._published_counts(self._epoch)
         if recv_counts is not None:  # every rank passed them: the signatures agreed on that
             self._check_declared(counts, self._epoch)
+        path = self._timed_a2a_path() if direct and not in_place else None
+        if path is not None:
+            self._a2a_paths[sum(counts[0]) * row_bytes] = path  # by rank 0's send bytes (_a2a_label)
+            if path == STAGED_PATH:
+                out = self.all_to_all(send, send_counts, row_numel, alloc, sig, recv_counts, into, _staged=True)
+            else:
+                out = self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct,
+                                            alloc([row[me] for row in counts]), counts)
+            if chooser is not None:
+                chooser.record(total, path, time.perf_counter() - t0)
+            return out
         out = alloc([row[me] for row in counts])
         if self.single_copy and (direct or not total):  # a rank that stages rows rules the swap out
             steps = self._swap_steps(counts, row_bytes)
