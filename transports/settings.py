@@ -80,8 +80,9 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
     _s("MOECOMM_SHM_SINGLE_COPY", str, "auto",
        "large shm messages: auto: peers read or write each other's tensors in one copy (Linux "
        "process_vm_readv/writev) from "
-       "the per-op sizes in transports/_shm_single_copy.py (all_gather from its size on: single copy or staged, "
-       "whichever rank 0 timed faster on recent calls), where a start-up probe on every rank allows it; off: always "
+       "the per-op sizes in transports/_shm_single_copy.py (from there on all_gather, and an out-of-place all_to_all "
+       "whose senders all qualify, runs single copy or staged, whichever rank 0 timed faster on recent calls), where "
+       "a start-up probe on every rank allows it; off: always "
        "stage through the shared slots; always: single copy at every size (tests)",
        "transports.shm", agree=True, choices=("auto", "off", "always")),
     _s("MOECOMM_SHM_NATIVE", str, "auto",
