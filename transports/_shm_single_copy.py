@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 
 # Single copy: from these sizes on (bytes of the call's input on each rank; all_to_all: of each
 # sender's whole input) peers read each other's tensors with process_vm_readv (transports/_cma.py)
-# instead of staging them through the slots. From the staged vs single-copy sweep on the 2-vCPU CI
-# machine (benchmarks/results/shm-single-copy-tuning.txt): at 2 ranks single copy is 1.5-2.0x faster
+# instead of staging them through the slots, or, where TIME_ALL_GATHER_PATHS / TIME_ALL_TO_ALL_PATHS
+# below apply, single copy and staging are timed against each other. From the staged vs single-copy
+# sweep on the 2-vCPU CI machine (benchmarks/results/shm-single-copy-tuning.txt, before the staged
+# path was compiled in several rounds): at 2 ranks single copy is 1.5-2.0x faster
 # for all_gather of 1-4 MiB per rank (equal above) and 1.2-1.9x for all_to_all from 2 MiB per sender;
 # the kernel's copy (7-15 GB/s) loses to the cache-resident slots everywhere else: all_reduce,
 # reduce_scatter and broadcast ran 0.4-0.8x at every size, so they always stage (the single-copy
