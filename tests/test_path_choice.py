@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from transports._path_choice import UNTIMED_FIRST_CALLS, PathChooser
+from transports._path_choice import UNTIMED_FIRST_CALLS, PathChooser, size_class
 
 A, B = 1, 2
 
@@ -73,3 +73,8 @@ def test_bad_arguments_raise():
     chooser = PathChooser((A, B))
     with pytest.raises(ValueError, match="no choice was made"):
         chooser.record("never", A, 1.0)
+
+
+def test_size_class_groups_sizes_within_a_factor_of_two():
+    assert size_class(1 << 20) == size_class((2 << 20) - 1) == 21
+    assert size_class(2 << 20) == 22 and size_class(0) == 0

@@ -15,6 +15,7 @@ import torch
 import collectives
 from spmd import rank_input
 from transports import _cma, _shm_single_copy
+from transports._path_choice import size_class
 from transports.base import CommunicatorBrokenError, OpCode, PeerFailedError
 
 pytestmark = pytest.mark.skipif(not _cma.available(), reason="no process_vm_readv on this platform")
@@ -218,7 +219,7 @@ def _body_timed_all_gather(comm, forced: int | None):
         else:
             got = comm.all_gather(xs[comm.rank])
         assert torch.equal(got, torch.cat(xs)), (comm.rank, call)
-        paths.append(shm._gather_paths[(numel * 4, in_place)])
+        paths.append(shm._gather_paths[(size_class(numel * 4), in_place)])
     return paths, comm.plan("all_gather", xs[comm.rank]).algorithm
 
 
@@ -259,7 +260,7 @@ def _body_timed_all_to_all(comm, forced: int | None):
         got = comm.all_to_all(xs[r], send_counts=send)
         expected = [xs[s][sum(rows[s * n : s * n + r]) : sum(rows[s * n : s * n + r + 1])] for s in range(n)]
         assert torch.equal(got, torch.cat(expected)), (r, call)
-        paths.append(shm._a2a_paths[sum(rows[:n]) * width * 4])
+        paths.append(shm._a2a_paths[size_class(sum(rows[:n]) * width * 4)])
     timed = dict(shm._a2a_paths)
     # a staged sender (rank 1 sends 4 KB) or an exchange in place: not timed, and still right
     per = lambda s: 12 if s == 1 else 600  # rows rank s sends to each rank

@@ -5,7 +5,8 @@ the processes (transports/_shm_single_copy.py). Which is faster changes while a 
 VM the staged path was 1.2-1.6x faster in one phase and 2-2.5x slower in the next, while single copy
 held steady (benchmarks/results/shm-single-copy-tuning.txt, last section). A constant switch point
 can only be right in one of them, so rank 0 times both on the first calls of each size and then
-keeps the faster, trying the other again every :data:`EXPLORE_EVERY` calls; it publishes its choice
+keeps the faster, trying the other again every :data:`EXPLORE_EVERY` calls (sizes are grouped by
+:func:`size_class` and timed per byte); it publishes its choice
 in the call's first synchronisation and every rank follows it, so the ranks never split between
 paths. This module is the policy alone (no communication), so it is tested on its own.
 """
@@ -23,8 +24,15 @@ EXPLORE_EVERY = 64
 # Recent times kept per path; the median of them decides, so one call delayed by the VM does not
 # flip the choice, and a lasting change does within two calls of the path in use.
 WINDOW = 3
-# A path's first call of a size is not timed: it pays for first touches (page faults, cold caches).
+# A path's first call of a kind is not timed: it pays for first touches (page faults, cold caches).
 UNTIMED_FIRST_CALLS = 1
+
+
+def size_class(nbytes: int) -> int:
+    """The kind of a call by its size: sizes within a factor of two share one (their bit length), so
+    calls whose size changes every time (an MoE exchange) are timed together and the kinds stay few;
+    callers time them per byte."""
+    return int(nbytes).bit_length()
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 
 from . import _cma
 from ._host import copy_bytes, reduce_into
-from ._path_choice import EXPLORE_EVERY, PathChooser
+from ._path_choice import EXPLORE_EVERY, PathChooser, size_class
 from ._schedule import part_bounds
 from .base import CommunicatorBrokenError, GroupInfo, OpCode, PeerFailedError, ReduceOp, Signature
 
@@ -89,10 +89,10 @@ class SingleCopyPaths:
         self._push = False  # all_gather writes its block into the peers' outputs (else reads theirs)
         self._timed_gather = False  # all_gather above its switch point is timed (TIME_ALL_GATHER_PATHS)
         self._gather_chooser: PathChooser | None = None  # rank 0's
-        self._gather_paths: dict[tuple[int, bool], int] = {}  # (bytes, in place) -> path rank 0 last chose
+        self._gather_paths: dict[tuple[int, bool], int] = {}  # (size class, in place) -> rank 0's last path
         self._timed_a2a = False  # out-of-place all_to_all of direct senders is timed (TIME_ALL_TO_ALL_PATHS)
         self._a2a_chooser: PathChooser | None = None  # rank 0's
-        self._a2a_paths: dict[int, int] = {}  # rank 0's send bytes -> the path it last chose
+        self._a2a_paths: dict[int, int] = {}  # size class of rank 0's send -> the path it last chose
         if mode == "off":
             self.single_copy_status = "off (MOECOMM_SHM_SINGLE_COPY=off)"
         elif self.size == 1:
@@ -217,7 +217,7 @@ class SingleCopyPaths:
         single = "cma_push" if self._push else "cma_pull"
         if not self._timed_gather:
             return single
-        path = self._gather_paths.get((nbytes, False))
+        path = self._gather_paths.get((size_class(nbytes), False))
         return {SINGLE_PATH: single, STAGED_PATH: "pull"}.get(path, f"{single}|pull")
 
     def _a2a_label(self, nbytes: int) -> str:
@@ -227,7 +227,8 @@ class SingleCopyPaths:
             return "pull"
         if not self._timed_a2a:
             return "cma_pull"
-        return {SINGLE_PATH: "cma_pull", STAGED_PATH: "pull"}.get(self._a2a_paths.get(nbytes), "cma_pull|pull")
+        return {SINGLE_PATH: "cma_pull", STAGED_PATH: "pull"}.get(self._a2a_paths.get(size_class(nbytes)),
+                                                                 "cma_pull|pull")
 
     def _timed_a2a_path(self) -> int | None:
         """After an all_to_all's first synchronisation: rank 0's path when the call is timed (every
@@ -270,7 +271,7 @@ class SingleCopyPaths:
         publishes the path with the addresses in the first synchronisation, every rank reads it
         there, and rank 0 times the whole call for its next choice."""
         x_addr, y_addr, nbytes = send.data_ptr(), out.data_ptr(), send.nbytes
-        key = (nbytes, x_addr == y_addr + self.rank * nbytes)
+        key = (size_class(nbytes), x_addr == y_addr + self.rank * nbytes)
         chooser, t0 = self._gather_chooser, time.perf_counter()
         self._begin_round()
         self._sync(sig, addrs=(x_addr, y_addr), spin_ns=self._large_spin_ns,
@@ -284,7 +285,7 @@ class SingleCopyPaths:
             raise RuntimeError(f"shm all_gather: rank 0 published path {path}, not {SINGLE_PATH} or {STAGED_PATH}")
         self._gather_paths[key] = path
         if chooser is not None:
-            chooser.record(key, path, time.perf_counter() - t0)
+            chooser.record(key, path, (time.perf_counter() - t0) / nbytes)
 
     def _gather_copies(self, x_addr: int, y_addr: int, nbytes: int) -> None:
         """The single-copy all_gather after its first synchronisation (the peers' addresses are published)."""

@@ -43,6 +43,7 @@ from ._native import load_shmfast
 from ._host import as_numpy, copy_bytes, group_settings, reduce_into
 from ._segment import create_and_map
 from ._shm_latency import CompiledLatencyPaths
+from ._path_choice import size_class
 from ._shm_single_copy import STAGED_PATH, SingleCopyPaths
 from ._shm_sync import _META0, _STATE, _STATE_CLOSED, RoundSync
 from ._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
@@ -410,20 +411,20 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         self._sync(sig, send_counts, recv=recv_counts,
                    addrs=(x_addr if direct else 0, x_addr if in_place else 0) if self.single_copy else None,
                    spin_ns=self._large_spin_ns if direct else 0,
-                   choice=chooser.choose(total) if chooser is not None else None)
+                   choice=chooser.choose(size_class(total)) if chooser is not None else None)
         counts = self._published_counts(self._epoch)
         if recv_counts is not None:  # every rank passed them: the signatures agreed on that
             self._check_declared(counts, self._epoch)
         path = self._timed_a2a_path() if direct and not in_place else None
         if path is not None:
-            self._a2a_paths[sum(counts[0]) * row_bytes] = path  # by rank 0's send bytes (_a2a_label)
+            self._a2a_paths[size_class(sum(counts[0]) * row_bytes)] = path  # by rank 0's send (_a2a_label)
             if path == STAGED_PATH:
                 out = self.all_to_all(send, send_counts, row_numel, alloc, sig, recv_counts, into, _staged=True)
             else:
                 out = self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct,
                                             alloc([row[me] for row in counts]), counts)
             if chooser is not None:
-                chooser.record(total, path, time.perf_counter() - t0)
+                chooser.record(size_class(total), path, (time.perf_counter() - t0) / total)
             return out
         out = alloc([row[me] for row in counts])
         if self.single_copy and (direct or not total):  # a rank that stages rows rules the swap out
