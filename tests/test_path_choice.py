@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from transports._path_choice import UNTIMED_FIRST_CALLS, PathChooser, size_class
+from transports._path_choice import UNTIMED_FIRST_CALLS, WARM_UP_SAMPLES, PathChooser, size_class
 
 A, B = 1, 2
 
@@ -19,18 +19,18 @@ def _run(chooser: PathChooser, key, times: dict[int, float], calls: int) -> list
     return taken
 
 
-def test_warm_up_runs_each_path_untimed_then_timed_then_keeps_the_faster():
+def test_warm_up_takes_turns_untimed_then_timed_then_keeps_the_faster():
     chooser = PathChooser((A, B), explore_every=10)
     taken = _run(chooser, "k", {A: 3.0, B: 1.0}, 9)
-    warm = (UNTIMED_FIRST_CALLS + 1) * 2
-    assert taken[:warm] == [A] * (UNTIMED_FIRST_CALLS + 1) + [B] * (UNTIMED_FIRST_CALLS + 1)
+    warm = (UNTIMED_FIRST_CALLS + WARM_UP_SAMPLES) * 2
+    assert taken[:warm] == [A, B] * (UNTIMED_FIRST_CALLS + WARM_UP_SAMPLES)
     assert taken[warm:] == [B] * (9 - warm) and chooser.best("k") == B
 
 
 def test_untimed_first_calls_do_not_count():
     chooser = PathChooser((A, B), explore_every=100)
-    # A's first call is slow (first touch), then A is the faster path
-    for p, t in ((A, 50.0), (A, 1.0), (B, 50.0), (B, 2.0)):
+    # each path's first call is slow (first touch), then A is the faster path
+    for p, t in ((A, 50.0), (B, 50.0), (A, 1.0), (B, 2.0), (A, 1.0), (B, 2.0)):
         assert chooser.choose("k") == p
         chooser.record("k", p, t)
     assert chooser.choose("k") == A and chooser.best("k") == A
@@ -40,7 +40,7 @@ def test_explores_every_nth_call_and_follows_a_change_of_phase():
     chooser = PathChooser((A, B), explore_every=8, window=3)
     times = {A: 1.0, B: 2.0}
     taken = _run(chooser, "k", times, 32)
-    explored = [i + 1 for i, p in enumerate(taken) if p == B and i >= 4]
+    explored = [i + 1 for i, p in enumerate(taken) if p == B and i >= 6]
     assert explored == [8, 16, 24, 32]  # the call numbers divisible by explore_every
     times[A] = 5.0  # A gets slower: within the window it is dropped, B kept
     taken = _run(chooser, "k", times, 6)

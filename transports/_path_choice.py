@@ -26,6 +26,9 @@ EXPLORE_EVERY = 64
 WINDOW = 3
 # A path's first call of a kind is not timed: it pays for first touches (page faults, cold caches).
 UNTIMED_FIRST_CALLS = 1
+# Timed calls of every path before the choice: the paths take turns, so the first calls of a size,
+# which on the CI VM ran 1.3-2.5x slower for several calls whatever the path, weigh on both alike.
+WARM_UP_SAMPLES = 2
 
 
 def size_class(nbytes: int) -> int:
@@ -38,6 +41,7 @@ def size_class(nbytes: int) -> int:
 @dataclass
 class _History:
     calls: int = 0
+    runs: dict[int, int] = field(default_factory=dict)  # path -> calls sent down it
     untimed: dict[int, int] = field(default_factory=dict)  # path -> first calls still to skip
     times: dict[int, deque] = field(default_factory=dict)  # path -> recent seconds
 
@@ -62,21 +66,24 @@ class PathChooser:
     def choose(self, key: Hashable) -> int:
         """The path for the next call of kind ``key`` (then :meth:`record` how long it took).
 
-        Every path is first run until it has :data:`UNTIMED_FIRST_CALLS` untimed and one timed call,
-        the paths taking turns; from then on the path with the lowest median recent time, except
-        every ``explore_every``-th call, which tries the path with the oldest times instead.
+        The paths first take turns until each has :data:`UNTIMED_FIRST_CALLS` untimed and
+        :data:`WARM_UP_SAMPLES` timed calls; from then on the path with the lowest median recent
+        time, except every ``explore_every``-th call, which tries another path.
         """
-        h = self._history.setdefault(key, _History(untimed={p: UNTIMED_FIRST_CALLS for p in self.paths},
+        h = self._history.setdefault(key, _History(runs={p: 0 for p in self.paths},
+                                                   untimed={p: UNTIMED_FIRST_CALLS for p in self.paths},
                                                    times={p: deque(maxlen=self.window) for p in self.paths}))
         h.calls += 1
-        for p in self.paths:  # warm-up: in turn, until every path has a timed call
-            if h.untimed[p] or not h.times[p]:
-                return p
-        best = min(self.paths, key=lambda p: (_median(h.times[p]), self.paths.index(p)))
-        if h.calls % self.explore_every == 0:
-            others = [p for p in self.paths if p != best]
-            return others[h.calls // self.explore_every % len(others)]
-        return best
+        warming = [p for p in self.paths if h.untimed[p] or len(h.times[p]) < min(WARM_UP_SAMPLES, self.window)]
+        if warming:  # the path run least so far (the first on a tie)
+            p = min(warming, key=lambda p: (h.runs[p], self.paths.index(p)))
+        else:
+            p = min(self.paths, key=lambda p: (_median(h.times[p]), self.paths.index(p)))
+            if h.calls % self.explore_every == 0:
+                others = [q for q in self.paths if q != p]
+                p = others[h.calls // self.explore_every % len(others)]
+        h.runs[p] += 1
+        return p
 
     def record(self, key: Hashable, path: int, seconds: float) -> None:
         """How long the call of kind ``key`` that :meth:`choose` sent down ``path`` took."""
@@ -91,7 +98,7 @@ class PathChooser:
     def best(self, key: Hashable) -> int | None:
         """The path the next ordinary call of ``key`` would take, or None while warming up."""
         h = self._history.get(key)
-        if h is None or any(h.untimed[p] or not h.times[p] for p in self.paths):
+        if h is None or any(h.untimed[p] or len(h.times[p]) < min(WARM_UP_SAMPLES, self.window) for p in self.paths):
             return None
         return min(self.paths, key=lambda p: (_median(h.times[p]), self.paths.index(p)))
 

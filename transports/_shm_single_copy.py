@@ -279,6 +279,7 @@ class SingleCopyPaths:
         path = self._q[self._bases[0] + self._choice0 + (self._epoch & 1)]
         if path == STAGED_PATH:
             self._staged_all_gather(send, out, None)  # the signature was checked above
+            self._timing_barrier()
         elif path == SINGLE_PATH:
             self._gather_copies(x_addr, y_addr, nbytes)
         else:
@@ -286,6 +287,13 @@ class SingleCopyPaths:
         self._gather_paths[key] = path
         if chooser is not None:
             chooser.record(key, path, (time.perf_counter() - t0) / nbytes)
+
+    def _timing_barrier(self) -> None:
+        """End a timed call's staged path as its single-copy path ends, when every rank has finished:
+        otherwise rank 0's time would leave out the slowest peer's last round, which would land in
+        the next call's first synchronisation instead, and the staged path would look faster than it is."""
+        self._begin_round()
+        self._await(self._publish(), self._large_spin_ns)
 
     def _gather_copies(self, x_addr: int, y_addr: int, nbytes: int) -> None:
         """The single-copy all_gather after its first synchronisation (the peers' addresses are published)."""

@@ -131,6 +131,15 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
                            offset=ctrl_bytes + (r * 2 + b) * self.slot_bytes) for r in range(n)]
             for b in range(2)
         ]
+        # Fault the slots in now (our own by writing them, the peers' by reading a byte a page): the
+        # first staged calls would otherwise pay for it, ~0.4 ms a MiB on the CI VM, and a timed path
+        # choice (transports/_path_choice.py) made on those calls would be made on page faults.
+        for b in range(2):
+            self._slots[b][self.rank][:] = 0
+        for r in range(n):
+            if r != self.rank:
+                for b in range(2):
+                    int(self._slots[b][r][::4096].sum())
         self._bases = [r * self._ctrl_words for r in range(n)]
         self._my_base = self._bases[self.rank]
         self._peers = [r for r in range(n) if r != self.rank]
@@ -420,6 +429,7 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
             self._a2a_paths[size_class(sum(counts[0]) * row_bytes)] = path  # by rank 0's send (_a2a_label)
             if path == STAGED_PATH:
                 out = self.all_to_all(send, send_counts, row_numel, alloc, sig, recv_counts, into, _staged=True)
+                self._timing_barrier()
             else:
                 out = self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct,
                                             alloc([row[me] for row in counts]), counts)
