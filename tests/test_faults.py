@@ -170,6 +170,47 @@ def test_rank_killed_mid_loop_makes_others_raise(path):
     assert shm_segments() <= before
 
 
+def _body_killed_timed(comm, op: str, path: int):
+    """A rank dies while the others are in a timed all_gather or all_to_all (transports/_path_choice.py) on
+    ``path``: rank 0's choice, forced here, which every rank follows."""
+    from transports import _shm_single_copy
+    from transports.base import OpCode
+
+    _shm_single_copy.SINGLE_COPY_MIN_BYTES[OpCode.ALL_GATHER] = 32 << 10  # small sizes, several staged rounds
+    _shm_single_copy.SINGLE_COPY_MIN_BYTES[OpCode.ALL_TO_ALL] = 32 << 10
+    _shm_single_copy.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 ranks on the 2-core CI machine
+    sub = comm.split(0, options={"shm_slot_bytes": 4096})
+    shm = sub.transports["shm"]
+    chooser = shm._gather_chooser if op == "all_gather" else shm._a2a_chooser
+    if sub.rank == 0:
+        chooser.choose = lambda key: path
+        chooser.record = lambda key, path, seconds: None
+    x = torch.randn(3 * 3_000)  # 36 KB per rank: timed
+    for i in range(10_000):
+        if sub.rank == 2 and i == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if op == "all_gather":
+            sub.all_gather(x)
+        else:
+            sub.all_to_all(x)
+    return "finished"
+
+
+@pytestmark_spawn
+@pytest.mark.parametrize("op", ["all_gather", "all_to_all"])
+@pytest.mark.parametrize("path", ["staged", "single copy"])
+def test_rank_killed_in_a_timed_path_makes_others_raise(op, path):
+    from transports._shm_single_copy import SINGLE_PATH, STAGED_PATH
+
+    before = shm_segments()
+    res = collectives.launch(_body_killed_timed, 3, op, STAGED_PATH if path == "staged" else SINGLE_PATH,
+                             timeout=20.0, return_exceptions=True, transport="shm")
+    assert isinstance(res[2], RankFailedError) and "SIGKILL" in str(res[2])
+    for r in (0, 1):
+        assert isinstance(res[r], PeerFailedError) and res[r].missing_ranks == [2], res[r]
+    assert shm_segments() <= before
+
+
 def _body_absent(comm):
     if comm.rank == 1:
         time.sleep(6)  # never arrives within the others' timeout

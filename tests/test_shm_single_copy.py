@@ -193,12 +193,12 @@ def test_a_failed_read_breaks_the_call_on_every_rank_naming_it(op):
                for r in (0, 1)), res
 
 
-def _body_timed_all_gather(comm, forced: int | None):
+def _body_timed_all_gather(comm, forced: int | None, native: str = "auto"):
     """Large all_gathers whose path rank 0 chooses (single copy or staged) by timing: every rank takes
     rank 0's path on every call, and every result is right. ``forced``: rank 0 always chooses it."""
     _shm_single_copy.SINGLE_COPY_MIN_BYTES[OpCode.ALL_GATHER] = 32 << 10  # this process's table, read by the next transport
     _shm_single_copy.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 ranks on this 2-core machine
-    comm = comm.split(0, options={"shm_slot_bytes": 4096})  # staged: several rounds per call
+    comm = comm.split(0, options={"shm_slot_bytes": 4096, "shm_native": native})  # staged: several rounds a call
     shm = comm.transports["shm"]
     assert shm._timed_gather and (shm._gather_chooser is not None) == (comm.rank == 0)
     if comm.rank == 0:
@@ -223,9 +223,10 @@ def _body_timed_all_gather(comm, forced: int | None):
     return paths, comm.plan("all_gather", xs[comm.rank]).algorithm
 
 
-@pytest.mark.parametrize("forced", [None, _shm_single_copy.STAGED_PATH, _shm_single_copy.SINGLE_PATH])
-def test_timed_all_gather_follows_rank_0_on_every_rank(forced):
-    res = collectives.launch(_body_timed_all_gather, 3, forced, transport="shm", timeout=60.0)
+@pytest.mark.parametrize("forced,native", [(None, "auto"), (None, "off"), (_shm_single_copy.STAGED_PATH, "auto"),
+                                           (_shm_single_copy.SINGLE_PATH, "auto")])
+def test_timed_all_gather_follows_rank_0_on_every_rank(forced, native):
+    res = collectives.launch(_body_timed_all_gather, 3, forced, native, transport="shm", timeout=60.0)
     paths = [r[0] for r in res]
     assert all(p == paths[0] for p in paths), paths  # no call split the ranks between paths
     if forced is None:
@@ -236,13 +237,13 @@ def test_timed_all_gather_follows_rank_0_on_every_rank(forced):
         assert all(r[1] == label for r in res), res
 
 
-def _body_timed_all_to_all(comm, forced: int | None):
+def _body_timed_all_to_all(comm, forced: int | None, native: str = "auto", declared: bool = False):
     """Out-of-place all_to_all whose senders are all read in one copy: rank 0 chooses single copy or
     staged by timing (``forced``: always that one), every rank follows; calls with a staged sender or
     in place are not timed. Every result is checked."""
     _shm_single_copy.SINGLE_COPY_MIN_BYTES[OpCode.ALL_TO_ALL] = 32 << 10  # this process's table
     _shm_single_copy.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 ranks on this 2-core machine
-    comm = comm.split(0, options={"shm_slot_bytes": 4096})  # staged: several rounds per call
+    comm = comm.split(0, options={"shm_slot_bytes": 4096, "shm_native": native})  # staged: several rounds a call
     shm = comm.transports["shm"]
     assert shm._timed_a2a and (shm._a2a_chooser is not None) == (comm.rank == 0)
     if comm.rank == 0:
@@ -257,7 +258,8 @@ def _body_timed_all_to_all(comm, forced: int | None):
         rows = [150 + (s + d + call) % 4 for s in range(n) for d in range(n)]  # >= 36 KB per sender: direct
         send = [rows[r * n + d] for d in range(n)]
         xs = [rank_input("timed-a2a", s, (sum(rows[s * n : (s + 1) * n]), width), torch.float32, call) for s in range(n)]
-        got = comm.all_to_all(xs[r], send_counts=send)
+        recv = [rows[s * n + r] for s in range(n)] if declared else None  # what every sender sends us
+        got = comm.all_to_all(xs[r], send_counts=send, recv_counts=recv)
         expected = [xs[s][sum(rows[s * n : s * n + r]) : sum(rows[s * n : s * n + r + 1])] for s in range(n)]
         assert torch.equal(got, torch.cat(expected)), (r, call)
         paths.append(shm._a2a_paths[size_class(sum(rows[:n]) * width * 4)])
@@ -275,9 +277,11 @@ def _body_timed_all_to_all(comm, forced: int | None):
     return paths, comm.plan("all_to_all", xs[r]).algorithm
 
 
-@pytest.mark.parametrize("forced", [None, _shm_single_copy.STAGED_PATH, _shm_single_copy.SINGLE_PATH])
-def test_timed_all_to_all_follows_rank_0_on_every_rank(forced):
-    res = collectives.launch(_body_timed_all_to_all, 3, forced, transport="shm", timeout=60.0)
+@pytest.mark.parametrize("forced,native,declared", [
+    (None, "auto", False), (None, "auto", True), (None, "off", False), (None, "off", True),
+    (_shm_single_copy.STAGED_PATH, "auto", False), (_shm_single_copy.SINGLE_PATH, "auto", False)])
+def test_timed_all_to_all_follows_rank_0_on_every_rank(forced, native, declared):
+    res = collectives.launch(_body_timed_all_to_all, 3, forced, native, declared, transport="shm", timeout=60.0)
     paths = [p for p, _ in res]
     assert all(p == paths[0] for p in paths), paths
     if forced is None:
