@@ -245,7 +245,7 @@ class SingleCopyPaths:
         limit = self._copy_min.get(opcode)
         if opcode == OpCode.ALL_GATHER and self._timed_gather and limit is not None:
             return (f"single copy ({self.single_copy_status}) or staged from {limit} B, whichever rank 0 timed "
-                    f"faster on recent calls of the size (tried again every {EXPLORE_EVERY} calls); "
+                    f"faster on recent calls of its size class (sizes within 2x; the other is tried every {EXPLORE_EVERY} calls); "
                     f"{'now ' + self._gather_label(nbytes) if self._use_single_copy(opcode, nbytes) else 'staged'}")
         if limit is None:
             return f"single copy {self.single_copy_status}" + (
