@@ -1,7 +1,7 @@
 """Which of two ways to run a repeated collective, from how long each took on this run's recent calls.
 
-The shm transport's large all_gather can stage through the shared slots or copy in one step between
-the processes (transports/_shm_single_copy.py). Which is faster changes while a job runs: on the CI
+The shm transport's large all_gather and all_to_all can stage through the shared slots or copy in
+one step between the processes (transports/_shm_single_copy.py). Which is faster changes while a job runs: on the CI
 VM the staged path was 1.2-1.6x faster in one phase and 2-2.5x slower in the next, while single copy
 held steady (benchmarks/results/shm-single-copy-tuning.txt, last section). A constant switch point
 can only be right in one of them, so rank 0 times both on the first calls of each size and then
@@ -74,11 +74,11 @@ class PathChooser:
                                                    untimed={p: UNTIMED_FIRST_CALLS for p in self.paths},
                                                    times={p: deque(maxlen=self.window) for p in self.paths}))
         h.calls += 1
-        warming = [p for p in self.paths if h.untimed[p] or len(h.times[p]) < min(WARM_UP_SAMPLES, self.window)]
+        warming = self._warming(h)
         if warming:  # the path run least so far (the first on a tie)
             p = min(warming, key=lambda p: (h.runs[p], self.paths.index(p)))
         else:
-            p = min(self.paths, key=lambda p: (_median(h.times[p]), self.paths.index(p)))
+            p = self._fastest(h)
             if h.calls % self.explore_every == 0:
                 others = [q for q in self.paths if q != p]
                 p = others[h.calls // self.explore_every % len(others)]
@@ -98,8 +98,14 @@ class PathChooser:
     def best(self, key: Hashable) -> int | None:
         """The path the next ordinary call of ``key`` would take, or None while warming up."""
         h = self._history.get(key)
-        if h is None or any(h.untimed[p] or len(h.times[p]) < min(WARM_UP_SAMPLES, self.window) for p in self.paths):
-            return None
+        return None if h is None or self._warming(h) else self._fastest(h)
+
+    def _warming(self, h: _History) -> list[int]:
+        """The paths still short of their untimed and timed warm-up calls."""
+        return [p for p in self.paths if h.untimed[p] or len(h.times[p]) < min(WARM_UP_SAMPLES, self.window)]
+
+    def _fastest(self, h: _History) -> int:
+        """The path with the lowest median recent time (the first on a tie)."""
         return min(self.paths, key=lambda p: (_median(h.times[p]), self.paths.index(p)))
 
 

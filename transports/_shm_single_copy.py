@@ -56,7 +56,7 @@ PUSH_ALL_GATHER = True
 # was 1.7-2.1x slower even in the fast phase.)
 TIME_ALL_GATHER_PATHS = True
 TIME_ALL_TO_ALL_PATHS = True
-SINGLE_PATH, STAGED_PATH = 1, 2  # the paths of a timed all_gather, as rank 0 publishes them
+SINGLE_PATH, STAGED_PATH = 1, 2  # the paths of a timed all_gather or all_to_all, as rank 0 publishes them
 ALWAYS_SINGLE_COPY = (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER, OpCode.ALL_TO_ALL,
                       OpCode.BROADCAST)
 # Bytes read from each peer per step of a single-copy reduction: the peers' chunks and ours are
@@ -217,8 +217,7 @@ class SingleCopyPaths:
         single = "cma_push" if self._push else "cma_pull"
         if not self._timed_gather:
             return single
-        path = self._gather_paths.get((size_class(nbytes), False))
-        return {SINGLE_PATH: single, STAGED_PATH: "pull"}.get(path, f"{single}|pull")
+        return _timed_label(single, self._gather_paths.get((size_class(nbytes), False)))
 
     def _a2a_label(self, nbytes: int) -> str:
         """all_to_all's algorithm for a sender of ``nbytes``: pull below the single-copy size; above it
@@ -227,8 +226,7 @@ class SingleCopyPaths:
             return "pull"
         if not self._timed_a2a:
             return "cma_pull"
-        return {SINGLE_PATH: "cma_pull", STAGED_PATH: "pull"}.get(self._a2a_paths.get(size_class(nbytes)),
-                                                                 "cma_pull|pull")
+        return _timed_label("cma_pull", self._a2a_paths.get(size_class(nbytes)))
 
     def _timed_a2a_path(self) -> int | None:
         """After an all_to_all's first synchronisation: rank 0's path when the call is timed (every
@@ -236,9 +234,13 @@ class SingleCopyPaths:
         n = self.size
         if not self._timed_a2a or any(not self._peer_addrs(r)[0] or self._peer_addrs(r)[1] for r in range(n)):
             return None
+        return self._published_path("all_to_all")
+
+    def _published_path(self, what: str) -> int:
+        """The path rank 0 published for this call in its first synchronisation (just passed)."""
         path = self._q[self._bases[0] + self._choice0 + (self._epoch & 1)]
         if path not in (SINGLE_PATH, STAGED_PATH):
-            raise RuntimeError(f"shm all_to_all: rank 0 published path {path}, not {SINGLE_PATH} or {STAGED_PATH}")
+            raise RuntimeError(f"shm {what}: rank 0 published path {path}, not {SINGLE_PATH} or {STAGED_PATH}")
         return path
 
     def plan_note(self, opcode: OpCode, nbytes: int) -> str:
@@ -272,18 +274,17 @@ class SingleCopyPaths:
         there, and rank 0 times the whole call for its next choice."""
         x_addr, y_addr, nbytes = send.data_ptr(), out.data_ptr(), send.nbytes
         key = (size_class(nbytes), x_addr == y_addr + self.rank * nbytes)
-        chooser, t0 = self._gather_chooser, time.perf_counter()
+        chooser = self._gather_chooser
+        t0 = time.perf_counter() if chooser is not None else 0.0
         self._begin_round()
         self._sync(sig, addrs=(x_addr, y_addr), spin_ns=self._large_spin_ns,
                    choice=chooser.choose(key) if chooser is not None else None)
-        path = self._q[self._bases[0] + self._choice0 + (self._epoch & 1)]
+        path = self._published_path("all_gather")
         if path == STAGED_PATH:
             self._staged_all_gather(send, out, None)  # the signature was checked above
             self._timing_barrier()
-        elif path == SINGLE_PATH:
-            self._gather_copies(x_addr, y_addr, nbytes)
         else:
-            raise RuntimeError(f"shm all_gather: rank 0 published path {path}, not {SINGLE_PATH} or {STAGED_PATH}")
+            self._gather_copies(x_addr, y_addr, nbytes)
         self._gather_paths[key] = path
         if chooser is not None:
             chooser.record(key, path, (time.perf_counter() - t0) / nbytes)
@@ -394,3 +395,8 @@ class SingleCopyPaths:
                 if in_place and nb > 0:
                     copy_bytes(x_addr + offsets[p] + lo, buf, nb)
         return out
+
+
+def _timed_label(single: str, path: int | None) -> str:
+    """A timed op's algorithm name: ``single`` or ``pull`` (staged) by rank 0's last path, both before one."""
+    return {SINGLE_PATH: single, STAGED_PATH: "pull"}.get(path, f"{single}|pull")

@@ -415,7 +415,7 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
             for off, src, nb in staged_segments(own_start, own_len, total, 0, self.slot_bytes):
                 self._stage(b, off, x_addr + src, nb)
         chooser = self._a2a_chooser if direct and not in_place else None  # rank 0's, for a call that may be timed
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if chooser is not None else 0.0
         # the output address published is only a flag: nonzero = this rank exchanges in place
         self._sync(sig, send_counts, recv=recv_counts,
                    addrs=(x_addr if direct else 0, x_addr if in_place else 0) if self.single_copy else None,
