@@ -23,6 +23,7 @@ from collectives.model.calibrate import (
     fit_run,
     fit_segments,
     fitted_time_us,
+    inconsistent_points,
     traffic_factor,
 )
 from collectives.model.systems import Link
@@ -212,6 +213,41 @@ def test_two_cache_regimes_are_fitted_as_two_segments_at_the_cliff() -> None:
     [one] = fit_segments(sizes, times, max_segments=1)
     piecewise = fit_run(_two_regime_run(0.02, 0))["all_gather"]
     assert one.rms_relative_error > 3 * max(t["rms_relative_error"] for t in piecewise)
+
+
+def test_inconsistent_points_are_those_slower_than_a_larger_size() -> None:
+    sizes = [8, 16, 32, 64, 64, 128]
+    times = [40.0, 2.0, 2.1, 1.9, 5.0, 2.2]
+    # 40 us at 8 B is 20x the 2.0 us of 16 B; 5.0 us at 64 B is 2.3x the 2.2 us of 128 B; 2.1 at 32 B
+    # is slower than 1.9 at 64 B but within 2x; two repeats of one size are never compared
+    assert inconsistent_points(sizes, times) == [0, 4]
+    assert inconsistent_points(sizes, times, limit=3.0) == [0]
+    assert inconsistent_points([8, 8, 16], [9.0, 1.0, 4.0]) == [0]
+    assert inconsistent_points([64, 8], [1.0, 30.0]) == [1]  # any order
+    assert inconsistent_points([], []) == []
+    with pytest.raises(ValueError, match="limit"):
+        inconsistent_points(sizes, times, limit=1.0)
+
+
+def test_a_glitched_row_is_left_out_of_the_fit() -> None:
+    # The two-regime machine with its first row 20x slow (a first timed row that ran while the machine
+    # was busy, as in the shipped host calibration's bench run): the fit is the clean run's.
+    clean = _two_regime_run(noise=0.02, seed=1)
+    glitched = json.loads(json.dumps(clean))
+    glitched["rows"][0]["time_us"] *= 20
+    terms, clean_terms = fit_run(glitched)["all_gather"], fit_run(clean)["all_gather"]
+    assert [t["points"] for t in terms] == [clean_terms[0]["points"] - 1, clean_terms[1]["points"]]
+    for got, want in zip(terms, clean_terms):
+        assert got["beta_us_per_byte"] == pytest.approx(want["beta_us_per_byte"], rel=0.02)
+        assert got["rms_relative_error"] < 0.04
+    # Kept in, it is a 95% miss that swamps the low segment's fit
+    sizes = [r["size"] for r in glitched["rows"]]
+    times = [r["time_us"] for r in glitched["rows"]]
+    assert fit_segments(sizes, times)[0].rms_relative_error > 0.15
+    # Inconsistent as a whole (over a quarter of the rows): fitted as measured
+    for row in glitched["rows"][:8]:
+        row["time_us"] = 1e4
+    assert sum(t["points"] for t in fit_run(glitched)["all_gather"]) == len(FINE_SIZES)
 
 
 def test_noise_on_one_line_buys_no_segment() -> None:
