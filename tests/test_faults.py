@@ -172,7 +172,8 @@ def test_rank_killed_mid_loop_makes_others_raise(path):
 
 def _body_killed_timed(comm, op: str, path: int):
     """A rank dies while the others are in a timed all_gather or all_to_all (transports/_path_choice.py) on
-    ``path``: rank 0's choice, forced here, which every rank follows."""
+    ``path``: rank 0's choice, forced here, which every rank follows. ``all_to_all_in_place``: the
+    in-place swap, by single copy or through the slots."""
     from transports import _shm_single_copy
     from transports.base import OpCode
 
@@ -181,7 +182,8 @@ def _body_killed_timed(comm, op: str, path: int):
     _shm_single_copy.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 ranks on the 2-core CI machine
     sub = comm.split(0, options={"shm_slot_bytes": 4096})
     shm = sub.transports["shm"]
-    chooser = shm._gather_chooser if op == "all_gather" else shm._a2a_chooser
+    chooser = {"all_gather": shm._gather_chooser, "all_to_all": shm._a2a_chooser,
+               "all_to_all_in_place": shm._swap_chooser}[op]
     if sub.rank == 0:
         chooser.choose = lambda key: path
         chooser.record = lambda key, path, seconds: None
@@ -191,13 +193,15 @@ def _body_killed_timed(comm, op: str, path: int):
             os.kill(os.getpid(), signal.SIGKILL)
         if op == "all_gather":
             sub.all_gather(x)
-        else:
+        elif op == "all_to_all":
             sub.all_to_all(x)
+        else:
+            sub.all_to_all(x, out=x)
     return "finished"
 
 
 @pytestmark_spawn
-@pytest.mark.parametrize("op", ["all_gather", "all_to_all"])
+@pytest.mark.parametrize("op", ["all_gather", "all_to_all", "all_to_all_in_place"])
 @pytest.mark.parametrize("path", ["staged", "single copy"])
 def test_rank_killed_in_a_timed_path_makes_others_raise(op, path):
     from transports._shm_single_copy import SINGLE_PATH, STAGED_PATH

@@ -121,28 +121,50 @@ def _in_place_case(comm, counts: list[list[int]], width: int, dtype: torch.dtype
         assert got is out and torch.equal(out, want), f"rank {r}, counts {counts}, call {again}"
 
 
-def _body_in_place_swap(comm, seed: int):
+def _body_in_place_swap(comm, seed: int, forced: int | None):
     """all_to_all with out=x read in one copy: swapped in place chunk by chunk when every sender is read
-    in one copy and the counts are symmetric, received aside otherwise; ranks in and out of place mixed."""
+    in one copy and the counts are symmetric, received aside otherwise; ranks in and out of place mixed.
+    The swap reads by single copy or goes through the slots, as rank 0 timed (``forced``: always that one;
+    None: both in turns); returns how many calls swapped each way, per case."""
     n = comm.size
     _shm_single_copy.SWAP_CHUNK_BYTES = 1000  # this process: many chunks, ends that cut rows
+    _shm_single_copy.STAGED_COPY_CHUNK_BYTES = 1000  # the same through the slots (2 ranks; 3 use the slot)
     _shm_single_copy.SINGLE_COPY_MIN_BYTES[OpCode.ALL_TO_ALL] = 32 << 10
     _shm_single_copy.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 ranks on this 2-core machine
-    sub = comm.split(0)
-    swaps = []
-    swap = _shm_single_copy.SingleCopyPaths._swap_all_to_all
-    _shm_single_copy.SingleCopyPaths._swap_all_to_all = lambda self, *a: swaps.append(1) or swap(self, *a)
+    sub = comm.split(0, options={"shm_slot_bytes": 4096} if n > 2 else None)
+    shm = sub.transports["shm"]
+    assert shm._staged_copy_chunk() == (4096 if n > 2 else 1000)
+    if sub.rank == 0:
+        if forced is None:
+            shm._swap_chooser = _shm_single_copy.PathChooser(shm._swap_chooser.paths, explore_every=3)
+        else:
+            shm._swap_chooser.choose = lambda key: forced
+            shm._swap_chooser.record = lambda key, path, seconds: None
+    swaps = {_shm_single_copy.SINGLE_PATH: 0, _shm_single_copy.STAGED_PATH: 0}
+    for path, name in [(_shm_single_copy.SINGLE_PATH, "_swap_all_to_all"),
+                       (_shm_single_copy.STAGED_PATH, "_staged_swap_all_to_all")]:
+        def counted(self, *a, _swap=getattr(_shm_single_copy.SingleCopyPaths, name), _path=path):
+            swaps[_path] += 1
+            return _swap(self, *a)
+        setattr(_shm_single_copy.SingleCopyPaths, name, counted)
+    cases = []
+
+    def case_done():
+        cases.append(dict(swaps))
+        for path in swaps:
+            swaps[path] = 0
+
     none = set()
     # even split, and rows of odd byte sizes (3 bytes of uint8, 10 of bfloat16)
     for k, (rows, width, dtype) in enumerate([(3000, 8, torch.float64), (17000, 3, torch.uint8),
                                               (2000, 5, torch.bfloat16)]):
         _in_place_case(sub, [[rows] * n for _ in range(n)], width, dtype, seed + 10 * k, none)
-    even = len(swaps)
+    case_done()
     # uneven but symmetric counts, an empty pair among them; then one rank in place, the others not
     sym = [[(5000 + 1700 * (s + d)) * ((s + d) % 3 != 1) for d in range(n)] for s in range(n)]
     _in_place_case(sub, sym, 4, torch.float32, seed + 40, none)
     _in_place_case(sub, sym, 4, torch.float32, seed + 50, set(range(1, n)))
-    symmetric = len(swaps) - even
+    case_done()
     # not symmetric (each rank receives as many rows as it sends): received aside, then copied
     cyc = [[(0, 4000, 9000)[(d - s) % 3] if n == 3 else 6000 + 1000 * s * (s != d) for d in range(n)]
            for s in range(n)]
@@ -152,15 +174,24 @@ def _body_in_place_swap(comm, seed: int):
     small = [[3000 if s < n - 1 and d < n - 1 else 10 for d in range(n)] for s in range(n)]
     small[n - 1][n - 1] = 0
     _in_place_case(sub, small, 4, torch.float32, seed + 70, none)
-    return even, symmetric, len(swaps) - even - symmetric
+    case_done()
+    return cases, dict(shm._swap_paths)
 
 
-@pytest.mark.parametrize("nprocs", [2, 3])
-def test_in_place_all_to_all_swaps_blocks_in_chunks(nprocs):
-    res = collectives.launch(_body_in_place_swap, nprocs, 5, transport="shm", timeout=60.0)
-    # every rank swapped on the latency path's calls: two of three per new shape, all three of the mixed
-    # case (its shape's plan exists); the asymmetric and staged cases received aside
-    assert all(r == (6, 5, 0) for r in res), res
+@pytest.mark.parametrize("nprocs,forced", [(2, None), (3, None), (2, _shm_single_copy.STAGED_PATH),
+                                           (3, _shm_single_copy.SINGLE_PATH)])
+def test_in_place_all_to_all_swaps_blocks_in_chunks(nprocs, forced):
+    res = collectives.launch(_body_in_place_swap, nprocs, 5, forced, transport="shm", timeout=60.0)
+    single, staged = _shm_single_copy.SINGLE_PATH, _shm_single_copy.STAGED_PATH
+    for cases, paths in res:
+        # every rank swapped on the latency path's calls: two of three per new shape, all three of the
+        # mixed case (its shape's plan exists); the asymmetric and staged cases received aside
+        assert [c[single] + c[staged] for c in cases] == [6, 5, 0], res
+        if forced is None:  # rank 0 tried both swaps, and every rank followed it (the same counts, below)
+            assert cases[0][single] and cases[0][staged], res
+        else:
+            assert [c[forced] for c in cases] == [6, 5, 0] and set(paths.values()) == {forced}, res
+    assert all(r == res[0] for r in res), res
 
 
 def _fail_reads_from_now_on(*args, **kwargs):

@@ -52,10 +52,9 @@ PUSH_ALL_GATHER = True
 # path on the first calls of each size and keeps the faster (transports/_path_choice.py). The staged
 # path, compiled since the table above was measured, was 1.2-1.6x faster than single copy at 2-32 MiB
 # in one phase of the CI VM and 2-2.5x slower in the next (shm-single-copy-tuning.txt, last section);
-# no constant is right in both. (In-place all_to_all keeps its swap: staged, it copies x first, and
-# was 1.7-2.1x slower even in the fast phase.)
+# no constant is right in both. In-place all_to_all is timed too, between its two swaps (below).
 TIME_ALL_GATHER_PATHS = True
-TIME_ALL_TO_ALL_PATHS = True
+TIME_ALL_TO_ALL_PATHS = True  # out of place, and the in-place swap
 SINGLE_PATH, STAGED_PATH = 1, 2  # the paths of a timed all_gather or all_to_all, as rank 0 publishes them
 ALWAYS_SINGLE_COPY = (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER, OpCode.ALL_TO_ALL,
                       OpCode.BROADCAST)
@@ -70,6 +69,17 @@ SINGLE_COPY_CHUNK_BYTES = 256 << 10
 # (copy the block aside, the partner reads the copy) 573-1020, reading into a whole-block buffer 415-633.
 # 256 KiB per partner leaves room in the 1 MiB L2 for the rows being copied.
 SWAP_CHUNK_BYTES = 256 << 10
+# Bytes a rank stages per round where a staged path only copies (all_gather, and the in-place swap
+# through the slots: stage our chunk for the partner, synchronise, copy the partner's chunk out of its
+# slot over ours); at most a slot. 2 ranks on the CI VM, median us, every variant interleaved with the
+# others (benchmarks/results/shm-in-place-all-to-all.txt, last section), 8 / 32 MiB per rank:
+# - in-place all_to_all swapped through the slots in chunks of 256 KiB 271 / 1305, 384 KiB 265 / 1225,
+#   512 KiB 270 / 1198, 768 KiB 278 / 1052, 1 MiB 482 / 2375 (single-copy swap 724 / 3085, MPICH in place
+#   757 / 3093);
+# - staged all_gather in place, rounds of 256 KiB 337 / 1848, 512 KiB 305 / 1706, 768 KiB 363 / 1635,
+#   1 MiB (the whole slot) 494 / 2577.
+# A chunk staged and the partner's chunk read must both stay in the core's 1 MiB L2 between the copies.
+STAGED_COPY_CHUNK_BYTES = 512 << 10
 
 
 class SingleCopyPaths:
@@ -93,6 +103,9 @@ class SingleCopyPaths:
         self._timed_a2a = False  # out-of-place all_to_all of direct senders is timed (TIME_ALL_TO_ALL_PATHS)
         self._a2a_chooser: PathChooser | None = None  # rank 0's
         self._a2a_paths: dict[int, int] = {}  # size class of rank 0's send -> the path it last chose
+        self._copy_chunk = self.slot_bytes if group.oversubscribed else min(self.slot_bytes, STAGED_COPY_CHUNK_BYTES)
+        self._swap_chooser: PathChooser | None = None  # rank 0's, for the in-place swap
+        self._swap_paths: dict[int, int] = {}  # size class of rank 0's send -> its last swap's path
         if mode == "off":
             self.single_copy_status = "off (MOECOMM_SHM_SINGLE_COPY=off)"
         elif self.size == 1:
@@ -123,6 +136,7 @@ class SingleCopyPaths:
         if self.rank == 0:
             self._gather_chooser = PathChooser((SINGLE_PATH, STAGED_PATH)) if self._timed_gather else None
             self._a2a_chooser = PathChooser((SINGLE_PATH, STAGED_PATH)) if self._timed_a2a else None
+            self._swap_chooser = PathChooser((SINGLE_PATH, STAGED_PATH)) if self._timed_a2a else None
 
     def _use_single_copy(self, opcode: OpCode, nbytes: int) -> bool:
         limit = self._copy_min.get(opcode)
@@ -228,6 +242,20 @@ class SingleCopyPaths:
             return "cma_pull"
         return _timed_label("cma_pull", self._a2a_paths.get(size_class(nbytes)))
 
+    def _swap_label(self, nbytes: int) -> str:
+        """The in-place swap rank 0 last ran for a send of ``nbytes`` (both, before the first)."""
+        return {SINGLE_PATH: "cma_swap", STAGED_PATH: "staged_swap"}.get(
+            self._swap_paths.get(size_class(nbytes)), "cma_swap|staged_swap")
+
+    def _swap_path(self) -> int:
+        """After an in-place all_to_all's first synchronisation: the swap to run. Rank 0's published
+        choice when it timed the call (it sends in one copy and exchanges in place: it then always
+        chooses), else the single-copy swap. The same answer on every rank."""
+        x0, in_place0 = self._peer_addrs(0)
+        if not self._timed_a2a or not x0 or not in_place0:
+            return SINGLE_PATH
+        return self._published_path("all_to_all in place")
+
     def _timed_a2a_path(self) -> int | None:
         """After an all_to_all's first synchronisation: rank 0's path when the call is timed (every
         sender read in one copy, none in place), else None. The same answer on every rank."""
@@ -255,8 +283,11 @@ class SingleCopyPaths:
         if opcode == OpCode.ALL_TO_ALL:
             timed = (f"; out of place, when every sender is, single copy or staged, whichever rank 0 timed faster "
                      f"(now {self._a2a_label(nbytes)})" if self._timed_a2a else "")
-            return (f"single copy ({self.single_copy_status}) for senders of >= {limit} B{timed}; in place (out=x) "
-                    f"such a sender swaps its blocks with its peers in {SWAP_CHUNK_BYTES >> 10} KiB chunks")
+            swap = (f"in place (out=x) such a sender swaps its blocks with its peers chunk by chunk, by single copy or "
+                    f"through the slots, whichever rank 0 timed faster (now {self._swap_label(nbytes)})"
+                    if self._timed_a2a else f"in place (out=x) such a sender swaps its blocks with its peers in "
+                                            f"{SWAP_CHUNK_BYTES >> 10} KiB chunks")
+            return f"single copy ({self.single_copy_status}) for senders of >= {limit} B{timed}; {swap}"
         used = "used" if self._use_single_copy(opcode, nbytes) else "not used"
         return f"single copy ({self.single_copy_status}) {used}: from {limit} B"
 
@@ -336,12 +367,12 @@ class SingleCopyPaths:
         self._sync(spin_ns=self._large_spin_ns)  # the ranks finished reading the root's input
 
     # ---- in-place all_to_all ----------------------------------------------------------------
-    def _swap_steps(self, counts: list[list[int]], row_bytes: int) -> list[int] | None:
-        """Chunks in each step of the in-place swap (step k pairs rank s with (k - s) mod size), or None
-        when no rank exchanges in place or the swap cannot serve the call: a rank that sends rows but was
-        not read in one copy (it staged them), or counts that are not symmetric (rank s's block for d
-        would not sit where d's block for s lands). Every rank computes the same answer from what all
-        published at the first synchronisation."""
+    def _swap_steps(self, counts: list[list[int]], row_bytes: int, staged: bool) -> list[int] | None:
+        """Chunks in each step of the in-place swap (step k pairs rank s with (k - s) mod size; chunks of
+        :data:`SWAP_CHUNK_BYTES`, or :meth:`_staged_copy_chunk` for the swap through the slots), or None when no rank exchanges in place or the swap cannot serve the call: a
+        rank that sends rows but was not read in one copy (it staged them), or counts that are not
+        symmetric (rank s's block for d would not sit where d's block for s lands). Every rank computes
+        the same answer from what all published at the first synchronisation."""
         n = self.size
         published = [self._peer_addrs(r) for r in range(n)]
         if not any(out for _, out in published):
@@ -352,10 +383,11 @@ class SingleCopyPaths:
             for d in range(s):
                 if counts[s][d] != counts[d][s]:
                     return None
+        chunk = self._staged_copy_chunk() if staged else SWAP_CHUNK_BYTES
         steps = []
         for k in range(n):
             biggest = max((counts[s][(k - s) % n] for s in range(n) if (k - s) % n != s), default=0)
-            steps.append(-(-biggest * row_bytes // SWAP_CHUNK_BYTES))
+            steps.append(-(-biggest * row_bytes // chunk))
         return steps
 
     def _swap_buffer(self) -> int:
@@ -394,6 +426,40 @@ class SingleCopyPaths:
                 self._await(self._publish(), spin)  # every rank read this chunk of its partner's block
                 if in_place and nb > 0:
                     copy_bytes(x_addr + offsets[p] + lo, buf, nb)
+        return out
+
+    def _staged_copy_chunk(self) -> int:
+        """Bytes per round of a staged path that only copies (:data:`STAGED_COPY_CHUNK_BYTES`, at most a
+        slot; a whole slot in a group with more ranks than cores, where a round can cost a context switch)."""
+        return self._copy_chunk
+
+    def _staged_swap_all_to_all(self, x_addr: int, out: torch.Tensor, counts: list[list[int]], row_bytes: int,
+                                steps: list[int]) -> torch.Tensor:
+        """The same pairwise swap in lockstep through the slots instead of process_vm_readv: per chunk
+        (:data:`STAGED_COPY_CHUNK_BYTES`, at most a slot), this rank stages the chunk of its block for its partner into its slot, every rank
+        synchronises, and it copies its partner's chunk out of the partner's slot over its own (or into
+        ``out``). Two plain copies per chunk, one of them from a slot still in a cache, where the single
+        copy pays the kernel's page walk on both sides (benchmarks/results/shm-in-place-all-to-all.txt).
+        Rounds alternate between the two slots, so a slot is rewritten only after the partner has
+        copied out of it (the module docstring of transports/shm.py)."""
+        n, me, chunk, spin = self.size, self.rank, self._staged_copy_chunk(), self._large_spin_ns
+        y_addr = out.data_ptr()
+        offsets = [0] * (n + 1)
+        for r in range(n):
+            offsets[r + 1] = offsets[r] + counts[me][r] * row_bytes
+        if y_addr != x_addr:
+            copy_bytes(y_addr + offsets[me], x_addr + offsets[me], offsets[me + 1] - offsets[me])
+        for k in range(n):
+            p = (k - me) % n
+            size = (offsets[p + 1] - offsets[p]) if p != me else 0
+            for lo in range(0, steps[k] * chunk, chunk):
+                nb = min(chunk, size - lo)
+                b = self._begin_round()
+                if nb > 0:
+                    self._stage(b, 0, x_addr + offsets[p] + lo, nb)
+                self._sync(spin_ns=spin)
+                if nb > 0:
+                    self._pull(b, p, 0, y_addr + offsets[p] + lo, nb)
         return out
 
 

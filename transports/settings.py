@@ -81,7 +81,8 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
        "large shm messages: auto: peers read or write each other's tensors in one copy (Linux "
        "process_vm_readv/writev) from "
        "the per-op sizes in transports/_shm_single_copy.py (from there on all_gather, and an out-of-place all_to_all "
-       "whose senders all qualify, runs single copy or staged, whichever rank 0 timed faster on recent calls), where "
+       "whose senders all qualify, runs single copy or staged, whichever rank 0 timed faster on recent calls; an "
+       "in-place one swaps blocks by single copy or through the slots, chosen the same way), where "
        "a start-up probe on every rank allows it; off: always "
        "stage through the shared slots; always: single copy at every size (tests)",
        "transports.shm", agree=True, choices=("auto", "off", "always")),

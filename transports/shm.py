@@ -312,11 +312,13 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         self._staged_all_gather(send, out, sig)
 
     def _staged_all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature | None) -> None:
-        """all_gather through the slots, one slot's worth of every rank's input per round (``sig``:
-        checked in the first round's synchronisation; None when an earlier one checked it)."""
+        """all_gather through the slots, a chunk of every rank's input per round (``sig``: checked in the
+        first round's synchronisation; None when an earlier one checked it). The chunk is
+        :data:`~transports._shm_single_copy.STAGED_COPY_CHUNK_BYTES`, at most a slot: 10-30% faster
+        than a whole 1 MiB slot at 8-32 MiB on 2 ranks of the CI VM."""
         x = as_numpy(send).view(np.uint8)
         y = as_numpy(out).view(np.uint8)
-        nbytes, S, me = x.nbytes, self.slot_bytes, self.rank
+        nbytes, S, me = x.nbytes, self._staged_copy_chunk(), self.rank
         first = sig
         for lo, hi in windows(nbytes, S):
             slots = self._views(self._begin_round(), hi - lo, np.dtype(np.uint8))
@@ -414,7 +416,8 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         if not direct:
             for off, src, nb in staged_segments(own_start, own_len, total, 0, self.slot_bytes):
                 self._stage(b, off, x_addr + src, nb)
-        chooser = self._a2a_chooser if direct and not in_place else None  # rank 0's, for a call that may be timed
+        # rank 0's, for a call that may be timed: out of place, or the in-place swap's path
+        chooser = (self._swap_chooser if in_place else self._a2a_chooser) if direct else None
         t0 = time.perf_counter() if chooser is not None else 0.0
         # the output address published is only a flag: nonzero = this rank exchanges in place
         self._sync(sig, send_counts, recv=recv_counts,
@@ -438,9 +441,18 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
             return out
         out = alloc([row[me] for row in counts])
         if self.single_copy and (direct or not total):  # a rank that stages rows rules the swap out
-            steps = self._swap_steps(counts, row_bytes)
+            swap = self._swap_path()
+            staged = swap == STAGED_PATH
+            steps = self._swap_steps(counts, row_bytes, staged)
             if steps is not None:  # some rank exchanges in place, and every rank can swap with its peers
-                return self._swap_all_to_all(x_addr, out, counts, row_bytes, steps)
+                self._swap_paths[size_class(sum(counts[0]) * row_bytes)] = swap  # by rank 0's send (_swap_label)
+                if staged:
+                    out = self._staged_swap_all_to_all(x_addr, out, counts, row_bytes, steps)
+                else:
+                    out = self._swap_all_to_all(x_addr, out, counts, row_bytes, steps)
+                if chooser is not None and in_place:  # rank 0 in place: it chose this swap
+                    chooser.record(size_class(total), swap, (time.perf_counter() - t0) / total)
+                return out
             if out.data_ptr() == x_addr and total:  # in place, but not as a swap: receive aside, then copy
                 aside = torch.empty_like(out)
                 self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct, aside, counts)
