@@ -141,12 +141,14 @@ def _body_in_place_swap(comm, seed: int, forced: int | None):
             shm._swap_chooser.choose = lambda key: forced
             shm._swap_chooser.record = lambda key, path, seconds: None
     swaps = {_shm_single_copy.SINGLE_PATH: 0, _shm_single_copy.STAGED_PATH: 0}
-    for path, name in [(_shm_single_copy.SINGLE_PATH, "_swap_all_to_all"),
-                       (_shm_single_copy.STAGED_PATH, "_staged_swap_all_to_all")]:
-        def counted(self, *a, _swap=getattr(_shm_single_copy.SingleCopyPaths, name), _path=path):
-            swaps[_path] += 1
-            return _swap(self, *a)
-        setattr(_shm_single_copy.SingleCopyPaths, name, counted)
+    steps = _shm_single_copy.SingleCopyPaths._swap_steps
+
+    def counted(self, counts, row_bytes, staged):  # a call swaps where its steps are given
+        out = steps(self, counts, row_bytes, staged)
+        if out is not None:
+            swaps[_shm_single_copy.STAGED_PATH if staged else _shm_single_copy.SINGLE_PATH] += 1
+        return out
+    _shm_single_copy.SingleCopyPaths._swap_steps = counted
     cases = []
 
     def case_done():
@@ -286,7 +288,8 @@ def _body_timed_all_to_all(comm, forced: int | None, native: str = "auto", decla
     n, r, width = comm.size, comm.rank, 20  # 80-byte rows
     paths = []
     for call in range(12):
-        rows = [150 + (s + d + call) % 4 for s in range(n) for d in range(n)]  # >= 36 KB per sender: direct
+        rows = [150 + (2 * s + d + call) % 5 for s in range(n) for d in range(n)]  # >= 36 KB per sender: direct;
+        # not symmetric (rank s sends rank d other than it receives from d): the staged path exchanges pairwise
         send = [rows[r * n + d] for d in range(n)]
         xs = [rank_input("timed-a2a", s, (sum(rows[s * n : (s + 1) * n]), width), torch.float32, call) for s in range(n)]
         recv = [rows[s * n + r] for s in range(n)] if declared else None  # what every sender sends us

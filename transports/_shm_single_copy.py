@@ -368,11 +368,12 @@ class SingleCopyPaths:
 
     # ---- in-place all_to_all ----------------------------------------------------------------
     def _swap_steps(self, counts: list[list[int]], row_bytes: int, staged: bool) -> list[int] | None:
-        """Chunks in each step of the in-place swap (step k pairs rank s with (k - s) mod size; chunks of
-        :data:`SWAP_CHUNK_BYTES`, or :meth:`_staged_copy_chunk` for the swap through the slots), or None when no rank exchanges in place or the swap cannot serve the call: a
-        rank that sends rows but was not read in one copy (it staged them), or counts that are not
-        symmetric (rank s's block for d would not sit where d's block for s lands). Every rank computes
-        the same answer from what all published at the first synchronisation."""
+        """Chunks in each step of the in-place swap (:meth:`_pairwise_steps`; chunks of
+        :data:`SWAP_CHUNK_BYTES`, or :meth:`_staged_copy_chunk` for the swap through the slots), or None
+        when no rank exchanges in place or the swap cannot serve the call: a rank that sends rows but was
+        not read in one copy (it staged them), or counts that are not symmetric (rank s's block for d
+        would not sit where d's block for s lands). Every rank computes the same answer from what all
+        published at the first synchronisation."""
         n = self.size
         published = [self._peer_addrs(r) for r in range(n)]
         if not any(out for _, out in published):
@@ -383,10 +384,17 @@ class SingleCopyPaths:
             for d in range(s):
                 if counts[s][d] != counts[d][s]:
                     return None
-        chunk = self._staged_copy_chunk() if staged else SWAP_CHUNK_BYTES
+        return self._pairwise_steps(counts, row_bytes, self._staged_copy_chunk() if staged else SWAP_CHUNK_BYTES)
+
+    def _pairwise_steps(self, counts: list[list[int]], row_bytes: int, chunk: int) -> list[int]:
+        """Rounds of ``chunk`` bytes in each step k of a pairwise exchange, in which rank s and its
+        partner (k - s) mod size send each other their blocks: the most any pair of that step moves
+        one way, so that every rank makes the same rounds."""
+        n = self.size
         steps = []
         for k in range(n):
-            biggest = max((counts[s][(k - s) % n] for s in range(n) if (k - s) % n != s), default=0)
+            pairs = [(s, (k - s) % n) for s in range(n) if (k - s) % n != s]
+            biggest = max((max(counts[s][p], counts[p][s]) for s, p in pairs), default=0)
             steps.append(-(-biggest * row_bytes // chunk))
         return steps
 
@@ -433,33 +441,38 @@ class SingleCopyPaths:
         slot; a whole slot in a group with more ranks than cores, where a round can cost a context switch)."""
         return self._copy_chunk
 
-    def _staged_swap_all_to_all(self, x_addr: int, out: torch.Tensor, counts: list[list[int]], row_bytes: int,
-                                steps: list[int]) -> torch.Tensor:
-        """The same pairwise swap in lockstep through the slots instead of process_vm_readv: per chunk
-        (:data:`STAGED_COPY_CHUNK_BYTES`, at most a slot), this rank stages the chunk of its block for its partner into its slot, every rank
-        synchronises, and it copies its partner's chunk out of the partner's slot over its own (or into
-        ``out``). Two plain copies per chunk, one of them from a slot still in a cache, where the single
-        copy pays the kernel's page walk on both sides (benchmarks/results/shm-in-place-all-to-all.txt).
-        Rounds alternate between the two slots, so a slot is rewritten only after the partner has
-        copied out of it (the module docstring of transports/shm.py)."""
+    def _staged_pairwise_all_to_all(self, x_addr: int, out: torch.Tensor, counts: list[list[int]], row_bytes: int,
+                                    steps: list[int]) -> torch.Tensor:
+        """all_to_all after its first synchronisation as pairwise exchanges in lockstep through the slots
+        (the in-place swap's other path, and the timed out-of-place call's staged path): in step k this
+        rank and its partner p = (k - rank) mod size exchange their blocks for each other, a chunk per
+        round (:meth:`_staged_copy_chunk`, ``steps[k]`` rounds: :meth:`_pairwise_steps`). Per round
+        this rank stages the next chunk of its block for p into its slot, every rank synchronises, and it
+        copies p's chunk for it out of p's slot into ``out``. Two plain copies a chunk, the slot side
+        still in a cache, where single copy pays the kernel's page walk on both sides
+        (benchmarks/results/shm-in-place-all-to-all.txt). In place (``out`` at ``x_addr``) the counts are
+        symmetric (:meth:`_swap_steps`), so each chunk lands where the one just staged left. Rounds
+        alternate between the two slots, so a slot is rewritten only after the partner has copied out
+        of it (transports/shm.py's module docstring)."""
         n, me, chunk, spin = self.size, self.rank, self._staged_copy_chunk(), self._large_spin_ns
         y_addr = out.data_ptr()
-        offsets = [0] * (n + 1)
+        send_at, recv_at = [0] * (n + 1), [0] * (n + 1)  # our block for rank r in x; its block for us in out
         for r in range(n):
-            offsets[r + 1] = offsets[r] + counts[me][r] * row_bytes
+            send_at[r + 1] = send_at[r] + counts[me][r] * row_bytes
+            recv_at[r + 1] = recv_at[r] + counts[r][me] * row_bytes
         if y_addr != x_addr:
-            copy_bytes(y_addr + offsets[me], x_addr + offsets[me], offsets[me + 1] - offsets[me])
+            copy_bytes(y_addr + recv_at[me], x_addr + send_at[me], send_at[me + 1] - send_at[me])
         for k in range(n):
             p = (k - me) % n
-            size = (offsets[p + 1] - offsets[p]) if p != me else 0
+            send = send_at[p + 1] - send_at[p] if p != me else 0
+            recv = recv_at[p + 1] - recv_at[p] if p != me else 0
             for lo in range(0, steps[k] * chunk, chunk):
-                nb = min(chunk, size - lo)
                 b = self._begin_round()
-                if nb > 0:
-                    self._stage(b, 0, x_addr + offsets[p] + lo, nb)
+                if lo < send:
+                    self._stage(b, 0, x_addr + send_at[p] + lo, min(chunk, send - lo))
                 self._sync(spin_ns=spin)
-                if nb > 0:
-                    self._pull(b, p, 0, y_addr + offsets[p] + lo, nb)
+                if lo < recv:
+                    self._pull(b, p, 0, y_addr + recv_at[p] + lo, min(chunk, recv - lo))
         return out
 
 

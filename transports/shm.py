@@ -382,8 +382,8 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
     takes_into = True
 
     def all_to_all(self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator,
-                   sig: Signature, recv_counts: list[int] | None = None, into: torch.Tensor | None = None,
-                   *, _staged: bool = False) -> torch.Tensor:
+                   sig: Signature, recv_counts: list[int] | None = None,
+                   into: torch.Tensor | None = None) -> torch.Tensor:
         """See :meth:`Transport.all_to_all`. With ``recv_counts`` every rank publishes them beside its
         send counts in the first synchronisation, and every rank compares the whole [size, size]
         matrices after it, so a wrong value raises on every rank before any peer's row is read.
@@ -392,12 +392,14 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         for this rank fill it exactly is one compiled call (stage, publish counts, arrive, copy).
 
         Out of place with every sender read in one copy, rank 0 may choose the staged path instead
-        (``_timed_a2a_path``): then every rank makes the call again with ``_staged`` (all stage)."""
+        (``_timed_a2a_path``): pairwise exchanges through the slots (``_staged_pairwise_all_to_all``).
+        In place, the blocks are swapped by single copy or by those pairwise exchanges, as rank 0 chose
+        (``_swap_path``)."""
         me = self.rank
         x_addr, total = send.data_ptr(), send.nbytes  # plain addresses: small calls are all overhead
         row_bytes = row_numel * send.element_size()
         # single copy per sender, from its own size: the peers learn it from its published address
-        direct = total >= self._a2a_direct_min and not _staged
+        direct = total >= self._a2a_direct_min
         # out=x: a sender read in one copy swaps in place (_swap_all_to_all) or receives aside; one that
         # stages stages all it sends in the first round (total <= slot_bytes), so only its own block
         # is read from x after that, and moved before any row lands (_all_to_all_rest, a2a_pull)
@@ -431,7 +433,8 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         if path is not None:
             self._a2a_paths[size_class(sum(counts[0]) * row_bytes)] = path  # by rank 0's send (_a2a_label)
             if path == STAGED_PATH:
-                out = self.all_to_all(send, send_counts, row_numel, alloc, sig, recv_counts, into, _staged=True)
+                out = self._staged_pairwise_all_to_all(x_addr, alloc([row[me] for row in counts]), counts, row_bytes,
+                                                       self._pairwise_steps(counts, row_bytes, self._staged_copy_chunk()))
                 self._timing_barrier()
             else:
                 out = self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct,
@@ -447,7 +450,7 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
             if steps is not None:  # some rank exchanges in place, and every rank can swap with its peers
                 self._swap_paths[size_class(sum(counts[0]) * row_bytes)] = swap  # by rank 0's send (_swap_label)
                 if staged:
-                    out = self._staged_swap_all_to_all(x_addr, out, counts, row_bytes, steps)
+                    out = self._staged_pairwise_all_to_all(x_addr, out, counts, row_bytes, steps)
                 else:
                     out = self._swap_all_to_all(x_addr, out, counts, row_bytes, steps)
                 if chooser is not None and in_place:  # rank 0 in place: it chose this swap
