@@ -296,7 +296,7 @@ def test_tune_shm_passes_settings_as_launch_options_not_environment(monkeypatch)
 
     def fake_launch(fn, nprocs, *args, **kwargs):
         calls.append((nprocs, args, kwargs, {k: v for k, v in os.environ.items() if k.startswith("MOECOMM_")}))
-        return [{size: 1e-3 for size in args[0]}] * nprocs
+        return [{size: (1e-3, 1e-3) for size in args[0]}] * nprocs
 
     monkeypatch.setattr(collectives, "launch", fake_launch)
     before = {k: v for k, v in os.environ.items() if k.startswith("MOECOMM_")}

@@ -280,9 +280,8 @@ def _usable(row: Mapping[str, Any]) -> bool:
 def row_time_us(row: Mapping[str, Any]) -> float:
     """The time a bench row is fitted on (and a prediction checked against): its median call time.
 
-    ``p50_us`` where the row has one (> 0), else ``time_us`` (nccl-tests' mean over the timed calls;
-    ``tune_shm`` rows carry only that: the mean call of a back-to-back loop, the best of its repeats,
-    1.1-1.8x below the medians of the shipped calibration's bench run at the sizes both measured).
+    ``p50_us`` where the row has one (> 0; ``tune_shm`` rows too: the median call of its median
+    repetition), else ``time_us`` (nccl-tests' mean over the timed calls).
     On the shared 2-vCPU VM one call descheduled for a few ms moves a 20-call mean by tens of percent,
     the median hardly: fitted on means, the local check's predictions missed by 24% on average at
     >= 64 KiB, on medians by 17% (same runs; benchmarks/results/model-local-check.md).
