@@ -107,6 +107,19 @@ def test_all_to_all_with_direct_and_staged_senders(nprocs, native):
     assert algorithm == ("cma_pull" if 0 in direct else "pull") and gather_algorithm == "cma_push"  # rank 0's rows
 
 
+def _steer_rank_0(comm, shm, chooser: str, forced: int | None) -> None:
+    """Rank 0's path choice ``shm.<chooser>`` in a test: with ``forced`` None it tries the other path every
+    third call (both paths, and the switches between them), else it always chooses ``forced``."""
+    if comm.rank != 0:
+        return
+    if forced is None:
+        setattr(shm, chooser, _shm_single_copy.PathChooser(getattr(shm, chooser).paths, explore_every=3))
+    else:
+        steered = getattr(shm, chooser)
+        steered.choose = lambda key: forced
+        steered.record = lambda key, path, seconds: None
+
+
 def _in_place_case(comm, counts: list[list[int]], width: int, dtype: torch.dtype, tag: int, out_of_place: set):
     """One all_to_all of rows ``counts[s][d]`` (rank s to rank d, rows of ``width`` ``dtype``), in place on
     the ranks not in ``out_of_place``, called three times with fresh data (the first call makes the plan,
@@ -134,12 +147,7 @@ def _body_in_place_swap(comm, seed: int, forced: int | None):
     sub = comm.split(0, options={"shm_slot_bytes": 4096} if n > 2 else None)
     shm = sub.transports["shm"]
     assert shm._staged_copy_chunk() == (4096 if n > 2 else 1000)
-    if sub.rank == 0:
-        if forced is None:
-            shm._swap_chooser = _shm_single_copy.PathChooser(shm._swap_chooser.paths, explore_every=3)
-        else:
-            shm._swap_chooser.choose = lambda key: forced
-            shm._swap_chooser.record = lambda key, path, seconds: None
+    _steer_rank_0(sub, shm, "_swap_chooser", forced)
     swaps = {_shm_single_copy.SINGLE_PATH: 0, _shm_single_copy.STAGED_PATH: 0}
     steps = _shm_single_copy.SingleCopyPaths._swap_steps
 
@@ -234,12 +242,7 @@ def _body_timed_all_gather(comm, forced: int | None, native: str = "auto"):
     comm = comm.split(0, options={"shm_slot_bytes": 4096, "shm_native": native})  # staged: several rounds a call
     shm = comm.transports["shm"]
     assert shm._timed_gather and (shm._gather_chooser is not None) == (comm.rank == 0)
-    if comm.rank == 0:
-        if forced is None:  # try the other path every third call: both paths, and the switches between them
-            shm._gather_chooser = _shm_single_copy.PathChooser(shm._gather_chooser.paths, explore_every=3)
-        else:
-            shm._gather_chooser.choose = lambda key: forced
-            shm._gather_chooser.record = lambda key, path, seconds: None
+    _steer_rank_0(comm, shm, "_gather_chooser", forced)
     n, numel = comm.size, 9001  # 36004 B: above the single-copy size set here, 9 staged rounds
     paths = []
     for call in range(12):
@@ -279,12 +282,7 @@ def _body_timed_all_to_all(comm, forced: int | None, native: str = "auto", decla
     comm = comm.split(0, options={"shm_slot_bytes": 4096, "shm_native": native})  # staged: several rounds a call
     shm = comm.transports["shm"]
     assert shm._timed_a2a and (shm._a2a_chooser is not None) == (comm.rank == 0)
-    if comm.rank == 0:
-        if forced is None:
-            shm._a2a_chooser = _shm_single_copy.PathChooser(shm._a2a_chooser.paths, explore_every=3)
-        else:
-            shm._a2a_chooser.choose = lambda key: forced
-            shm._a2a_chooser.record = lambda key, path, seconds: None
+    _steer_rank_0(comm, shm, "_a2a_chooser", forced)
     n, r, width = comm.size, comm.rank, 20  # 80-byte rows
     paths = []
     for call in range(12):

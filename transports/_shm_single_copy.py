@@ -3,7 +3,8 @@
 A mixin of :class:`transports.shm.SharedMemoryTransport` (it uses the transport's control blocks,
 synchronisation and failure handling); split out because it is one responsibility: whether the
 group may read its peers' memory (probed and agreed at start-up), from which sizes that is faster
-than staging through the slots, and the collectives that do it.
+than staging through the slots, and the collectives that do it; with them the pairwise exchange
+through the slots that an all_to_all's single copy is timed against (:data:`STAGED_COPY_CHUNK_BYTES`).
 """
 
 from __future__ import annotations

@@ -314,7 +314,7 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
     def _staged_all_gather(self, send: torch.Tensor, out: torch.Tensor, sig: Signature | None) -> None:
         """all_gather through the slots, a chunk of every rank's input per round (``sig``: checked in the
         first round's synchronisation; None when an earlier one checked it). The chunk is
-        :data:`~transports._shm_single_copy.STAGED_COPY_CHUNK_BYTES`, at most a slot: 1.3-1.6x faster
+        :data:`~transports._shm_single_copy.STAGED_COPY_CHUNK_BYTES`, at most a slot: 1.4-1.8x faster
         than a whole 1 MiB slot at 8-32 MiB on 2 ranks of the CI VM. Copies by address (the compiled
         helper's when built) and waits with the large-copy spin: 5-25% faster than NumPy views and a
         plain wait (same VM, benchmarks/results/shm-in-place-all-to-all.txt)."""
