@@ -214,9 +214,12 @@ def _body_read_fails(comm, failing_rank: int, op: str):
     call()  # the path works first
     if comm.rank == failing_rank:
         _cma.read = _cma.write = _fail_reads_from_now_on
+    kept = len(_shm_single_copy._WRITTEN_BY_PEERS)
     try:
         call()  # all_gather writes into the peers; all_to_all in place: the swap, reading in chunks
     except (CommunicatorBrokenError, PeerFailedError) as e:
+        # the output peers write into stays allocated (a late write must not land in freed memory)
+        assert len(_shm_single_copy._WRITTEN_BY_PEERS) - kept == (op == "all_gather")
         return type(e).__name__, str(e)
     return "no error", ""
 

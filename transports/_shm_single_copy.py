@@ -83,6 +83,14 @@ SWAP_CHUNK_BYTES = 256 << 10
 STAGED_COPY_CHUNK_BYTES = 512 << 10
 
 
+# Outputs of failed single-copy all_gathers: the peers write into them (process_vm_writev) and may still
+# be writing when this rank has raised, so they are never freed (a write into freed memory corrupted the
+# heap: "free(): corrupted unsorted chunks" in a rank of test_a_failed_read_breaks_the_call_on_every_rank
+# _naming_it, 2026-11-23). Only a call that failed by a timeout, a failed peer or a broken transport
+# lands here, after which the communicator is unusable: one buffer per broken communicator.
+_WRITTEN_BY_PEERS: list[torch.Tensor] = []
+
+
 class SingleCopyPaths:
     """Single-copy collectives of the shm transport (see the module docstring)."""
 
@@ -327,6 +335,12 @@ class SingleCopyPaths:
         the next call's first synchronisation instead, and the staged path would look faster than it is."""
         self._begin_round()
         self._await(self._publish(), self._large_spin_ns)
+
+    def _keep_written_alive(self, out: torch.Tensor) -> None:
+        """After a single-copy all_gather failed: keep ``out`` allocated for good when the peers write
+        into it (:data:`_WRITTEN_BY_PEERS`)."""
+        if self._push:
+            _WRITTEN_BY_PEERS.append(out)
 
     def _gather_copies(self, x_addr: int, y_addr: int, nbytes: int) -> None:
         """The single-copy all_gather after its first synchronisation (the peers' addresses are published)."""

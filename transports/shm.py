@@ -51,6 +51,8 @@ from .base import (
     DTYPE_CODES,
     META_LEN,
     Allocator,
+    CollectiveTimeoutError,
+    CommunicatorBrokenError,
     GroupInfo,
     OpCode,
     ReduceOp,
@@ -304,10 +306,14 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
             self._compiled_all_gather(send.nbytes, sig)(send.data_ptr(), out.data_ptr())
             return
         if self._use_single_copy(OpCode.ALL_GATHER, send.nbytes):  # plain addresses: no NumPy views
-            if self._timed_gather:
-                self._timed_all_gather(send, out, sig)
-            else:
-                self._single_copy_all_gather(send.data_ptr(), out.data_ptr(), send.nbytes, sig)
+            try:
+                if self._timed_gather:
+                    self._timed_all_gather(send, out, sig)
+                else:
+                    self._single_copy_all_gather(send.data_ptr(), out.data_ptr(), send.nbytes, sig)
+            except (CollectiveTimeoutError, CommunicatorBrokenError):
+                self._keep_written_alive(out)
+                raise
             return
         self._staged_all_gather(send, out, sig)
 
