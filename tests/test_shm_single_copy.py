@@ -149,14 +149,14 @@ def _body_in_place_swap(comm, seed: int, forced: int | None):
     assert shm._staged_copy_chunk() == (4096 if n > 2 else 1000)
     _steer_rank_0(sub, shm, "_swap_chooser", forced)
     swaps = {_shm_single_copy.SINGLE_PATH: 0, _shm_single_copy.STAGED_PATH: 0}
-    steps = _shm_single_copy.SingleCopyPaths._swap_steps
+    can_swap = _shm_single_copy.SingleCopyPaths._can_swap
 
-    def counted(self, counts, row_bytes, staged):  # a call swaps where its steps are given
-        out = steps(self, counts, row_bytes, staged)
-        if out is not None:
-            swaps[_shm_single_copy.STAGED_PATH if staged else _shm_single_copy.SINGLE_PATH] += 1
-        return out
-    _shm_single_copy.SingleCopyPaths._swap_steps = counted
+    def counted(self, counts):  # a call that swaps, by the swap rank 0 published for it
+        swapping = can_swap(self, counts)
+        if swapping:
+            swaps[self._swap_path()] += 1
+        return swapping
+    _shm_single_copy.SingleCopyPaths._can_swap = counted
     cases = []
 
     def case_done():

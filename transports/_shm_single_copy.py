@@ -382,24 +382,22 @@ class SingleCopyPaths:
         self._sync(spin_ns=self._large_spin_ns)  # the ranks finished reading the root's input
 
     # ---- in-place all_to_all ----------------------------------------------------------------
-    def _swap_steps(self, counts: list[list[int]], row_bytes: int, staged: bool) -> list[int] | None:
-        """Chunks in each step of the in-place swap (:meth:`_pairwise_steps`; chunks of
-        :data:`SWAP_CHUNK_BYTES`, or :meth:`_staged_copy_chunk` for the swap through the slots), or None
-        when no rank exchanges in place or the swap cannot serve the call: a rank that sends rows but was
-        not read in one copy (it staged them), or counts that are not symmetric (rank s's block for d
-        would not sit where d's block for s lands). Every rank computes the same answer from what all
-        published at the first synchronisation."""
+    def _can_swap(self, counts: list[list[int]]) -> bool:
+        """Whether this all_to_all is an in-place swap: some rank exchanges in place, and the swap can
+        serve the call (not: a rank that sends rows but was not read in one copy, it staged them; or
+        counts that are not symmetric, rank s's block for d would not sit where d's block for s lands).
+        Every rank computes the same answer from what all published at the first synchronisation."""
         n = self.size
         published = [self._peer_addrs(r) for r in range(n)]
         if not any(out for _, out in published):
-            return None
+            return False
         for s in range(n):
             if not published[s][0] and any(counts[s]):
-                return None
+                return False
             for d in range(s):
                 if counts[s][d] != counts[d][s]:
-                    return None
-        return self._pairwise_steps(counts, row_bytes, self._staged_copy_chunk() if staged else SWAP_CHUNK_BYTES)
+                    return False
+        return True
 
     def _pairwise_steps(self, counts: list[list[int]], row_bytes: int, chunk: int) -> list[int]:
         """Rounds of ``chunk`` bytes in each step k of a pairwise exchange, in which rank s and its
@@ -420,14 +418,15 @@ class SingleCopyPaths:
             self._swap_buf_addr = self._swap_buf.ctypes.data
         return self._swap_buf_addr
 
-    def _swap_all_to_all(self, x_addr: int, out: torch.Tensor, counts: list[list[int]], row_bytes: int,
-                         steps: list[int]) -> torch.Tensor:
+    def _swap_all_to_all(self, x_addr: int, out: torch.Tensor, counts: list[list[int]], row_bytes: int
+                         ) -> torch.Tensor:
         """all_to_all after its first synchronisation, as pairwise swaps in lockstep: in step k this rank
         and its partner p = (k - rank) mod size read each other's block chunk by chunk; after each chunk
         every rank waits for all (the partner has read that chunk of ours), then a rank in place copies
         the chunk it read over its own. A rank out of place reads straight into ``out``. The blocks sit
-        at the same offsets in x and out (symmetric counts: :meth:`_swap_steps`)."""
+        at the same offsets in x and out (symmetric counts: :meth:`_can_swap`)."""
         n, me, spin = self.size, self.rank, self._large_spin_ns
+        steps = self._pairwise_steps(counts, row_bytes, SWAP_CHUNK_BYTES)
         y_addr = out.data_ptr()
         in_place = y_addr == x_addr
         offsets = [0] * (n + 1)  # our block for rank r = its block for us: offsets[r] in x and in out
@@ -456,20 +455,21 @@ class SingleCopyPaths:
         slot; a whole slot in a group with more ranks than cores, where a round can cost a context switch)."""
         return self._copy_chunk
 
-    def _staged_pairwise_all_to_all(self, x_addr: int, out: torch.Tensor, counts: list[list[int]], row_bytes: int,
-                                    steps: list[int]) -> torch.Tensor:
+    def _staged_pairwise_all_to_all(self, x_addr: int, out: torch.Tensor, counts: list[list[int]], row_bytes: int
+                                    ) -> torch.Tensor:
         """all_to_all after its first synchronisation as pairwise exchanges in lockstep through the slots
         (the in-place swap's other path, and the timed out-of-place call's staged path): in step k this
         rank and its partner p = (k - rank) mod size exchange their blocks for each other, a chunk per
-        round (:meth:`_staged_copy_chunk`, ``steps[k]`` rounds: :meth:`_pairwise_steps`). Per round
+        round (:meth:`_staged_copy_chunk`; the rounds of each step: :meth:`_pairwise_steps`). Per round
         this rank stages the next chunk of its block for p into its slot, every rank synchronises, and it
         copies p's chunk for it out of p's slot into ``out``. Two plain copies a chunk, the slot side
         still in a cache, where single copy pays the kernel's page walk on both sides
         (benchmarks/results/shm-in-place-all-to-all.txt). In place (``out`` at ``x_addr``) the counts are
-        symmetric (:meth:`_swap_steps`), so each chunk lands where the one just staged left. Rounds
+        symmetric (:meth:`_can_swap`), so each chunk lands where the one just staged left. Rounds
         alternate between the two slots, so a slot is rewritten only after the partner has copied out
         of it (transports/shm.py's module docstring)."""
         n, me, chunk, spin = self.size, self.rank, self._staged_copy_chunk(), self._large_spin_ns
+        steps = self._pairwise_steps(counts, row_bytes, chunk)
         y_addr = out.data_ptr()
         send_at, recv_at = [0] * (n + 1), [0] * (n + 1)  # our block for rank r in x; its block for us in out
         for r in range(n):

@@ -81,7 +81,7 @@ class RoundSync:
         ``counts``/``recv``: all_to_all's send counts and declared receive counts, published with it.
         ``addrs``: (input address, output address) of this rank's tensors, for the single-copy path.
         ``spin_ns``: how long a wait may busy-poll before it sleeps (``_large_spin_ns`` after large copies).
-        ``choice``: the path of a timed call (rank 0's counts, :meth:`_published_choice` reads it).
+        ``choice``: the path of a timed call (rank 0's counts, :meth:`_published_path` reads it).
 
         With ``sig``, afterwards compares the peers' signature digests with ours (one word each) and
         raises the detailed ``ValueError`` of :func:`check_agreement` on any difference.

@@ -439,30 +439,26 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         counts = self._published_counts(self._epoch)
         if recv_counts is not None:  # every rank passed them: the signatures agreed on that
             self._check_declared(counts, self._epoch)
+        out = alloc([row[me] for row in counts])
         path = self._timed_a2a_path() if direct and not in_place else None
         if path is not None:
             self._a2a_paths[size_class(sum(counts[0]) * row_bytes)] = path  # by rank 0's send (_a2a_label)
             if path == STAGED_PATH:
-                out = self._staged_pairwise_all_to_all(x_addr, alloc([row[me] for row in counts]), counts, row_bytes,
-                                                       self._pairwise_steps(counts, row_bytes, self._staged_copy_chunk()))
+                out = self._staged_pairwise_all_to_all(x_addr, out, counts, row_bytes)
                 self._timing_barrier()
             else:
-                out = self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct,
-                                            alloc([row[me] for row in counts]), counts)
+                out = self._all_to_all_rest(x_addr, total, row_bytes, own_start, own_len, b, direct, out, counts)
             if chooser is not None:
                 chooser.record(size_class(total), path, (time.perf_counter() - t0) / total)
             return out
-        out = alloc([row[me] for row in counts])
         if self.single_copy and (direct or not total):  # a rank that stages rows rules the swap out
-            swap = self._swap_path()
-            staged = swap == STAGED_PATH
-            steps = self._swap_steps(counts, row_bytes, staged)
-            if steps is not None:  # some rank exchanges in place, and every rank can swap with its peers
+            if self._can_swap(counts):  # some rank exchanges in place, and every rank can swap with its peers
+                swap = self._swap_path()
                 self._swap_paths[size_class(sum(counts[0]) * row_bytes)] = swap  # by rank 0's send (_swap_label)
-                if staged:
-                    out = self._staged_pairwise_all_to_all(x_addr, out, counts, row_bytes, steps)
+                if swap == STAGED_PATH:
+                    out = self._staged_pairwise_all_to_all(x_addr, out, counts, row_bytes)
                 else:
-                    out = self._swap_all_to_all(x_addr, out, counts, row_bytes, steps)
+                    out = self._swap_all_to_all(x_addr, out, counts, row_bytes)
                 if chooser is not None and in_place:  # rank 0 in place: it chose this swap
                     chooser.record(size_class(total), swap, (time.perf_counter() - t0) / total)
                 return out
