@@ -48,7 +48,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .collective import OPS, bus_factor
-from .segments import fitted_segment
+from .segments import fitted_segment, segment_line
 from .systems import Link, System
 
 logger = logging.getLogger(__name__)
@@ -402,13 +402,6 @@ def _segments(system: System, op: str, algorithm: str, ranks: int) -> list[Mappi
     return [t for t in terms if t["algorithm"] == found[0]]
 
 
-def _line(term: Mapping[str, Any]) -> tuple[float, float]:
-    """(alpha, beta) of a term as :func:`~collectives.model.segments.segment_time` evaluates it."""
-    if term.get("chord"):
-        return float(term["alpha_us"]), float(term["beta_us_per_byte"])
-    return max(0.0, float(term["alpha_us"])), max(0.0, float(term["beta_us_per_byte"]))
-
-
 def fitted_time_us(system: System, op: str, algorithm: str, size: int, *, ranks: int) -> float:
     """Predicted time of one fitted algorithm (its piecewise prediction, whether or not it is the fastest).
 
@@ -427,7 +420,7 @@ def fitted_time_us(system: System, op: str, algorithm: str, size: int, *, ranks:
     Raises:
         ValueError: an algorithm not fitted (or ambiguous) for that op and rank count.
     """
-    alpha, beta = _line(fitted_segment(_segments(system, op, algorithm, ranks), size))
+    alpha, beta = segment_line(fitted_segment(_segments(system, op, algorithm, ranks), size))
     return alpha + beta * size
 
 
@@ -490,7 +483,7 @@ def crossover_bytes(system: System, op: str, algorithm_a: str, algorithm_b: str,
     start = comparison_start(system, op, algorithm_a, algorithm_b, ranks=ranks)
 
     def lines(size: int) -> tuple[tuple[float, float], tuple[float, float]]:
-        return _line(fitted_segment(a, size)), _line(fitted_segment(b, size))
+        return segment_line(fitted_segment(a, size)), segment_line(fitted_segment(b, size))
 
     def gap(size: int) -> float:  # > 0: b faster
         (alpha_a, beta_a), (alpha_b, beta_b) = lines(size)

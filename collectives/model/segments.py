@@ -27,12 +27,18 @@ def _fitted_range(term: Mapping[str, Any]) -> tuple[int, int | None]:
     return int(term.get("min_bytes", 0) or 1), None if high is None else int(high)
 
 
-def segment_time(term: Mapping[str, Any], size: int) -> float:
-    """``alpha + beta * size`` (us) of one fitted term, negative coefficients counted as 0 (a chord
-    between two segments, :func:`fitted_segment`, keeps its own: only its time is kept >= 0)."""
+def segment_line(term: Mapping[str, Any]) -> tuple[float, float]:
+    """(alpha us, beta us per byte) of one fitted term, negative coefficients counted as 0; a chord
+    between two segments (:func:`fitted_segment`) keeps its own (its alpha may be negative)."""
     if term.get("chord"):
-        return max(0.0, float(term["alpha_us"]) + float(term["beta_us_per_byte"]) * size)
-    return max(0.0, float(term["alpha_us"])) + max(0.0, float(term["beta_us_per_byte"])) * size
+        return float(term["alpha_us"]), float(term["beta_us_per_byte"])
+    return max(0.0, float(term["alpha_us"])), max(0.0, float(term["beta_us_per_byte"]))
+
+
+def segment_time(term: Mapping[str, Any], size: int) -> float:
+    """``alpha + beta * size`` (us) of one fitted term (:func:`segment_line`), kept >= 0."""
+    alpha, beta = segment_line(term)
+    return max(0.0, alpha + beta * size)
 
 
 def _chord(lower: Mapping[str, Any], high: int, upper: Mapping[str, Any], low: int) -> dict[str, Any]:
