@@ -56,8 +56,10 @@ def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
         bar.update(i, f"{step.op} {format_size(step.size)} {step.peer.name}")
 
     try:
+        cycles = opts.get("cycles", 1)
         out(f"# moecomm bench: {comm.size} ranks, dtype {','.join(opts['dtypes'])}, iters {opts['iters']}, "
-            f"warmup {opts['warmup']}, check {opts['check']}, device {device}, launch {comm.topology.launch}")
+            f"warmup {opts['warmup']}{f', cycles {cycles}' if cycles > 1 else ''}, check {opts['check']}, "
+            f"device {device}, launch {comm.topology.launch}")
         out("# " + str(comm.topology).replace("\n", "\n# "))
         out("# peers: " + "; ".join(p.describe() for p in peers))
         printed_notes = []
@@ -72,6 +74,7 @@ def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
         rows = sw.run_sweep({p.name: p for p in peers}, opts["ops"], opts["dtypes"], opts["sizes"],
                             iters=opts["iters"], warmup=opts["warmup"], check=opts["check"], seed=opts["seed"],
                             redops=opts["redops"], root=opts["root"], stats=comm, on_start=on_start,
+                            cycles=cycles,
                             on_notes=on_notes, on_row=lambda r: out(format_row(r)))
         bar.finish()
     finally:
@@ -186,6 +189,10 @@ def _fits(opts: dict[str, Any]) -> Callable[[int], None]:
 @click.option("-n", "--iters", type=COUNT, default=20, show_default=True, help="Timed iterations per size.")
 @click.option("-w", "--warmup", "--warmup_iters", "warmup", type=NONNEGATIVE, default=5, show_default=True,
               help="Untimed iterations per size.")
+@click.option("--cycles", type=COUNT, default=1, show_default=True,
+              help="Make the whole sweep this many times; each row pools its timed calls of every cycle "
+                   "(time = mean, p50/p99 over all of them), spreading them over the run so that a short "
+                   "slow phase of the machine moves one cycle, not the row.")
 @click.option("-c", "--check", type=NONNEGATIVE, default=1, show_default=True,
               help="Checked calls per size and variant (0: no check).")
 @click.option("--no-check", is_flag=True, help="Same as -c 0.")
@@ -214,7 +221,7 @@ def _fits(opts: dict[str, Any]) -> Callable[[int], None]:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--seed", type=NONNEGATIVE, default=1, show_default=True, help="Seed of the random inputs.")
 def bench(minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, ops: str, redop: str, dtype: str,
-          root: int, iters: int, warmup: int, check: int, no_check: bool, transport: str | None, compare: bool,
+          root: int, iters: int, warmup: int, cycles: int, check: int, no_check: bool, transport: str | None, compare: bool,
           peers: str | None, memcpy: bool | None, device: str, nprocs: int, timeout: float, json_path: str | None, csv_path: str | None,
           plot_path: str | None, no_save: bool, quiet: bool, seed: int) -> None:
     """Bandwidth sweep in nccl-tests' format: out-of-place and in-place time/algbw/busbw/#wrong, p50/p99.
@@ -224,8 +231,8 @@ def bench(minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, 
     """
     opts = _sweep_options(minbytes, maxbytes, stepfactor, stepbytes, ops, redop, dtype, transport, compare, peers,
                           memcpy)
-    opts.update(root=root, iters=iters, warmup=warmup, check=0 if no_check else check, seed=seed, quiet=quiet,
-                device=device, timeout=timeout)
+    opts.update(root=root, iters=iters, warmup=warmup, cycles=cycles, check=0 if no_check else check, seed=seed,
+                quiet=quiet, device=device, timeout=timeout)
     if not no_save:
         json_path = json_path or DEFAULT_JSON
         plot_path = plot_path or DEFAULT_PLOT

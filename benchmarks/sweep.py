@@ -27,6 +27,9 @@ Beyond nccl-tests:
   into denormals would change the speed of the reduction itself);
 - one invocation measures several peers (:mod:`benchmarks.peers`), interleaved size by size so
   that machine drift hits all alike;
+- ``cycles`` > 1 makes the whole sweep that many times and pools each row's timed calls of every
+  cycle, so a row's samples are spread over the run instead of taken in one burst (on a shared
+  or virtual machine a slow phase of a few milliseconds can otherwise move one row by 2x);
 - with a reference peer (:class:`peers.MemcpyPeer`), each size starts with one ``memcpy`` row:
   every rank copies ``size`` bytes (uint8) locally at the same time, timed like the ops, checked
   bitwise, busbw = algbw (bus factor 1), out-of-place only; every row of that size carries its
@@ -169,6 +172,72 @@ def _check(bound: Bound, checks: int, op: str, count: int, n: int, rank: int, dt
     return worst
 
 
+class Timing(NamedTuple):
+    """One measurement of one step on this rank, before it is combined across ranks and cycles."""
+
+    times: tuple[list[float], list[float]]  # seconds of each timed call: out-of-place, in-place
+    wrong: tuple[int, int]                  # wrong elements per variant on this rank (-1: not checked)
+    algorithm: str                          # the peer's label for the path it took
+
+
+def time_step(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: int, *, iters: int, warmup: int,
+              checks: int, seed: int, root: int = 0) -> Timing:
+    """Check, then time, out-of-place and in-place ``op`` through ``peer`` on this rank.
+
+    Collective over the ranks of ``peer`` and of ``stats`` (whose barrier starts the timed calls).
+    Arguments as :func:`measure`.
+    """
+    dtype = DTYPES[dtype_name]
+    n, rank = stats.size, stats.rank
+    x = _inputs(op, count, n, rank, dtype, seed)
+    times, wrong = [], []
+    for in_place in (False, True):
+        if in_place and not has_in_place(op):  # the memcpy reference: out-of-place only
+            times.append([])
+            wrong.append(-1)
+            continue
+        bound = peer.bind(op, x, count, redop, root, in_place=in_place)
+        # nccl-tests does not check in-place all_to_all ("We don't support in-place alltoall"): a
+        # library that defines one (moecomm, MPI) is checked like any variant, the others are not
+        unchecked = in_place and op == "all_to_all" and not peer.defines_in_place_all_to_all
+        wrong.append(-1 if unchecked else _check(bound, checks, op, count, n, rank, dtype, seed, redop, root))
+        times.append(time_each(bound, iters, warmup, stats.barrier))
+    return Timing((times[0], times[1]), (wrong[0], wrong[1]), peer.algorithm(op, x))
+
+
+def summarise(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: int, timings: Sequence[Timing],
+              root: int = 0) -> Row:
+    """The row of one step from its timings on this rank (one per cycle), pooled over cycles and
+    combined across ranks. Collective over the ranks of ``stats``.
+
+    Every timed call of every cycle counts alike: ``time`` is their mean, ``p50``/``p99``
+    percentiles over them (each the call's time averaged across ranks); ``#wrong`` is the worst
+    cycle's, summed over ranks. The algorithm is the last cycle's label.
+    """
+    n = stats.size
+    oop = [t for timing in timings for t in timing.times[0]]
+    ip = [t for timing in timings for t in timing.times[1]]
+    wrong = [max(timing.wrong[v] for timing in timings) for v in (0, 1)]
+    per_rank = [sum(ts) / max(len(ts), 1) for ts in (oop, ip)]
+    tot = stats.all_reduce(torch.tensor(per_rank + [max(w, 0) for w in wrong], dtype=torch.float64))
+    across = stats.all_reduce(torch.tensor(oop + ip, dtype=torch.float64), op="avg").numpy()
+    t_oop, t_ip = float(tot[0]) / n, float(tot[1]) / n
+    nbytes = count * itemsize(dtype_name) * (1 if op in WHOLE_BUFFER else n)
+    factor = bus_factor(op, n)
+    bw_oop = nbytes / t_oop / 1e9 if t_oop > 0 else 0.0
+    bw_ip = nbytes / t_ip / 1e9 if t_ip > 0 else 0.0
+    k = len(oop)
+    p50, p99, ip_p50, ip_p99 = (float(np.percentile(a, q)) * 1e6 if len(a) else 0.0
+                                for a in (across[:k], across[k:]) for q in (50, 99))
+    return Row(op=op, transport=peer.name, size=nbytes, count=count, dtype=dtype_name,
+               redop=redop if op in REDUCING else "none", algorithm=timings[-1].algorithm,
+               root=root if op == "broadcast" else -1, library=peer.library, nranks=n, device=peer.device,
+               time_us=t_oop * 1e6, algbw=bw_oop, busbw=bw_oop * factor, wrong=int(tot[2]) if wrong[0] >= 0 else -1,
+               p50_us=p50, p99_us=p99,
+               ip_time_us=t_ip * 1e6, ip_algbw=bw_ip, ip_busbw=bw_ip * factor,
+               ip_wrong=int(tot[3]) if wrong[1] >= 0 else -1, ip_p50_us=ip_p50, ip_p99_us=ip_p99)
+
+
 def measure(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: int, *, iters: int, warmup: int,
             checks: int, seed: int, root: int = 0) -> Row:
     """Out-of-place and in-place measurement of one (op, size, dtype, redop) through ``peer``.
@@ -186,41 +255,9 @@ def measure(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: int,
     Returns:
         The row, the same on every rank (times averaged across ranks, wrong counts summed).
     """
-    dtype = DTYPES[dtype_name]
-    n, rank = stats.size, stats.rank
-    x = _inputs(op, count, n, rank, dtype, seed)
-    per_rank, per_iter, wrong = [], [], []
-    for in_place in (False, True):
-        if in_place and not has_in_place(op):  # the memcpy reference: out-of-place only
-            per_rank.append(0.0)
-            per_iter.append([])
-            wrong.append(-1)
-            continue
-        bound = peer.bind(op, x, count, redop, root, in_place=in_place)
-        # nccl-tests does not check in-place all_to_all ("We don't support in-place alltoall"): a
-        # library that defines one (moecomm, MPI) is checked like any variant, the others are not
-        unchecked = in_place and op == "all_to_all" and not peer.defines_in_place_all_to_all
-        wrong.append(-1 if unchecked else _check(bound, checks, op, count, n, rank, dtype, seed, redop, root))
-        times = time_each(bound, iters, warmup, stats.barrier)
-        per_rank.append(sum(times) / max(len(times), 1))
-        per_iter.append(times)
-    tot = stats.all_reduce(torch.tensor(per_rank + [max(w, 0) for w in wrong], dtype=torch.float64))
-    across = stats.all_reduce(torch.tensor(per_iter[0] + per_iter[1], dtype=torch.float64), op="avg").numpy()
-    t_oop, t_ip = float(tot[0]) / n, float(tot[1]) / n
-    nbytes = count * itemsize(dtype_name) * (1 if op in WHOLE_BUFFER else n)
-    factor = bus_factor(op, n)
-    bw_oop = nbytes / t_oop / 1e9 if t_oop > 0 else 0.0
-    bw_ip = nbytes / t_ip / 1e9 if t_ip > 0 else 0.0
-    k = len(per_iter[0])
-    p50, p99, ip_p50, ip_p99 = (float(np.percentile(a, q)) * 1e6 if len(a) else 0.0
-                                for a in (across[:k], across[k:]) for q in (50, 99))
-    return Row(op=op, transport=peer.name, size=nbytes, count=count, dtype=dtype_name,
-               redop=redop if op in REDUCING else "none", algorithm=peer.algorithm(op, x),
-               root=root if op == "broadcast" else -1, library=peer.library, nranks=n, device=peer.device,
-               time_us=t_oop * 1e6, algbw=bw_oop, busbw=bw_oop * factor, wrong=int(tot[2]) if wrong[0] >= 0 else -1,
-               p50_us=p50, p99_us=p99,
-               ip_time_us=t_ip * 1e6, ip_algbw=bw_ip, ip_busbw=bw_ip * factor,
-               ip_wrong=int(tot[3]) if wrong[1] >= 0 else -1, ip_p50_us=ip_p50, ip_p99_us=ip_p99)
+    timing = time_step(peer, stats, op, dtype_name, redop, count, iters=iters, warmup=warmup, checks=checks,
+                       seed=seed, root=root)
+    return summarise(peer, stats, op, dtype_name, redop, count, [timing], root=root)
 
 
 class Step(NamedTuple):
@@ -300,22 +337,29 @@ def run_sweep(comms: Mapping[str, Any], ops: Iterable[str], dtype_name: str | Se
               byte_sizes: Sequence[int], *, iters: int = 20, warmup: int = 5, check: bool | int = True,
               seed: int = 1, on_row: Callable[[Row], None] | None = None, redops: Sequence[str] = ("sum",),
               root: int = 0, stats=None, on_start: Callable[[int, int, Step], None] | None = None,
-              on_notes: Callable[[list[str]], None] | None = None) -> list[Row]:
+              on_notes: Callable[[list[str]], None] | None = None, cycles: int = 1) -> list[Row]:
     """Sweep sizes x ops x dtypes x redops, each measured through every entry of ``comms`` back to
     back, so machine drift hits all alike. Collective over every entry's ranks.
 
     Args:
         comms: label -> moecomm Communicator or :class:`peers.Peer`.
         ops, dtype_name, byte_sizes, redops: what to measure (one dtype name or several).
-        iters, warmup: timed and untimed calls per variant; seed: seed of the inputs; root: broadcast's.
-        check: checked calls per variant (True = 1, False/0 = off).
+        iters, warmup: timed and untimed calls per variant and cycle; seed: seed of the inputs;
+            root: broadcast's.
+        check: checked calls per variant and cycle (True = 1, False/0 = off).
+        cycles: how many times the whole sweep is made; each row pools its timed calls of every
+            cycle (:func:`summarise`). Its samples are then spread over the run, so a slow phase
+            of the machine shorter than a cycle moves one cycle's calls, not the whole row.
         stats: the communicator that aggregates across ranks (default: the first moecomm one).
-        on_row: called with each row as it is measured; on_start(i, total, step) before each
-            measurement; on_notes(notes) once, with what the peers skip.
+        on_row: called with each row once its last cycle is measured; on_start(i, total, step)
+            before each measurement (``total`` counts every cycle's); on_notes(notes) once, with
+            what the peers skip.
 
     Returns:
         The rows in measurement order, the same on every rank.
     """
+    if cycles < 1:
+        raise ValueError(f"cycles must be at least 1, got {cycles}")
     peers = [c if isinstance(c, Peer) else MoecommPeer(c, name) for name, c in comms.items()]
     if stats is None:
         stats = next(p.comm for p in peers if isinstance(p, MoecommPeer))
@@ -324,16 +368,21 @@ def run_sweep(comms: Mapping[str, Any], ops: Iterable[str], dtype_name: str | Se
     if on_notes is not None:
         on_notes(notes)
     rows: list[Row] = []
+    timings: list[list[Timing]] = [[] for _ in steps]
     memcpy_busbw: dict[int, float] = {}  # size -> the reference's busbw (measured first at each size)
-    for i, step in enumerate(steps):
-        if on_start is not None:
-            on_start(i, len(steps), step)
-        row = measure(step.peer, stats, step.op, step.dtype, step.redop, step.count, iters=iters, warmup=warmup,
-                      checks=int(check), seed=seed, root=root)
-        if row.op == MEMCPY:
-            memcpy_busbw[row.size] = row.busbw
-        row.memcpy_busbw = memcpy_busbw.get(row.size, 0.0)
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
+    for cycle in range(cycles):
+        for i, step in enumerate(steps):
+            if on_start is not None:
+                on_start(cycle * len(steps) + i, cycles * len(steps), step)
+            timings[i].append(time_step(step.peer, stats, step.op, step.dtype, step.redop, step.count, iters=iters,
+                                        warmup=warmup, checks=int(check), seed=seed, root=root))
+            if cycle < cycles - 1:
+                continue
+            row = summarise(step.peer, stats, step.op, step.dtype, step.redop, step.count, timings[i], root=root)
+            if row.op == MEMCPY:
+                memcpy_busbw[row.size] = row.busbw
+            row.memcpy_busbw = memcpy_busbw.get(row.size, 0.0)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
     return rows

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -71,6 +72,21 @@ def test_bench_self_launched(tmp_path):
     assert list(tmp_path.iterdir()) == [], "--no-save wrote files"
 
 
+def test_bench_cycles_print_each_row_once_and_record_the_option(tmp_path):
+    out = tmp_path / "run.json"
+    p = subprocess.run([sys.executable, "-m", "benchmarks.cli", "bench", "-b", "1K", "-e", "64K", "-f", "8",
+                        "--iters", "3", "--warmup", "1", "--cycles", "3", "--ops", "all_reduce,all_to_all",
+                        "--no-save", "--json", str(out)], capture_output=True, text=True, timeout=300, env=_env(),
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = _check_table(p.stdout, ["all_reduce", "all_to_all"], {"shm"})
+    assert [(r["op"], r["size"]) for r in rows] == [(op, s) for s in (1024, 8192, 65536)
+                                                    for op in ("all_reduce", "all_to_all")]
+    assert "iters 3, warmup 1, cycles 3," in p.stdout
+    run = json.loads(out.read_text())
+    assert run["options"]["cycles"] == 3 and len(run["rows"]) == 6
+
+
 @pytest.mark.skipif(mpiexec_path() is None, reason="no mpiexec (install the test extra)")
 def test_bench_under_mpiexec_same_columns_both_transports(tmp_path):
     p = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "benchmarks.cli", "bench", "-b", "1K", "-e", "256K",
@@ -111,6 +127,7 @@ BAD_BENCH = {
     "no ranks": (["--nprocs", "0", *TINY], "--nprocs"),
     "no iterations": (["-n", "0", "-e", "8", "--no-save"], "-n"),
     "negative warmup": (["-w", "-1", "-e", "8", "--no-save"], "-w"),
+    "no cycles": (["--cycles", "0", *TINY], "--cycles"),
     "zero timeout": (["--timeout", "0", *TINY], "--timeout"),
     "nan timeout": (["--timeout", "nan", *TINY], "--timeout"),
     "no ops": (["--ops", ",", "-e", "8", "--no-save"], "--ops"),

@@ -105,6 +105,41 @@ def test_count_wrong_accepts_correct_and_counts_errors():
                         assert sw.count_wrong(op, nan, *args) == 1
 
 
+class _OneRank:
+    """The aggregating communicator of a one-rank sweep: its all_reduce returns what it is given."""
+
+    size, rank = 1, 0
+
+    @staticmethod
+    def all_reduce(t, op="sum"):
+        return t
+
+
+class _NamedPeer:
+    name, library, device = "shm", "moecomm", "cpu"
+
+
+def test_cycles_pool_every_timed_call():
+    rng = np.random.default_rng(3)
+    cycles = [sw.Timing((list(rng.uniform(1e-6, 9e-6, 5)), list(rng.uniform(1e-6, 9e-6, 5))), wrong, algo)
+              for wrong, algo in (((0, 2), "one_shot"), ((1, 0), "one_shot"), ((0, 0), "two_shot"))]
+    # a slow phase during the second cycle: the pooled median stays with the other cycles
+    cycles[1] = cycles[1]._replace(times=([t * 10 for t in cycles[1].times[0]], cycles[1].times[1]))
+    row = sw.summarise(_NamedPeer(), _OneRank(), "all_reduce", "float32", "sum", 256, cycles)
+    oop = np.concatenate([c.times[0] for c in cycles])
+    ip = np.concatenate([c.times[1] for c in cycles])
+    assert row.time_us == pytest.approx(oop.mean() * 1e6) and row.ip_time_us == pytest.approx(ip.mean() * 1e6)
+    assert row.p50_us == pytest.approx(np.median(oop) * 1e6) and row.ip_p50_us == pytest.approx(np.median(ip) * 1e6)
+    assert row.p99_us == pytest.approx(np.percentile(oop, 99) * 1e6)
+    assert row.p50_us < np.median(cycles[1].times[0]) * 1e6 / 2
+    assert (row.wrong, row.ip_wrong) == (1, 2)  # the worst cycle of each variant
+    assert row.algorithm == "two_shot" and row.size == 1024
+    assert row.algbw == pytest.approx(1024 / oop.mean() / 1e9)
+    # one cycle is the plain measurement
+    one = sw.summarise(_NamedPeer(), _OneRank(), "all_reduce", "float32", "sum", 256, cycles[:1])
+    assert one.p50_us == pytest.approx(np.median(cycles[0].times[0]) * 1e6) and (one.wrong, one.ip_wrong) == (0, 2)
+
+
 def test_best_algbw_counts_only_checked_variants():
     r = dict(algbw=1.0, busbw=0.5, wrong=0, ip_algbw=2.0, ip_busbw=1.0, ip_wrong=0)
     assert cm.best_algbw(r) == 2.0 and cm.best_algbw(r, bus=True) == 1.0
