@@ -22,6 +22,7 @@ from collectives.model.calibrate import (
     fit_alpha_beta,
     fit_run,
     fit_segments,
+    fit_within,
     fitted_time_us,
     inconsistent_points,
     traffic_factor,
@@ -213,6 +214,59 @@ def test_two_cache_regimes_are_fitted_as_two_segments_at_the_cliff() -> None:
     [one] = fit_segments(sizes, times, max_segments=1)
     piecewise = fit_run(_two_regime_run(0.02, 0))["all_gather"]
     assert one.rms_relative_error > 3 * max(t["rms_relative_error"] for t in piecewise)
+
+
+def _alternating_run(noise: float, seed: int) -> dict:
+    """The two-regime machine's all_gather as a transport that picks between two equally fast paths
+    by timing: above the cliff the label flips size by size (``pull`` at 1st, 3rd, ... of those sizes,
+    ``cma_push`` at the others), so neither path has the three sizes a segment of its own needs."""
+    run = _two_regime_run(noise, seed)
+    above = [r for r in run["rows"] if r["size"] > CLIFF]
+    for i, row in enumerate(above):
+        row["algorithm"] = "pull" if i % 2 == 0 else "cma_push"
+    return run
+
+
+def test_paths_chosen_by_timing_share_the_op_s_cache_regimes() -> None:
+    alpha, beta = FAST
+    largest = FINE_SIZES[-1]
+    for seed in range(3):
+        run = _alternating_run(noise=0.02, seed=seed)
+        system = calibrate(run)
+        for algorithm in ("shm/pull", "shm/cma_push"):
+            # every size above the cliff, on either path, follows the slow regime's line
+            for size in (3 * CLIFF, largest // 2 + largest // 4, largest):
+                want = alpha + 2 * beta * size
+                got = fitted_time_us(system, "all_gather", algorithm, size, ranks=2)
+                assert got == pytest.approx(want, rel=0.08), (seed, algorithm, size)
+        pull = [t for t in fit_run(run)["all_gather"] if t["algorithm"] == "shm/pull"]
+        assert [(t["min_bytes"] <= CLIFF) for t in pull] == [True, False], seed  # the cliff is a breakpoint
+    # Fitted on its own rows (what fit_run did before), the pull path has two sizes above the cliff and
+    # one line spans both regimes: its prediction at the largest size misses by far more
+    rows = [r for r in _alternating_run(0.02, 0)["rows"] if r["algorithm"] == "pull"]
+    [line] = fit_segments([r["size"] for r in rows], [r["time_us"] for r in rows])
+    own = line.alpha_us + line.beta_us_per_byte * largest
+    assert abs(own / (alpha + 2 * beta * largest) - 1) > 0.2
+
+
+def test_paths_measured_side_by_side_keep_their_own_fits() -> None:
+    # tune_shm measures both paths at every size: not one series, each fitted on its own
+    run = _two_regime_run(noise=0.02, seed=4)
+    run["rows"] += [dict(r, algorithm="push", time_us=r["time_us"] * 1.5) for r in run["rows"]]
+    terms = fit_run(run)["all_gather"]
+    pull = [t for t in terms if t["algorithm"] == "shm/pull"]
+    push = [t for t in terms if t["algorithm"] == "shm/push"]
+    assert len(pull) == len(push) == 2
+    for a, b in zip(pull, push):
+        assert b["beta_us_per_byte"] == pytest.approx(1.5 * a["beta_us_per_byte"], rel=0.05)
+
+
+def test_fit_within_fits_each_range_holding_two_sizes() -> None:
+    sizes = [8, 16, 32, 1024, 4096]
+    times = [1.0 + s / 100 for s in sizes]
+    segs = fit_within([(8, 32), (64, 512), (1024, 1024), (2048, 8192)], sizes, times)
+    assert [(s.min_bytes, s.max_bytes, s.points) for s in segs] == [(8, 32, 3)]
+    assert segs[0].alpha_us == pytest.approx(1.0) and segs[0].beta_us_per_byte == pytest.approx(0.01)
 
 
 def test_inconsistent_points_are_those_slower_than_a_larger_size() -> None:

@@ -24,7 +24,9 @@ sizes are split into at most :data:`MAX_SEGMENTS` contiguous segments of at leas
 :data:`MIN_SEGMENT_SIZES` distinct sizes, each its own line. The breakpoints are found by exact
 search (dynamic programming over the ~12 sizes of a sweep) minimising the total squared relative
 residual; the number of segments by an information criterion whose charge per segment was set by
-simulation (:func:`fit_segments`), so noise does not buy segments.
+simulation (:func:`fit_segments`), so noise does not buy segments. Paths that the transport picks by
+timing (a run labels each size with the one that won, so their sizes interleave) are one series for
+this search: its breakpoints are found on all their rows, then each path is fitted within them.
 
 Times: each row's median call time (:func:`row_time_us`), not nccl-tests' mean, which one descheduled
 call moves on a shared VM. Rows used: the library's own transports (``library == "moecomm"``), not the peers (gloo, mpi4py:
@@ -139,6 +141,14 @@ class Segment:
     rms_relative_error: float
 
 
+def _fit_line(sizes: np.ndarray, times_us: np.ndarray) -> tuple[float, Segment]:
+    """One line over these points (two or more distinct sizes): (squared relative residual, segment)."""
+    alpha, beta = fit_alpha_beta(sizes, times_us)
+    misses = (alpha + beta * sizes - times_us) / times_us
+    rss = float(misses @ misses)
+    return rss, Segment(alpha, beta, int(sizes.min()), int(sizes.max()), len(sizes), math.sqrt(rss / len(misses)))
+
+
 def _criterion(rss: float, points: int, segments: int, penalty: float) -> float:
     """Information criterion of a piecewise fit: ``P ln(RSS / P) + penalty (k - 1) ln P``."""
     rss = max(rss, points * RMS_FLOOR ** 2)
@@ -187,11 +197,7 @@ def fit_segments(sizes: Sequence[float], times_us: Sequence[float], *, max_segme
     def line(i: int, j: int) -> tuple[float, Segment]:
         """The fit of distinct sizes i .. j-1: (squared relative residual, segment)."""
         inside = (s >= distinct[i]) & (s <= distinct[j - 1])
-        alpha, beta = fit_alpha_beta(s[inside], t[inside])
-        misses = (alpha + beta * s[inside] - t[inside]) / t[inside]
-        rss = float(misses @ misses)
-        return rss, Segment(alpha, beta, int(distinct[i]), int(distinct[j - 1]), int(inside.sum()),
-                            math.sqrt(rss / len(misses)))
+        return _fit_line(s[inside], t[inside])
 
     if m < 2 * min_sizes:
         return [line(0, m)[1]]
@@ -223,6 +229,38 @@ SLOWER_THAN_LARGER_LIMIT = 2.0
 # Above this share of a group's points, the timings are inconsistent as a whole (or one larger size
 # was measured too fast): nothing is dropped and the group is fitted as measured, with a warning.
 MOST_DROPPED_SHARE = 0.25
+
+
+def fit_within(bounds: Sequence[tuple[int, int]], sizes: Sequence[float], times_us: Sequence[float]) -> list[Segment]:
+    """One line per given size range over the points that fall in it (:func:`fit_segments`' lines,
+    with breakpoints found elsewhere); a range holding fewer than two distinct sizes of these points
+    gets none.
+
+    Args:
+        bounds: ``(min_bytes, max_bytes)`` per range, ascending, not overlapping.
+        sizes: bytes per point (``[P]``); times_us: measured times (``[P]``, > 0).
+
+    Returns:
+        The segments, smallest sizes first (possibly none).
+    """
+    s = np.asarray(sizes, dtype=np.float64)
+    t = np.asarray(times_us, dtype=np.float64)
+    out = []
+    for low, high in bounds:
+        inside = (s >= low) & (s <= high)
+        if len(np.unique(s[inside])) >= 2:
+            out.append(_fit_line(s[inside], t[inside])[1])
+    return out
+
+
+def _alternating(labels: Mapping[str, list[tuple[float, float]]]) -> bool:
+    """Whether several algorithms' points form one series: each size measured by exactly one of them,
+    as when the transport picked the path itself at each size, not when a run measured them side by
+    side (``tune_shm``: both at every size)."""
+    if len(labels) < 2:
+        return False
+    sizes = [{p[0] for p in points} for points in labels.values()]
+    return sum(map(len, sizes)) == len(set().union(*sizes))
 
 
 def inconsistent_points(sizes: Sequence[float], times_us: Sequence[float], *,
@@ -290,6 +328,19 @@ def row_time_us(row: Mapping[str, Any]) -> float:
     return p50 if p50 > 0 and math.isfinite(p50) else float(row.get("time_us", 0.0))
 
 
+def _terms(op: str, transport: str, algorithm: str, ranks: int, segments: Sequence[Segment]) -> list[dict[str, Any]]:
+    """One algorithm's fitted segments as calibration terms (:func:`fit_run`)."""
+    factor = traffic_factor(op, algorithm, ranks)
+    return [{
+        "algorithm": f"{transport}/{algorithm}", "ranks": ranks, "alpha_us": seg.alpha_us,
+        "beta_us_per_byte": seg.beta_us_per_byte, "protocol": "fitted", "transport": transport,
+        "min_bytes": seg.min_bytes, "max_bytes": seg.max_bytes, "segment": index, "points": seg.points,
+        "rms_relative_error": seg.rms_relative_error, "moved_bytes_per_size": factor,
+        # moved bytes per us / 1e3 = GB/s; None where the fit found no size dependence
+        "bandwidth_gbps": factor / seg.beta_us_per_byte / 1e3 if seg.beta_us_per_byte > 0 else None,
+    } for index, seg in enumerate(segments)]
+
+
 def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any]]]:
     """The fitted terms of a run, in :attr:`System.calibration`'s form.
 
@@ -317,7 +368,7 @@ def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any
             continue
         key = (row["op"], str(row["transport"]), str(row.get("algorithm") or row["transport"]), ranks)
         groups[key].append((float(row["size"]), time_us))
-    calibration: dict[str, list[list[dict[str, Any]]]] = defaultdict(list)  # op -> one term list per group
+    kept: dict[tuple[str, str, int], dict[str, list[tuple[float, float]]]] = defaultdict(dict)
     for (op, transport, algorithm, ranks), points in sorted(groups.items()):
         dropped = inconsistent_points([p[0] for p in points], [p[1] for p in points])
         if len(dropped) > MOST_DROPPED_SHARE * len(points):
@@ -329,20 +380,31 @@ def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any
                         transport, algorithm, ranks, ", ".join(f"{points[i][1]:.1f} us at {points[i][0]:.0f} B"
                                                               for i in dropped), SLOWER_THAN_LARGER_LIMIT)
             points = [p for i, p in enumerate(points) if i not in set(dropped)]
-        sizes = [p[0] for p in points]
-        if len(set(sizes)) < 2:
-            logger.warning("%s: %s %s/%s on %d ranks has one size only; not fitted",
-                           where, op, transport, algorithm, ranks)
-            continue
-        factor = traffic_factor(op, algorithm, ranks)
-        calibration[op].append([{
-            "algorithm": f"{transport}/{algorithm}", "ranks": ranks, "alpha_us": seg.alpha_us,
-            "beta_us_per_byte": seg.beta_us_per_byte, "protocol": "fitted", "transport": transport,
-            "min_bytes": seg.min_bytes, "max_bytes": seg.max_bytes, "segment": index, "points": seg.points,
-            "rms_relative_error": seg.rms_relative_error, "moved_bytes_per_size": factor,
-            # moved bytes per us / 1e3 = GB/s; None where the fit found no size dependence
-            "bandwidth_gbps": factor / seg.beta_us_per_byte / 1e3 if seg.beta_us_per_byte > 0 else None,
-        } for index, seg in enumerate(fit_segments(sizes, [p[1] for p in points]))])
+        kept[(op, transport, ranks)][algorithm] = points
+    calibration: dict[str, list[list[dict[str, Any]]]] = defaultdict(list)  # op -> one term list per group
+    for (op, transport, ranks), labels in kept.items():
+        # Paths the transport picks by timing (all_gather's staged pull against single-copy push above
+        # the slot) take turns as its choice flips with the machine's phase, so each path's rows are a
+        # scattered subset of the sweep: too few in a cache regime to place its breakpoints, and one
+        # line then spans L3 and DRAM (the local check's 96 MiB pull all_gather: -65%). Their rows
+        # together are one series, the op's time as run; the regimes are found on it and each path
+        # fitted within them.
+        shared = None
+        if _alternating(labels):
+            series = sorted(p for points in labels.values() for p in points)
+            shared = [(seg.min_bytes, seg.max_bytes)
+                      for seg in fit_segments([p[0] for p in series], [p[1] for p in series])]
+        for algorithm, points in sorted(labels.items()):
+            sizes = [p[0] for p in points]
+            if len(set(sizes)) < 2:
+                logger.warning("%s: %s %s/%s on %d ranks has one size only; not fitted",
+                               where, op, transport, algorithm, ranks)
+                continue
+            times = [p[1] for p in points]
+            segments = fit_within(shared, sizes, times) if shared else []
+            if not segments:  # no shared regime holds two of its sizes: its own fit
+                segments = fit_segments(sizes, times)
+            calibration[op].append(_terms(op, transport, algorithm, ranks, segments))
     if not calibration:
         raise ValueError(f"{where}: no moecomm rows with two or more sizes to fit (peers and `auto` are not fitted)")
 
