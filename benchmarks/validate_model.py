@@ -30,6 +30,7 @@ import numpy as np
 from collectives.model import (NCCL_ALGORITHMS, System, bus_factor, calibrate, get_system, predict_collective,
                                predict_moe)
 from collectives.model.calibrate import fitted_time_us, row_time_us
+from collectives.model.segments import fitted_segment
 
 from .common import format_size
 
@@ -479,6 +480,7 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
             f"{max(large) if large else float('nan'):.1f}% over {len(large)} rows (mean {mean(large) if large else float('nan'):.1f}%, "
             f"{sum(1 for x in large if x <= GOAL_LOCAL)} of {len(large)} rows within {GOAL_LOCAL:g}%): "
             f"{_verdict(goal_ok)}." + (f" {missing} row(s) had no fitted term of their algorithm." if missing else ""), ""]
+    out += _local_misses(system, run1, run2)
     repeats = sorted(RESULTS.glob(REPEAT_RUNS))
     if repeats:
         out += _repeatability(run1, repeats, ranges)
@@ -487,6 +489,44 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
     out += _table(["op", "size B", "algorithm used", "measured us", "predicted us", "error %", "model's pick, us"],
                   rows) + [""]
     return "\n".join(out) + "\n"
+
+
+def _local_misses(system: System, run1: dict, run2: dict) -> list[str]:
+    """The prediction run's rows at >= 64 KiB missed by more than the goal: which fitted line predicted
+    each (a segment and its own fit error, or the chord across a gap between two) and what the
+    calibration run measured at the sizes around it, so a reader can tell a fit from a regime change."""
+    nranks = run2["env"]["nranks"]
+    lines = []
+    for r in run2["rows"]:
+        if r.get("library", "moecomm") != "moecomm" or r["size"] < LOCAL_MIN_SIZE:
+            continue
+        label = f"{r['transport']}/{r['algorithm']}"
+        terms = [t for t in system.calibration.get(r["op"], []) if t["algorithm"] == label and t["ranks"] == nranks]
+        if not terms:
+            continue
+        predicted = fitted_time_us(system, r["op"], label, r["size"], ranks=nranks)
+        measured = row_time_us(r)
+        err = 100.0 * (predicted - measured) / measured
+        if abs(err) <= GOAL_LOCAL:
+            continue
+        term = fitted_segment(terms, r["size"])
+        if term.get("chord"):
+            line = (f"the chord between its segments' predictions at {format_size(term['min_bytes'])} and "
+                    f"{format_size(term['max_bytes'])}")
+        else:
+            line = (f"its segment {format_size(term['min_bytes'])} .. {format_size(term['max_bytes'])} "
+                    f"({100 * term['rms_relative_error']:.1f}% rms on its own run)")
+        near = sorted((c["size"], row_time_us(c), c["algorithm"]) for c in run1["rows"]
+                      if c["op"] == r["op"] and c["transport"] == r["transport"]
+                      and c.get("library", "moecomm") == "moecomm")
+        below = [c for c in near if c[0] < r["size"]][-1:]
+        above = [c for c in near if c[0] > r["size"]][:1]
+        around = ", ".join(f"{t:.1f} us at {format_size(size)} ({algo})" for size, t, algo in below + above)
+        lines.append(f"- {r['op']} {format_size(r['size'])} ({label}): measured {measured:.1f} us, predicted "
+                     f"{predicted:.1f} ({err:+.1f}%) by {line}; the calibration run measured {around}.")
+    if not lines:
+        return []
+    return ["## Rows missed by more than the goal", "", *lines, ""]
 
 
 def _repeatability(run1: dict, repeats: list[Path], ranges: tuple[str, ...]) -> list[str]:
