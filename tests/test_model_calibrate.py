@@ -6,6 +6,7 @@ run of this repo."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import statistics
@@ -28,6 +29,8 @@ from collectives.model.calibrate import (
     traffic_factor,
 )
 from collectives.model.systems import Link
+
+calibrate_module = importlib.import_module("collectives.model.calibrate")
 
 # A real 2-rank `mpiexec -n 2 moecomm bench --compare` of the CI machine, kept as it was measured before
 # issue 16 (the pure-Python shm transport), so the fit-quality bounds below stay tied to one run.
@@ -261,12 +264,31 @@ def test_paths_measured_side_by_side_keep_their_own_fits() -> None:
         assert b["beta_us_per_byte"] == pytest.approx(1.5 * a["beta_us_per_byte"], rel=0.05)
 
 
+def test_a_path_s_lone_size_in_a_regime_stays_on_its_neighbouring_line() -> None:
+    # one_shot up to a switch point just past the cliff, two_shot above: the series' breakpoint at the
+    # cliff leaves one_shot a single size above it, which stays on one_shot's line, not dropped
+    run = _two_regime_run(noise=0.02, seed=2)
+    for row in run["rows"]:
+        row["algorithm"] = "one_shot" if row["size"] <= 2 * CLIFF else "two_shot"
+    terms = [t for t in fit_run(run)["all_gather"] if t["algorithm"] == "shm/one_shot"]
+    assert terms[-1]["max_bytes"] == 2 * CLIFF and sum(t["points"] for t in terms) == FINE_SIZES.index(2 * CLIFF) + 1
+    assert calibrate_module._alternating({"a": [(8, 1.0), (64, 2.0)], "b": [(16, 1.0), (128, 3.0)]})
+    assert calibrate_module._alternating({"a": [(8, 1.0), (16, 2.0)], "b": [(64, 1.0), (128, 3.0)]})
+    assert not calibrate_module._alternating({"a": [(8, 1.0), (64, 2.0)], "b": [(8, 1.5), (64, 3.0)]})
+    # fit_within: a lone size joins the nearer neighbouring range; empty ranges vanish
+    segs = fit_within([(8, 32), (64, 512), (1024, 1024), (2048, 8192)], [8, 16, 32, 1024, 4096, 8192],
+                      [1.0 + x / 100 for x in (8, 16, 32, 1024, 4096, 8192)])
+    assert [(x.min_bytes, x.max_bytes, x.points) for x in segs] == [(8, 32, 3), (1024, 8192, 3)]
+
+
 def test_fit_within_fits_each_range_holding_two_sizes() -> None:
     sizes = [8, 16, 32, 1024, 4096]
     times = [1.0 + s / 100 for s in sizes]
     segs = fit_within([(8, 32), (64, 512), (1024, 1024), (2048, 8192)], sizes, times)
-    assert [(s.min_bytes, s.max_bytes, s.points) for s in segs] == [(8, 32, 3)]
+    # 1024 and 4096 are each alone in their range: together they make one line
+    assert [(s.min_bytes, s.max_bytes, s.points) for s in segs] == [(8, 32, 3), (1024, 4096, 2)]
     assert segs[0].alpha_us == pytest.approx(1.0) and segs[0].beta_us_per_byte == pytest.approx(0.01)
+    assert fit_within([(8, 32), (64, 128)], [16, 16], [1.0, 1.1]) == []
 
 
 def test_inconsistent_points_are_those_slower_than_a_larger_size() -> None:

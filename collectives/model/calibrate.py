@@ -233,30 +233,38 @@ MOST_DROPPED_SHARE = 0.25
 
 def fit_within(bounds: Sequence[tuple[int, int]], sizes: Sequence[float], times_us: Sequence[float]) -> list[Segment]:
     """One line per given size range over the points that fall in it (:func:`fit_segments`' lines,
-    with breakpoints found elsewhere); a range holding fewer than two distinct sizes of these points
-    gets none.
+    with breakpoints found elsewhere). A range that holds a single size of these points joins the
+    nearer neighbouring range that holds any (a line needs two sizes; one_shot's last size before the
+    switch point, cut off by a breakpoint found on the op's whole series, stays on one_shot's line).
 
     Args:
         bounds: ``(min_bytes, max_bytes)`` per range, ascending, not overlapping.
         sizes: bytes per point (``[P]``); times_us: measured times (``[P]``, > 0).
 
     Returns:
-        The segments, smallest sizes first (possibly none).
+        The segments, smallest sizes first; none when the points have fewer than two sizes.
     """
     s = np.asarray(sizes, dtype=np.float64)
     t = np.asarray(times_us, dtype=np.float64)
-    out = []
-    for low, high in bounds:
-        inside = (s >= low) & (s <= high)
-        if len(np.unique(s[inside])) >= 2:
-            out.append(_fit_line(s[inside], t[inside])[1])
-    return out
+    parts = [mask for mask in ((s >= low) & (s <= high) for low, high in bounds) if mask.any()]
+    while len(parts) > 1:
+        lone = [i for i, mask in enumerate(parts) if len(np.unique(s[mask])) < 2]
+        if not lone:
+            break
+        i = lone[0]
+        at = max(float(s[parts[i]][0]), 1.0)
+        gaps = {j: abs(math.log(max(float(edge(s[parts[j]])), 1.0) / at))
+                for j, edge in ((i - 1, np.max), (i + 1, np.min)) if 0 <= j < len(parts)}
+        j = min(gaps, key=lambda j: (gaps[j], j))
+        parts[j] = parts[j] | parts[i]
+        del parts[i]
+    return [_fit_line(s[mask], t[mask])[1] for mask in parts if len(np.unique(s[mask])) >= 2]
 
 
 def _alternating(labels: Mapping[str, list[tuple[float, float]]]) -> bool:
     """Whether several algorithms' points form one series: each size measured by exactly one of them,
-    as when the transport picked the path itself at each size, not when a run measured them side by
-    side (``tune_shm``: both at every size)."""
+    as when the transport chose at each size (by timing or at a switch point), not when a run
+    measured them side by side (``tune_shm``: both at every size)."""
     if len(labels) < 2:
         return False
     sizes = [{p[0] for p in points} for points in labels.values()]
