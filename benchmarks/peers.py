@@ -1,7 +1,7 @@
 """The libraries a sweep measures side by side: moecomm (per transport, and auto), mpi4py, torch.distributed.
 
 Each peer binds an op to preallocated buffers (out-of-place or in-place, nccl-tests' layouts) and
-returns a :class:`Bound` call; :func:`benchmarks.sweep.measure` times and checks it the same way
+returns a :class:`Bound` call; :func:`benchmarks.sweep.time_step` times and checks it the same way
 for every peer. How each peer's variants map to its API:
 
 ================  ===============================  ================================================

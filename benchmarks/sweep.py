@@ -182,10 +182,18 @@ class Timing(NamedTuple):
 
 def time_step(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: int, *, iters: int, warmup: int,
               checks: int, seed: int, root: int = 0) -> Timing:
-    """Check, then time, out-of-place and in-place ``op`` through ``peer`` on this rank.
+    """Check, then time, out-of-place and in-place ``op`` through ``peer`` on this rank (one cycle of
+    one step of a sweep; :func:`summarise` makes the row).
 
     Collective over the ranks of ``peer`` and of ``stats`` (whose barrier starts the timed calls).
-    Arguments as :func:`measure`.
+
+    Args:
+        peer: the library measured.
+        stats: the moecomm communicator (same ranks) that aggregates times and error counts.
+        op, dtype_name, redop: what to measure (``redop`` is ignored by ops that do not reduce).
+        count: elements per rank (:func:`common.counts_for`).
+        iters, warmup: timed and untimed calls per variant; checks: checked calls per variant.
+        seed: seed of the inputs; root: broadcast's root.
     """
     dtype = DTYPES[dtype_name]
     n, rank = stats.size, stats.rank
@@ -236,28 +244,6 @@ def summarise(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: in
                p50_us=p50, p99_us=p99,
                ip_time_us=t_ip * 1e6, ip_algbw=bw_ip, ip_busbw=bw_ip * factor,
                ip_wrong=int(tot[3]) if wrong[1] >= 0 else -1, ip_p50_us=ip_p50, ip_p99_us=ip_p99)
-
-
-def measure(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: int, *, iters: int, warmup: int,
-            checks: int, seed: int, root: int = 0) -> Row:
-    """Out-of-place and in-place measurement of one (op, size, dtype, redop) through ``peer``.
-
-    Collective over the ranks of ``peer`` and of ``stats``.
-
-    Args:
-        peer: the library measured.
-        stats: the moecomm communicator (same ranks) that aggregates times and error counts.
-        op, dtype_name, redop: what to measure (``redop`` is ignored by ops that do not reduce).
-        count: elements per rank (:func:`common.counts_for`).
-        iters, warmup: timed and untimed calls per variant; checks: checked calls per variant.
-        seed: seed of the inputs; root: broadcast's root.
-
-    Returns:
-        The row, the same on every rank (times averaged across ranks, wrong counts summed).
-    """
-    timing = time_step(peer, stats, op, dtype_name, redop, count, iters=iters, warmup=warmup, checks=checks,
-                       seed=seed, root=root)
-    return summarise(peer, stats, op, dtype_name, redop, count, [timing], root=root)
 
 
 class Step(NamedTuple):

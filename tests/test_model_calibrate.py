@@ -272,9 +272,10 @@ def test_a_path_s_lone_size_in_a_regime_stays_on_its_neighbouring_line() -> None
         row["algorithm"] = "one_shot" if row["size"] <= 2 * CLIFF else "two_shot"
     terms = [t for t in fit_run(run)["all_gather"] if t["algorithm"] == "shm/one_shot"]
     assert terms[-1]["max_bytes"] == 2 * CLIFF and sum(t["points"] for t in terms) == FINE_SIZES.index(2 * CLIFF) + 1
-    assert calibrate_module._alternating({"a": [(8, 1.0), (64, 2.0)], "b": [(16, 1.0), (128, 3.0)]})
-    assert calibrate_module._alternating({"a": [(8, 1.0), (16, 2.0)], "b": [(64, 1.0), (128, 3.0)]})
-    assert not calibrate_module._alternating({"a": [(8, 1.0), (64, 2.0)], "b": [(8, 1.5), (64, 3.0)]})
+    assert calibrate_module._one_series({"a": [(8, 1.0), (64, 2.0)], "b": [(16, 1.0), (128, 3.0)]})
+    assert calibrate_module._one_series({"a": [(8, 1.0), (16, 2.0)], "b": [(64, 1.0), (128, 3.0)]})
+    assert not calibrate_module._one_series({"a": [(8, 1.0), (16, 2.0)]})
+    assert not calibrate_module._one_series({"a": [(8, 1.0), (64, 2.0)], "b": [(8, 1.5), (64, 3.0)]})
     # fit_within: a lone size joins the nearer neighbouring range; empty ranges vanish
     segs = fit_within([(8, 32), (64, 512), (1024, 1024), (2048, 8192)], [8, 16, 32, 1024, 4096, 8192],
                       [1.0 + x / 100 for x in (8, 16, 32, 1024, 4096, 8192)])

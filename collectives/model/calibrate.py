@@ -24,9 +24,10 @@ sizes are split into at most :data:`MAX_SEGMENTS` contiguous segments of at leas
 :data:`MIN_SEGMENT_SIZES` distinct sizes, each its own line. The breakpoints are found by exact
 search (dynamic programming over the ~12 sizes of a sweep) minimising the total squared relative
 residual; the number of segments by an information criterion whose charge per segment was set by
-simulation (:func:`fit_segments`), so noise does not buy segments. Paths that the transport picks by
-timing (a run labels each size with the one that won, so their sizes interleave) are one series for
-this search: its breakpoints are found on all their rows, then each path is fitted within them.
+simulation (:func:`fit_segments`), so noise does not buy segments. The paths of one op and transport
+that a run measured at disjoint sizes (the transport chose one per size: at a switch point, or by
+timing, when the label flips back and forth) are one series for this search: its breakpoints are
+found on all their rows, then each path is fitted within them (:func:`fit_within`).
 
 Times: each row's median call time (:func:`row_time_us`), not nccl-tests' mean, which one descheduled
 call moves on a shared VM. Rows used: the library's own transports (``library == "moecomm"``), not the peers (gloo, mpi4py:
@@ -261,7 +262,7 @@ def fit_within(bounds: Sequence[tuple[int, int]], sizes: Sequence[float], times_
     return [_fit_line(s[mask], t[mask])[1] for mask in parts if len(np.unique(s[mask])) >= 2]
 
 
-def _alternating(labels: Mapping[str, list[tuple[float, float]]]) -> bool:
+def _one_series(labels: Mapping[str, list[tuple[float, float]]]) -> bool:
     """Whether several algorithms' points form one series: each size measured by exactly one of them,
     as when the transport chose at each size (by timing or at a switch point), not when a run
     measured them side by side (``tune_shm``: both at every size)."""
@@ -396,9 +397,10 @@ def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any
         # scattered subset of the sweep: too few in a cache regime to place its breakpoints, and one
         # line then spans L3 and DRAM (the local check's 96 MiB pull all_gather: -65%). Their rows
         # together are one series, the op's time as run; the regimes are found on it and each path
-        # fitted within them.
+        # fitted within them. Paths split at a switch point are a series too (same fits, as a lone
+        # size joins its neighbour); paths measured side by side are not.
         shared = None
-        if _alternating(labels):
+        if _one_series(labels):
             series = sorted(p for points in labels.values() for p in points)
             shared = [(seg.min_bytes, seg.max_bytes)
                       for seg in fit_segments([p[0] for p in series], [p[1] for p in series])]
