@@ -51,7 +51,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .collective import OPS, bus_factor
-from .segments import fitted_segment, segment_line
+from .segments import fitted_range, fitted_segment, segment_line
 from .systems import Link, System
 
 logger = logging.getLogger(__name__)
@@ -411,9 +411,8 @@ def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any
                                where, op, transport, algorithm, ranks)
                 continue
             times = [p[1] for p in points]
-            segments = fit_within(shared, sizes, times) if shared else []
-            if not segments:  # no shared regime holds two of its sizes: its own fit
-                segments = fit_segments(sizes, times)
+            # within the series' regimes, every path with two sizes gets a line (fit_within)
+            segments = fit_within(shared, sizes, times) if shared else fit_segments(sizes, times)
             calibration[op].append(_terms(op, transport, algorithm, ranks, segments))
     if not calibration:
         raise ValueError(f"{where}: no moecomm rows with two or more sizes to fit (peers and `auto` are not fitted)")
@@ -474,6 +473,13 @@ def _segments(system: System, op: str, algorithm: str, ranks: int) -> list[Mappi
     return [t for t in terms if t["algorithm"] == found[0]]
 
 
+def fitted_term(system: System, op: str, algorithm: str, size: int, *, ranks: int) -> Mapping[str, Any]:
+    """The term of one fitted algorithm that predicts ``size``: the segment holding it, in a gap the chord
+    between its two neighbours (``"chord": True``), beyond all the nearest
+    (:func:`collectives.model.segments.fitted_segment`). Arguments and errors as :func:`fitted_time_us`."""
+    return fitted_segment(_segments(system, op, algorithm, ranks), size)
+
+
 def fitted_time_us(system: System, op: str, algorithm: str, size: int, *, ranks: int) -> float:
     """Predicted time of one fitted algorithm (its piecewise prediction, whether or not it is the fastest).
 
@@ -492,7 +498,7 @@ def fitted_time_us(system: System, op: str, algorithm: str, size: int, *, ranks:
     Raises:
         ValueError: an algorithm not fitted (or ambiguous) for that op and rank count.
     """
-    alpha, beta = segment_line(fitted_segment(_segments(system, op, algorithm, ranks), size))
+    alpha, beta = segment_line(fitted_term(system, op, algorithm, size, ranks=ranks))
     return alpha + beta * size
 
 
@@ -501,10 +507,10 @@ def _knots(segments: Sequence[Mapping[str, Any]]) -> set[int]:
     every fitted range (a gap between two ranges is one line, their chord)."""
     out: set[int] = set()
     for t in segments:
-        low, high = max(1, int(t.get("min_bytes", 0) or 1)), t.get("max_bytes")
+        low, high = fitted_range(t)
         out.update((low - 1, low))
         if high is not None:
-            out.update((int(high), int(high) + 1))
+            out.update((high, high + 1))
     return out
 
 
@@ -523,7 +529,7 @@ def comparison_start(system: System, op: str, algorithm_a: str, algorithm_b: str
     Raises:
         ValueError: an algorithm not fitted (or ambiguous) for that op and rank count.
     """
-    return max(1, *(min(max(1, int(t.get("min_bytes", 0) or 1)) for t in _segments(system, op, name, ranks))
+    return max(1, *(min(fitted_range(t)[0] for t in _segments(system, op, name, ranks))
                     for name in (algorithm_a, algorithm_b)))
 
 

@@ -22,7 +22,8 @@ def _log_distance(low: int, high: int | None, size: int) -> float:
     return 0.0
 
 
-def _fitted_range(term: Mapping[str, Any]) -> tuple[int, int | None]:
+def fitted_range(term: Mapping[str, Any]) -> tuple[int, int | None]:
+    """The sizes a term was fitted on: (``min_bytes``, at least 1; ``max_bytes``, None: unbounded)."""
     high = term.get("max_bytes")
     return int(term.get("min_bytes", 0) or 1), None if high is None else int(high)
 
@@ -71,7 +72,7 @@ def fitted_segment(segments: Sequence[Mapping[str, Any]], size: int) -> Mapping[
     if not segments:
         raise ValueError("fitted_segment: no terms given")
     at = max(1, size)
-    ranges = [(t, *_fitted_range(t)) for t in segments]
+    ranges = [(t, *fitted_range(t)) for t in segments]
     holding = [(low, i) for i, (t, low, high) in enumerate(ranges) if _log_distance(low, high, size) == 0.0]
     if holding:
         return segments[min(holding)[1]]
@@ -86,6 +87,6 @@ def fitted_segment(segments: Sequence[Mapping[str, Any]], size: int) -> Mapping[
 def span_distance(segments: Sequence[Mapping[str, Any]], size: int) -> float:
     """How far ``size`` lies outside one algorithm's fitted span (its lowest ``min_bytes`` .. highest
     ``max_bytes``), in log(size); 0 inside it, gaps between segments included."""
-    ranges = [_fitted_range(t) for t in segments]
+    ranges = [fitted_range(t) for t in segments]
     highs = [high for _, high in ranges]
     return _log_distance(min(low for low, _ in ranges), None if None in highs else max(highs), size)
