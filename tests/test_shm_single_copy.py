@@ -146,7 +146,7 @@ def _body_in_place_swap(comm, seed: int, forced: int | None):
     _shm_single_copy.SINGLE_COPY_WHEN_OVERSUBSCRIBED = True  # 3 ranks on this 2-core machine
     sub = comm.split(0, options={"shm_slot_bytes": 4096} if n > 2 else None)
     shm = sub.transports["shm"]
-    assert shm._staged_copy_chunk() == (4096 if n > 2 else 1000)
+    assert shm._staged_chunk == (4096 if n > 2 else 1000)
     _steer_rank_0(sub, shm, "_swap_chooser", forced)
     swaps = {_shm_single_copy.SINGLE_PATH: 0, _shm_single_copy.STAGED_PATH: 0}
     can_swap = _shm_single_copy.SingleCopyPaths._can_swap

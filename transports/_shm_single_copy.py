@@ -112,7 +112,9 @@ class SingleCopyPaths:
         self._timed_a2a = False  # out-of-place all_to_all of direct senders is timed (TIME_ALL_TO_ALL_PATHS)
         self._a2a_chooser: PathChooser | None = None  # rank 0's
         self._a2a_paths: dict[int, int] = {}  # size class of rank 0's send -> the path it last chose
-        self._copy_chunk = self.slot_bytes if group.oversubscribed else min(self.slot_bytes, STAGED_COPY_CHUNK_BYTES)
+        # Bytes per round of a staged path that only copies: STAGED_COPY_CHUNK_BYTES, at most a slot; a whole
+        # slot in a group with more ranks than cores, where a round can cost a context switch.
+        self._staged_chunk = self.slot_bytes if group.oversubscribed else min(self.slot_bytes, STAGED_COPY_CHUNK_BYTES)
         self._swap_chooser: PathChooser | None = None  # rank 0's, for the in-place swap
         self._swap_paths: dict[int, int] = {}  # size class of rank 0's send -> its last swap's path
         if mode == "off":
@@ -450,17 +452,12 @@ class SingleCopyPaths:
                     copy_bytes(x_addr + offsets[p] + lo, buf, nb)
         return out
 
-    def _staged_copy_chunk(self) -> int:
-        """Bytes per round of a staged path that only copies (:data:`STAGED_COPY_CHUNK_BYTES`, at most a
-        slot; a whole slot in a group with more ranks than cores, where a round can cost a context switch)."""
-        return self._copy_chunk
-
     def _staged_pairwise_all_to_all(self, x_addr: int, out: torch.Tensor, counts: list[list[int]], row_bytes: int
                                     ) -> torch.Tensor:
         """all_to_all after its first synchronisation as pairwise exchanges in lockstep through the slots
         (the in-place swap's other path, and the timed out-of-place call's staged path): in step k this
         rank and its partner p = (k - rank) mod size exchange their blocks for each other, a chunk per
-        round (:meth:`_staged_copy_chunk`; the rounds of each step: :meth:`_pairwise_steps`). Per round
+        round (``_staged_chunk``; the rounds of each step: :meth:`_pairwise_steps`). Per round
         this rank stages the next chunk of its block for p into its slot, every rank synchronises, and it
         copies p's chunk for it out of p's slot into ``out``. Two plain copies a chunk, the slot side
         still in a cache, where single copy pays the kernel's page walk on both sides
@@ -468,7 +465,7 @@ class SingleCopyPaths:
         symmetric (:meth:`_can_swap`), so each chunk lands where the one just staged left. Rounds
         alternate between the two slots, so a slot is rewritten only after the partner has copied out
         of it (transports/shm.py's module docstring)."""
-        n, me, chunk, spin = self.size, self.rank, self._staged_copy_chunk(), self._large_spin_ns
+        n, me, chunk, spin = self.size, self.rank, self._staged_chunk, self._large_spin_ns
         steps = self._pairwise_steps(counts, row_bytes, chunk)
         y_addr = out.data_ptr()
         send_at, recv_at = [0] * (n + 1), [0] * (n + 1)  # our block for rank r in x; its block for us in out

@@ -327,7 +327,7 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         x_addr, y_addr, nbytes, me = send.data_ptr(), out.data_ptr(), send.nbytes, self.rank
         own = y_addr + me * nbytes  # x itself in place: nothing to copy there
         first = sig
-        for lo, hi in windows(nbytes, self._staged_copy_chunk()):
+        for lo, hi in windows(nbytes, self._staged_chunk):
             b = self._begin_round()
             self._stage(b, 0, x_addr + lo, hi - lo)
             self._sync(first, spin_ns=self._large_spin_ns)
