@@ -2,9 +2,9 @@
 
 ``python -m benchmarks.validate_model`` predicts every point of
 ``benchmarks/results/published-points.json`` with :mod:`collectives.model` (collective bus
-bandwidths, small-message latencies, MoE dispatch/combine times) and calibrates the model on one
-``moecomm bench --json`` run of this machine to predict a second run made at other sizes. It
-prints the two reports; ``--write`` stores them as ``benchmarks/results/model-validation.md`` and
+bandwidths, small-message latencies, MoE dispatch/combine times) and writes the
+local calibrate-then-predict check of :mod:`benchmarks.local_check` beside it. It prints the two
+reports; ``--write`` stores them as ``benchmarks/results/model-validation.md`` and
 ``benchmarks/results/model-local-check.md``. ``tests/test_model_validation.py`` regenerates both
 and fails when a committed report differs, so a report can never describe an older model.
 
@@ -27,31 +27,21 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from collectives.model import (NCCL_ALGORITHMS, System, bus_factor, calibrate, get_system, predict_collective,
+from collectives.model import (NCCL_ALGORITHMS, System, bus_factor, get_system, predict_collective,
                                predict_moe)
-from collectives.model.calibrate import fitted_time_us, row_time_us
-from collectives.model.segments import fitted_segment
 
+from ._model_report import RESULTS, fmt, table, verdict
 from .common import format_size
+from .local_check import LOCAL_MD, local_report
 
-RESULTS = Path(__file__).resolve().parent / "results"
 POINTS_FILE = RESULTS / "published-points.json"
 VALIDATION_MD = RESULTS / "model-validation.md"
-LOCAL_MD = RESULTS / "model-local-check.md"
-CALIBRATION_RUN = RESULTS / "local-calibration-run.json"
-PREDICTION_RUN = RESULTS / "local-prediction-run.json"
-LOCAL_RUNS_META = RESULTS / "local-runs-meta.json"
-# The calibration run's command made again later, minutes apart: how well this machine repeats itself
-REPEAT_RUNS = "local-repeat-run-*.json"
 
 GiB = 1 << 30
-KiB = 1 << 10
 # The goals of issue 13 ("Validation (in the repo)"), in percent.
 GOAL_MULTINODE_BUSBW_MAPE = 15.0   # mean |error| of out-of-sample multi-node busbw at >= 1 GiB
 GOAL_LATENCY = 25.0                # each small-message all_reduce latency at 2-32 nodes
-GOAL_MOE = 25.0                    # each MoE dispatch/combine time
-GOAL_LOCAL = 20.0                  # local calibrate-then-predict check, sizes >= 64 KiB
-LOCAL_MIN_SIZE = 64 * KiB
+GOAL_MOE = 25.0                    # each MoE dispatch/combine time (the local check's: local_check.GOAL_LOCAL)
 # Tokens simulated to reproduce DeepEP's group-limited routing (DeepEP:tests/legacy/test_internode.py);
 # the expectation's standard error is then well under 0.1%.
 DEEPEP_ROUTING_SAMPLES = 1 << 16
@@ -215,20 +205,10 @@ def evaluate(point: Mapping[str, Any], variants: Mapping[str, Any]) -> Evaluatio
 # ---------------------------------------------------------------------------------------------
 # Report helpers
 # ---------------------------------------------------------------------------------------------
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def mape(evaluations: Iterable[Evaluation]) -> float | None:
     """Mean absolute percentage error of the evaluations that have a prediction (None if none)."""
     errors = [abs(e.error_pct) for e in evaluations if e.error_pct is not None]
     return mean(errors) if errors else None
-
-
-def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
 
 
 def _point_label(p: Mapping[str, Any]) -> str:
@@ -245,13 +225,9 @@ def _rows(evaluations: Sequence[Evaluation]) -> list[list[str]]:
         p = e.point
         where = f"{p['system']}, {p['nodes']}x{p['gpus_per_node']}"
         rows.append([f"`{p['id']}`", where, _point_label(p), f"{e.measured:.{1 if e.unit == 'us' else 2}f}",
-                     _fmt(e.predicted, 1 if e.unit == "us" else 2), _fmt(e.error_pct), e.detail,
+                     fmt(e.predicted, 1 if e.unit == "us" else 2), fmt(e.error_pct), e.detail,
                      f"[src]({p['source']['url']})"])
     return rows
-
-
-def _verdict(ok: bool) -> str:
-    return "**met**" if ok else "**missed**"
 
 
 # Our reading of why a point misses, keyed by point id prefix (the longest matching prefix wins);
@@ -319,21 +295,21 @@ def validation_report(doc: Mapping[str, Any]) -> str:
     m_multi, m_lat, m_moe, m_in = mape(multinode), mape(latency), mape(moe), mape(in_sample)
     lat_within = sum(1 for e in latency if e.error_pct is not None and abs(e.error_pct) <= GOAL_LATENCY)
     moe_within = sum(1 for e in moe if e.error_pct is not None and abs(e.error_pct) <= GOAL_MOE)
-    summary.append(["in sample: the points the model's constants are fitted on", str(len(in_sample)), _fmt(m_in),
+    summary.append(["in sample: the points the model's constants are fitted on", str(len(in_sample)), fmt(m_in),
                     "(fit, not a goal)"])
-    summary.append(["out of sample: multi-node busbw >= 1 GiB", str(len(multinode)), _fmt(m_multi),
+    summary.append(["out of sample: multi-node busbw >= 1 GiB", str(len(multinode)), fmt(m_multi),
                     f"MAPE <= {GOAL_MULTINODE_BUSBW_MAPE:g}%: "
-                    f"{_verdict(m_multi is not None and m_multi <= GOAL_MULTINODE_BUSBW_MAPE)}"])
-    summary.append(["out of sample: small all_reduce latency, 2+ nodes", str(len(latency)), _fmt(m_lat),
+                    f"{verdict(m_multi is not None and m_multi <= GOAL_MULTINODE_BUSBW_MAPE)}"])
+    summary.append(["out of sample: small all_reduce latency, 2+ nodes", str(len(latency)), fmt(m_lat),
                     f"each within {GOAL_LATENCY:g}%: {lat_within}/{len(latency)} "
-                    f"{_verdict(lat_within == len(latency))}"])
-    summary.append(["out of sample: MoE dispatch/combine time", str(len(moe)), _fmt(m_moe),
-                    f"each within {GOAL_MOE:g}%: {moe_within}/{len(moe)} {_verdict(moe_within == len(moe))}"])
-    out += ["## Summary", ""] + _table(["group", "points", "MAPE %", "goal (issue 13)"], summary) + [""]
+                    f"{verdict(lat_within == len(latency))}"])
+    summary.append(["out of sample: MoE dispatch/combine time", str(len(moe)), fmt(m_moe),
+                    f"each within {GOAL_MOE:g}%: {moe_within}/{len(moe)} {verdict(moe_within == len(moe))}"])
+    out += ["## Summary", ""] + table(["group", "points", "MAPE %", "goal (issue 13)"], summary) + [""]
     families = {}
     for e in moe:
         families.setdefault(e.point["id"].rsplit("-ep", 1)[0], []).append(e)
-    out += ["MoE MAPE by source: " + ", ".join(f"{name} {_fmt(mape(evs))}% ({len(evs)})"
+    out += ["MoE MAPE by source: " + ", ".join(f"{name} {fmt(mape(evs))}% ({len(evs)})"
                                                 for name, evs in families.items()) + ".", ""]
     sections = (("In sample: calibration anchors (single-node points; multi-node ones name the constant fitted on them)",
                  in_sample),
@@ -342,7 +318,7 @@ def validation_report(doc: Mapping[str, Any]) -> str:
                 ("Out of sample: small-message all_reduce latency", latency),
                 ("Out of sample: MoE dispatch/combine", moe))
     for title, evs in sections:
-        out += [f"## {title}", ""] + _table(header, _rows(evs)) + [""]
+        out += [f"## {title}", ""] + table(header, _rows(evs)) + [""]
     out += _misses_section(evaluations)
     out += ["## Systems that are not presets", ""]
     for name, spec in variants.items():
@@ -376,206 +352,8 @@ def _misses_section(evaluations: Sequence[Evaluation]) -> list[str]:
         prefixes = [prefix for prefix in MISS_READINGS if e.point["id"].startswith(prefix)]
         reading = MISS_READINGS[max(prefixes, key=len)] if prefixes else "(no reading recorded)"
         out.append(f"- `{e.point['id']}` ({_point_label(e.point)}, {e.point['system']}): measured "
-                   f"{e.measured:g} {e.unit}, predicted {_fmt(e.predicted, 2)} ({_fmt(e.error_pct)}%). {reading}")
+                   f"{e.measured:g} {e.unit}, predicted {fmt(e.predicted, 2)} ({fmt(e.error_pct)}%). {reading}")
     return out + [""]
-
-
-# ---------------------------------------------------------------------------------------------
-# Local check: calibrate on one run of this machine, predict another
-# ---------------------------------------------------------------------------------------------
-def _size_range(size: int) -> str:
-    if size < LOCAL_MIN_SIZE:
-        return "< 64 KiB"
-    if size < (1 << 20):
-        return "64 KiB - 1 MiB"
-    return ">= 1 MiB"
-
-
-def _predict_run(system: System, run: dict) -> tuple[list[list[str]], dict[tuple[str, str], list[float | None]]]:
-    """Predict every moecomm row of ``run`` with ``system``: (table rows, signed errors % by (op, size
-    range); None where the model has no fitted term of the algorithm the run used)."""
-    nranks = run["env"]["nranks"]
-    rows, errors = [], {}
-    for r in run["rows"]:
-        if r.get("library", "moecomm") != "moecomm":
-            continue
-        pred = predict_collective(system, r["op"], r["size"], nodes=1, gpus_per_node=nranks, dtype=r["dtype"])
-        label = f"{r['transport']}/{r['algorithm']}"
-        try:  # the used algorithm's own fit, even where the model would not pick it (outside its span)
-            predicted = fitted_time_us(system, r["op"], label, r["size"], ranks=nranks)
-        except ValueError:  # the calibration run never ran that algorithm
-            predicted = None
-        measured = row_time_us(r)
-        err = None if predicted is None else 100.0 * (predicted - measured) / measured
-        errors.setdefault((r["op"], _size_range(r["size"])), []).append(err)
-        rows.append([r["op"], str(r["size"]), label, f"{measured:.1f}", _fmt(predicted), _fmt(err),
-                     f"{pred.algorithm} {pred.time_us:.1f}"])
-    return rows, errors
-
-
-def _large_errors(errors: dict[tuple[str, str], list[float | None]], op: str | None = None) -> list[float]:
-    """|errors| at >= 64 KiB (of one op, or all)."""
-    return [abs(x) for (o, rng), xs in errors.items() if rng != "< 64 KiB" and op in (None, o)
-            for x in xs if x is not None]
-
-
-def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path = PREDICTION_RUN,
-                 meta_file: Path = LOCAL_RUNS_META) -> str:
-    """The local calibrate-then-predict report (Markdown)."""
-    run1, run2 = (json.loads(Path(f).read_text()) for f in (calibration_run, prediction_run))
-    meta = json.loads(Path(meta_file).read_text())
-    system = calibrate(run1, name="local")
-    rows, errors = _predict_run(system, run2)
-    ranges = ("< 64 KiB", "64 KiB - 1 MiB", ">= 1 MiB")
-    summary, worst_large = [], 0.0
-    for op in dict.fromkeys(r["op"] for r in run2["rows"]):
-        cells = [op]
-        for rng in ranges:
-            errs = [abs(x) for x in errors.get((op, rng), []) if x is not None]
-            cells.append(f"{mean(errs):.1f} / {max(errs):.1f}" if errs else "n/a")
-            if rng != "< 64 KiB" and errs:
-                worst_large = max(worst_large, max(errs))
-        summary.append(cells)
-    large = _large_errors(errors)
-    missing = sum(1 for xs in errors.values() for x in xs if x is None)
-    out = ["# Local check: calibrate on one run, predict another", "",
-           "Generated by `python -m benchmarks.validate_model --write`; do not edit by hand "
-           "(`tests/test_model_validation.py` regenerates it).", "",
-           "The model is fitted (`collectives.model.calibrate`: piecewise least-squares alpha-beta per transport, "
-           "algorithm and op, up to 3 size segments where the cache regime changes, one row per segment below; a size "
-           "between two segments is predicted by their chord) "
-           "on the first run and predicts the out-of-place median call time (`p50`) of every row of the second run, which "
-           "used other sizes. Each row is compared with the fitted term of the algorithm the run actually used; "
-           "the last column is the model's own pick.", ""]
-    out += _table(["run", "command", "commit", "1-min load before / after"],
-                  [[m["file"], f"`{m['command']}`", m["commit"], f"{m['load_before']} / {m['load_after']}"]
-                   for m in meta["runs"]]) + [""]
-    out += ["## Fitted terms (from the calibration run)", ""]
-    terms = []
-    for op, op_terms in system.calibration.items():
-        for t in op_terms:
-            beta = t["beta_us_per_byte"]
-            rms = t.get("rms_relative_error")
-            terms.append([op, t["algorithm"], str(t["ranks"]), f"{t['alpha_us']:.2f}",
-                          f"{1e-3 / beta:.2f}" if beta > 0 else "inf",
-                          f"{t.get('min_bytes', '?')} .. {t.get('max_bytes', '?')}",
-                          "n/a" if rms is None else f"{100 * rms:.1f}"])
-    out += _table(["op", "algorithm", "ranks", "alpha us", "1/beta GB/s (of size)", "fitted sizes B",
-                   "rms relative fit error on its own run %"], terms) + [""]
-    goal_ok = bool(large) and max(large) <= GOAL_LOCAL and not missing
-    out += ["## Error per op and size range (mean / max |error| %)", ""]
-    out += _table(["op", *ranges], summary) + [""]
-    spread = []
-    for op in dict.fromkeys(r["op"] for r in run2["rows"]):
-        large_rows = [r for r in run2["rows"] if r["op"] == op and r["size"] >= LOCAL_MIN_SIZE and r["busbw"] > 0]
-        if large_rows:
-            peak = max(large_rows, key=lambda r: r["busbw"])
-            last = max(large_rows, key=lambda r: r["size"])
-            spread.append([op, f"{peak['busbw']:.2f} at {format_size(peak['size'])}",
-                           f"{last['busbw']:.2f} at {format_size(last['size'])}"])
-    out += ["Measured bus bandwidth of the prediction run: an alpha-beta line rises monotonically towards its "
-            "1/beta, so a largest size slower than the peak cannot be fitted by one line:", ""]
-    out += _table(["op", "peak busbw GB/s", "busbw at the largest size GB/s"], spread) + [""]
-    out += [f"Goal: within {GOAL_LOCAL:g}% at >= 64 KiB. Largest |error| at >= 64 KiB: "
-            f"{max(large) if large else float('nan'):.1f}% over {len(large)} rows (mean {mean(large) if large else float('nan'):.1f}%, "
-            f"{sum(1 for x in large if x <= GOAL_LOCAL)} of {len(large)} rows within {GOAL_LOCAL:g}%): "
-            f"{_verdict(goal_ok)}." + (f" {missing} row(s) had no fitted term of their algorithm." if missing else ""), ""]
-    out += _local_misses(system, run1, run2)
-    repeats = sorted(RESULTS.glob(REPEAT_RUNS))
-    if repeats:
-        out += _repeatability(run1, repeats, ranges)
-        out += _calibrated_on_repeats(repeats, run2)
-    out += ["## Every row of the prediction run", ""]
-    out += _table(["op", "size B", "algorithm used", "measured us", "predicted us", "error %", "model's pick, us"],
-                  rows) + [""]
-    return "\n".join(out) + "\n"
-
-
-def _local_misses(system: System, run1: dict, run2: dict) -> list[str]:
-    """The prediction run's rows at >= 64 KiB missed by more than the goal: which fitted line predicted
-    each (a segment and its own fit error, or the chord across a gap between two) and what the
-    calibration run measured at the sizes around it, so a reader can tell a fit from a regime change."""
-    nranks = run2["env"]["nranks"]
-    lines = []
-    for r in run2["rows"]:
-        if r.get("library", "moecomm") != "moecomm" or r["size"] < LOCAL_MIN_SIZE:
-            continue
-        label = f"{r['transport']}/{r['algorithm']}"
-        terms = [t for t in system.calibration.get(r["op"], []) if t["algorithm"] == label and t["ranks"] == nranks]
-        if not terms:
-            continue
-        predicted = fitted_time_us(system, r["op"], label, r["size"], ranks=nranks)
-        measured = row_time_us(r)
-        err = 100.0 * (predicted - measured) / measured
-        if abs(err) <= GOAL_LOCAL:
-            continue
-        term = fitted_segment(terms, r["size"])
-        if term.get("chord"):
-            line = (f"the chord between its segments' predictions at {format_size(term['min_bytes'])} and "
-                    f"{format_size(term['max_bytes'])}")
-        else:
-            line = (f"its segment {format_size(term['min_bytes'])} .. {format_size(term['max_bytes'])} "
-                    f"({100 * term['rms_relative_error']:.1f}% rms on its own run)")
-        near = sorted((c["size"], row_time_us(c), c["algorithm"]) for c in run1["rows"]
-                      if c["op"] == r["op"] and c["transport"] == r["transport"]
-                      and c.get("library", "moecomm") == "moecomm")
-        below = [c for c in near if c[0] < r["size"]][-1:]
-        above = [c for c in near if c[0] > r["size"]][:1]
-        around = ", ".join(f"{t:.1f} us at {format_size(size)} ({algo})" for size, t, algo in below + above)
-        lines.append(f"- {r['op']} {format_size(r['size'])} ({label}): measured {measured:.1f} us, predicted "
-                     f"{predicted:.1f} ({err:+.1f}%) by {line}; the calibration run measured {around}.")
-    if not lines:
-        return []
-    return ["## Rows missed by more than the goal", "", *lines, ""]
-
-
-def _repeatability(run1: dict, repeats: list[Path], ranges: tuple[str, ...]) -> list[str]:
-    """How far the calibration run's own command, made again, lands from it (the floor of any prediction)."""
-    def times(run: dict) -> dict[tuple[str, str, int], float]:
-        return {(r["op"], r["transport"], r["size"]): row_time_us(r) for r in run["rows"]
-                if r.get("library", "moecomm") == "moecomm"}
-
-    first = times(run1)
-    rows = []
-    for path in repeats:
-        again = times(json.loads(path.read_text()))
-        diffs: dict[tuple[str, str], list[float]] = {}
-        for key in sorted(first.keys() & again.keys()):
-            diffs.setdefault((key[0], _size_range(key[2])), []).append(
-                100.0 * (again[key] - first[key]) / first[key])
-        for op in dict.fromkeys(k[0] for k in first):
-            cells = [path.name, op]
-            for rng in ranges:
-                ds = diffs.get((op, rng), [])
-                cells.append(f"{mean(abs(d) for d in ds):.1f} / {max(abs(d) for d in ds):.1f} ({mean(ds):+.1f})"
-                             if ds else "n/a")
-            rows.append(cells)
-    return (["## How well this machine repeats itself", "",
-             "The calibration run's command made again, minutes later on the same quiet machine (see the runs "
-             "table), compared at the sizes both measured: |difference| % mean / max (signed mean). A model "
-             "fitted on one run cannot predict another run more closely than the machine repeats its own "
-             "measurements.", ""]
-            + _table(["repeat", "op", *ranges], rows) + [""])
-
-
-def _calibrated_on_repeats(repeats: list[Path], run2: dict) -> list[str]:
-    """The same prediction made from each repeat run instead: how much the verdict depends on which
-    run of one command the model was fitted on."""
-    ops = list(dict.fromkeys(r["op"] for r in run2["rows"]))
-    rows = []
-    for path in repeats:
-        _, errors = _predict_run(calibrate(json.loads(path.read_text()), name="local"), run2)
-        cells = [path.name]
-        for op in [*ops, None]:
-            errs = _large_errors(errors, op)
-            cells.append(f"{mean(errs):.1f} / {max(errs):.1f}" if errs else "n/a")
-        rows.append(cells)
-    return (["## The same prediction, calibrated on each repeat run", "",
-             "The prediction run predicted again from a model fitted on each repeat run (the calibration "
-             "run's own command, made again): mean / max |error| % at >= 64 KiB. Not the check itself (its "
-             "calibration run is fixed above, before any result); it shows how much the verdict depends on "
-             "which run of the same command the model happened to be fitted on.", ""]
-            + _table(["fitted on", *ops, "all ops"], rows) + [""])
 
 
 REPORTS: dict[Path, Callable[[], str]] = {
