@@ -24,6 +24,7 @@ from collectives.model.calibrate import (
     fit_run,
     fit_segments,
     fit_within,
+    fitted_term,
     fitted_time_us,
     inconsistent_points,
     traffic_factor,
@@ -403,6 +404,14 @@ def test_fitted_time_follows_the_segments() -> None:
     assert predict_collective(system, "all_reduce", 32 << 20).algorithm == "mpi/Iallreduce"
     with pytest.raises(ValueError, match="not fitted"):
         fitted_time_us(system, "all_reduce", "ring", 8, ranks=2)
+    # fitted_term: the term behind each prediction (a segment, or the chord in a gap)
+    held = fitted_term(system, "all_reduce", "one_shot", 1 << 20, ranks=2)
+    assert (held["segment"], held["min_bytes"], held.get("chord")) == (1, 256 << 10, None)
+    gap = fitted_term(system, "all_reduce", "shm/one_shot", 8 << 20, ranks=2)
+    assert gap["chord"] and (gap["min_bytes"], gap["max_bytes"]) == (4 << 20, 16 << 20)
+    assert gap["alpha_us"] + gap["beta_us_per_byte"] * (8 << 20) == pytest.approx(one_shot(8 << 20))
+    with pytest.raises(ValueError, match="not fitted"):
+        fitted_term(system, "all_reduce", "ring", 8, ranks=2)
 
 
 def _faster_until(system: System, a: str, b: str) -> None:
