@@ -27,7 +27,8 @@ residual; the number of segments by an information criterion whose charge per se
 simulation (:func:`fit_segments`), so noise does not buy segments. The paths of one op and transport
 that a run measured at disjoint sizes (the transport chose one per size: at a switch point, or by
 timing, when the label flips back and forth) are one series for this search: its breakpoints are
-found on all their rows, then each path is fitted within them (:func:`fit_within`).
+found on all their rows, then each path is fitted within them (:func:`fit_within`), and the number of
+segments is judged on those per-path lines (:func:`fit_series`).
 
 Times: each row's median call time (:func:`row_time_us`), not nccl-tests' mean, which one descheduled
 call moves on a shared VM. Rows used: the library's own transports (``library == "moecomm"``), not the peers (gloo, mpi4py:
@@ -191,6 +192,16 @@ def fit_segments(sizes: Sequence[float], times_us: Sequence[float], *, max_segme
         raise ValueError(f"fit_segments: max_segments >= 1 and min_sizes >= 2, got {max_segments}, {min_sizes}")
     if s.shape != t.shape or s.ndim != 1:
         raise ValueError(f"fit_segments: need matching 1-D sizes and times, got {s.shape}, {t.shape}")
+    fits = [(_criterion(rss, len(s), len(segments), penalty), len(segments), segments)
+            for rss, segments in _best_splits(s, t, max_segments, min_sizes)]
+    return min(fits, key=lambda f: (f[0], f[1]))[2]
+
+
+def _best_splits(s: np.ndarray, t: np.ndarray, max_segments: int, min_sizes: int) -> list[tuple[float, list[Segment]]]:
+    """For k = 1 .. ``max_segments`` (as many as ``min_sizes`` allows), the split of the points into k
+    contiguous size segments with the least total squared relative residual: ``[(rss, segments)]``,
+    k ascending. Exact: dynamic programming over the distinct sizes (a segment holds every point of
+    its sizes); one segment only when there are fewer than ``2 * min_sizes`` distinct sizes."""
     distinct = np.unique(s)
     m = len(distinct)
 
@@ -201,7 +212,7 @@ def fit_segments(sizes: Sequence[float], times_us: Sequence[float], *, max_segme
         return _fit_line(s[inside], t[inside])
 
     if m < 2 * min_sizes:
-        return [line(0, m)[1]]
+        return [(line(0, m)[0], [line(0, m)[1]])]
     # best[k][j]: (rss, segments) of the best split of distinct sizes 0 .. j-1 into k segments
     best: list[dict[int, tuple[float, list[Segment]]]] = [{}, {j: (line(0, j)[0], [line(0, j)[1]])
                                                               for j in range(min_sizes, m + 1)}]
@@ -212,9 +223,7 @@ def fit_segments(sizes: Sequence[float], times_us: Sequence[float], *, max_segme
                        for i in range((k - 1) * min_sizes, j - min_sizes + 1) if i in best[k - 1]]
             if options:
                 best[k][j] = min(options, key=lambda o: o[0])
-    fits = [(_criterion(best[k][m][0], len(s), k, penalty), k, best[k][m][1])
-            for k in range(1, len(best)) if m in best[k]]
-    return min(fits, key=lambda f: (f[0], f[1]))[2]
+    return [best[k][m] for k in range(1, len(best)) if m in best[k]]
 
 
 # A point more than this many times slower than a point of a larger size of its group is left out
@@ -260,6 +269,44 @@ def fit_within(bounds: Sequence[tuple[int, int]], sizes: Sequence[float], times_
         parts[j] = parts[j] | parts[i]
         del parts[i]
     return [_fit_line(s[mask], t[mask])[1] for mask in parts if len(np.unique(s[mask])) >= 2]
+
+
+def fit_series(paths: Mapping[str, Sequence[tuple[float, float]]], *, max_segments: int = MAX_SEGMENTS,
+               min_sizes: int = MIN_SEGMENT_SIZES, penalty: float = SEGMENT_PENALTY) -> dict[str, list[Segment]]:
+    """Piecewise fit of the paths one op took at disjoint sizes (one series, :func:`_one_series`).
+
+    The best breakpoints for each number of segments are searched on the series, all paths' points
+    together (:func:`_best_splits`); each path is then fitted within them (:func:`fit_within`), and
+    the number of segments is the one whose per-path lines, the ones predictions use, minimise
+    :func:`fit_segments`' criterion. Judged on one line through the series instead, the sizes where
+    the paths take turns (their speeds differ by tens of percent there) leave a residual that no
+    breakpoint removes and that hides a real cliff elsewhere: the local check's calibration run
+    (benchmarks/results/model-local-check.md) kept all_gather's pull on one line from 8 B to 8 MiB,
+    11% rms, across the 1-2 MiB cache step, and missed 384 KiB by 25%.
+
+    Args:
+        paths: ``{path: [(size bytes, time us), ...]}``.
+        max_segments, min_sizes, penalty: as for :func:`fit_segments`.
+
+    Returns:
+        ``{path: segments}`` (smallest sizes first) for every path with two or more sizes.
+    """
+    series = sorted(p for points in paths.values() for p in points)
+    s = np.array([p[0] for p in series], dtype=np.float64)
+    t = np.array([p[1] for p in series], dtype=np.float64)
+    fitted = [p for p in paths.items() if len({size for size, _ in p[1]}) >= 2]
+    if not fitted:
+        return {}
+    best: tuple[float, int, dict[str, list[Segment]]] | None = None
+    for _, split in _best_splits(s, t, max_segments, min_sizes):
+        bounds = [(seg.min_bytes, seg.max_bytes) for seg in split]
+        lines = {name: fit_within(bounds, [p[0] for p in points], [p[1] for p in points]) for name, points in fitted}
+        rss = sum(seg.rms_relative_error ** 2 * seg.points for segs in lines.values() for seg in segs)
+        points = sum(seg.points for segs in lines.values() for seg in segs)
+        if points:
+            option = (_criterion(rss, points, len(split), penalty), len(split), lines)
+            best = option if best is None or option[:2] < best[:2] else best
+    return {} if best is None else best[2]
 
 
 def _one_series(labels: Mapping[str, list[tuple[float, float]]]) -> bool:
@@ -397,22 +444,16 @@ def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any
         # scattered subset of the sweep: too few in a cache regime to place its breakpoints, and one
         # line then spans L3 and DRAM (the local check's 96 MiB pull all_gather: -65%). Their rows
         # together are one series, the op's time as run; the regimes are found on it and each path
-        # fitted within them. Paths split at a switch point are a series too (same fits, as a lone
+        # fitted within them (fit_series). Paths split at a switch point are a series too (same fits, as a lone
         # size joins its neighbour); paths measured side by side are not.
-        shared = None
-        if _one_series(labels):
-            series = sorted(p for points in labels.values() for p in points)
-            shared = [(seg.min_bytes, seg.max_bytes)
-                      for seg in fit_segments([p[0] for p in series], [p[1] for p in series])]
+        series = fit_series(labels) if _one_series(labels) else None
         for algorithm, points in sorted(labels.items()):
             sizes = [p[0] for p in points]
             if len(set(sizes)) < 2:
                 logger.warning("%s: %s %s/%s on %d ranks has one size only; not fitted",
                                where, op, transport, algorithm, ranks)
                 continue
-            times = [p[1] for p in points]
-            # within the series' regimes, every path with two sizes gets a line (fit_within)
-            segments = fit_within(shared, sizes, times) if shared else fit_segments(sizes, times)
+            segments = series[algorithm] if series is not None else fit_segments(sizes, [p[1] for p in points])
             calibration[op].append(_terms(op, transport, algorithm, ranks, segments))
     if not calibration:
         raise ValueError(f"{where}: no moecomm rows with two or more sizes to fit (peers and `auto` are not fitted)")
