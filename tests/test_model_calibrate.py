@@ -30,6 +30,7 @@ from collectives.model.calibrate import (
     inconsistent_points,
     traffic_factor,
 )
+from collectives.model.segments import candidate_terms
 from collectives.model.systems import Link
 
 calibrate_module = importlib.import_module("collectives.model.calibrate")
@@ -515,3 +516,65 @@ def test_segmented_calibration_round_trips_through_json() -> None:
         assert predict_collective(again, "all_gather", size).time_us == expected
         assert fitted_time_us(again, "all_gather", "pull", size, ranks=2) == pytest.approx(
             predict_collective(system, "all_gather", size).time_us)
+
+
+def _switching_system() -> System:
+    """shm measured one_shot up to 128 KiB and two_shot from 512 KiB (a bench run across its switch
+    point, x4 sweep); mpi measured at every size, slower."""
+    def term(algorithm: str, alpha: float, beta: float, low: int, high: int) -> dict:
+        return {"algorithm": algorithm, "ranks": 2, "alpha_us": alpha, "beta_us_per_byte": beta, "protocol": "fitted",
+                "transport": algorithm.split("/")[0], "min_bytes": low, "max_bytes": high, "segment": 0}
+    calibration = {"all_reduce": [
+        term("shm/one_shot", 2.0, 8e-5, 8, 128 << 10),
+        term("shm/two_shot", 0.0, 6e-5, 512 << 10, 32 << 20),  # fitted on large sizes: alpha 0
+        term("mpi/Iallreduce", 30.0, 2e-4, 8, 32 << 20)]}
+    return System(name="switching", description="synthetic", gpus_per_node=2, arch="host",
+                  intra=Link("shm", 5.0, 1.0), nic=None, nics_per_node=0, nvls=False, calibration=calibration)
+
+
+def test_a_transport_s_switch_gap_is_its_chord_and_outranks_a_slower_transport() -> None:
+    system = _switching_system()
+    low, high = 128 << 10, 512 << 10
+    start, end = 2.0 + 8e-5 * low, 6e-5 * high  # one_shot at its last size, two_shot at its first
+    for size, name in ((low + 1, "shm/one_shot"), (256 << 10, "shm/one_shot"), (300 << 10, "shm/two_shot"),
+                       (high - 1, "shm/two_shot")):
+        p = predict_collective(system, "all_reduce", size)
+        # mpi measured this size, shm only on either side: shm's chord still competes, and wins
+        assert (p.algorithm, p.time_us) == (name, pytest.approx(start + (end - start) * (size - low) / (high - low)))
+        assert p.time_us < 30.0 + 2e-4 * size
+    # two_shot's line extrapolated below its span would undercut one_shot's own time at 128 KiB
+    assert 6e-5 * (low + 1) < start
+    assert predict_collective(system, "all_reduce", 64 << 20).algorithm == "shm/two_shot"  # above: nearest
+    assert predict_collective(system, "all_reduce", 8).algorithm == "shm/one_shot"
+
+
+def _calibrated_systems() -> list[System]:
+    from collectives.prediction import DEFAULT_HOST_MODEL
+    from collectives.model.systems import load_system_file
+    return [_segmented_system(), _switching_system(), calibrate(REAL_RUN), load_system_file(DEFAULT_HOST_MODEL),
+            calibrate(_alternating_run(0.02, 0))]
+
+
+def test_a_larger_size_never_predicts_a_shorter_time_on_calibrated_systems() -> None:
+    sizes = sorted({int(1.07 ** i) for i in range(300)} | {8 << i for i in range(25)})
+    for system in _calibrated_systems():
+        for op, terms in system.calibration.items():
+            for ranks in sorted({int(t["ranks"]) for t in terms}):
+                times = [predict_collective(system, op, size, gpus_per_node=ranks).time_us for size in sizes]
+                falls = [(a, b) for a, b, ta, tb in zip(sizes, sizes[1:], times, times[1:]) if tb < ta * (1 - 1e-9)]
+                assert not falls, (system.name, op, ranks, falls[:3])
+
+
+def test_below_its_span_a_transport_competes_only_where_its_fit_is_latency_bound() -> None:
+    def term(algorithm: str, alpha: float, beta: float, low: int, high: int) -> dict:
+        return {"algorithm": algorithm, "alpha_us": alpha, "beta_us_per_byte": beta, "min_bytes": low,
+                "max_bytes": high, "transport": algorithm.split("/")[0]}
+    algorithms = {"shm/one_shot": [term("shm/one_shot", 2.0, 1e-4, 64, 1 << 20)],   # 2 us >> 0.0064 at 64 B
+                  "gpu/ring": [term("gpu/ring", 0.0, 1e-6, 1 << 20, 1 << 30)],      # large sizes only, alpha 0
+                  "mpi/Iallreduce": [term("mpi/Iallreduce", 12.0, 2e-4, 8, 1 << 30)]}
+    assert [name for name, _ in candidate_terms(algorithms, 8)] == ["shm/one_shot", "mpi/Iallreduce"]
+    assert [name for name, _ in candidate_terms(algorithms, 1 << 30)] == ["gpu/ring", "mpi/Iallreduce"]
+    del algorithms["shm/one_shot"]
+    assert [name for name, _ in candidate_terms(algorithms, 8)] == ["mpi/Iallreduce"]  # not gpu/ring's ~0 us
+    with pytest.raises(ValueError, match="no algorithms"):
+        candidate_terms({}, 8)

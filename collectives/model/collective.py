@@ -90,7 +90,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping
 
-from .segments import fitted_segment, segment_time, span_distance
+from .segments import candidate_terms, segment_time
 from .systems import NET_HOP_US, NVLINK_HOP_US, PCI_HOP_US, System
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
@@ -479,15 +479,14 @@ def _analytical_candidates(f: _Fabric, op: str, size: int) -> list[Candidate]:
 
 
 def _calibrated_candidates(system: System, op: str, size: int, n: int) -> list[Candidate]:
-    """The fitted terms for ``op`` on ``n`` ranks that hold at ``size``, one per algorithm.
+    """The fitted terms for ``op`` on ``n`` ranks that may predict ``size``, one per algorithm.
 
-    A fit holds over the sizes it was fitted on (``min_bytes`` .. ``max_bytes``): a term fitted on
-    large sizes only has no meaningful latency (its alpha can be 0), so at a size outside an
-    algorithm's whole fitted span (its lowest ``min_bytes`` .. its highest ``max_bytes``) the
-    candidates are the algorithms whose span is nearest in log(size); terms without a range hold
-    everywhere. An algorithm fitted piecewise (several terms, collectives.model.calibrate) predicts
-    with :func:`fitted_segment`; a size in the gap between two of its segments is inside its span,
-    so the algorithm stays in the running. Negative fitted coefficients count as 0.
+    A fit holds over the sizes it was fitted on (``min_bytes`` .. ``max_bytes``); which algorithms
+    compete at a size outside some of their spans, with which term, is :func:`candidate_terms`' rule (per
+    transport: those whose span holds it, the chord across a gap where the transport changed path,
+    else the nearest). An algorithm fitted piecewise (several terms, collectives.model.calibrate)
+    predicts with :func:`fitted_segment`; a size in the gap between two of its segments is inside its
+    span, so the algorithm stays in the running. Negative fitted coefficients count as 0.
     """
     terms = [t for t in system.calibration.get(op, ()) if int(t.get("ranks", -1)) == n]
     if not terms:
@@ -497,13 +496,8 @@ def _calibrated_candidates(system: System, op: str, size: int, n: int) -> list[C
     by_algorithm: dict[str, list[Mapping[str, Any]]] = {}
     for t in terms:
         by_algorithm.setdefault(str(t["algorithm"]), []).append(t)
-    distance = {name: span_distance(segments, size) for name, segments in by_algorithm.items()}
-    nearest = min(distance.values())
     out = []
-    for name, segments in by_algorithm.items():
-        if distance[name] > nearest:
-            continue
-        t = fitted_segment(segments, size)
+    for name, t in candidate_terms(by_algorithm, size):
         alpha = max(0.0, float(t["alpha_us"]))
         out.append(Candidate(name, str(t.get("protocol", "fitted")), segment_time(t, size),
                              "latency" if alpha >= segment_time(t, size) - alpha else "bandwidth"))

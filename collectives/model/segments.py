@@ -3,7 +3,8 @@
 A fitted term holds over the sizes it was fitted on (``min_bytes`` .. ``max_bytes``); an algorithm
 fitted piecewise has one term per size segment. :func:`fitted_segment` picks the term of one
 algorithm for a size, :func:`span_distance` says how far a size lies outside an algorithm's whole
-fitted span (``predict_collective`` keeps the algorithms whose span is nearest).
+fitted span, and :func:`candidate_terms` which algorithms ``predict_collective`` lets compete at a
+size.
 """
 
 from __future__ import annotations
@@ -90,3 +91,84 @@ def span_distance(segments: Sequence[Mapping[str, Any]], size: int) -> float:
     ranges = [fitted_range(t) for t in segments]
     highs = [high for _, high in ranges]
     return _log_distance(min(low for low, _ in ranges), None if None in highs else max(highs), size)
+
+
+def _transport(name: str, segments: Sequence[Mapping[str, Any]]) -> str:
+    """The transport of a fitted algorithm: its terms' ``transport``, else the name before its last '/'."""
+    named = segments[0].get("transport") if segments else None
+    return str(named) if named else name.rsplit("/", 1)[0]
+
+
+def candidate_terms(algorithms: Mapping[str, Sequence[Mapping[str, Any]]], size: int) -> list[tuple[str, Mapping[str, Any]]]:
+    """Which of one op's fitted algorithms may predict ``size``, each with the term that predicts it
+    (``predict_collective`` takes the fastest).
+
+    A term fitted on large sizes only has no meaningful latency (its alpha can be 0), so an algorithm
+    is not extrapolated far from the sizes it was fitted on. Algorithms are grouped by transport; the
+    transports whose whole span (every algorithm of it, :func:`span_distance`) is nearest in log(size)
+    compete, 0 meaning inside. Of one transport:
+
+    - the algorithms whose own span holds ``size``, by :func:`fitted_segment`;
+    - if none does but the transport's span does, ``size`` lies where the transport changed path (a
+      switch point: one_shot measured up to 128 KiB, two_shot from 512 KiB): the transport's time is
+      the chord from the faster path at the gap's lower edge to the faster at its upper edge, as in
+      a gap between two segments of one algorithm, under the name of the path nearer in log(size).
+      Extrapolated into the gap instead, the upper path's line (alpha ~0) undercut the lower's own
+      time at its last size: a larger size predicted a shorter time. And a transport measured on
+      both sides of the size is not outranked by one that merely measured the size (the shm gap at
+      256 KiB against mpi's line, 3x slower);
+    - outside the transport's span: its algorithms whose span is nearest.
+
+    Below its span a transport still competes, as if inside, when its first terms are latency-bound
+    at their first size (alpha >= beta x that size): they predict their alpha there, as they would
+    at any smaller size. The shipped host model's shm fits start at 64 B, mpi's at 8 B: otherwise
+    mpi alone predicted 8-63 B at 11.6 us, and 64 B dropped to shm's 2.2 us.
+
+    Args:
+        algorithms: ``{algorithm: its fitted terms}`` (each with ``min_bytes``/``max_bytes``; a term
+            without them holds everywhere), at least one.
+        size: bytes (the nccl-tests size column), >= 0.
+
+    Returns:
+        ``[(algorithm, term)]`` in the mapping's order.
+    """
+    if not algorithms:
+        raise ValueError("candidate_terms: no algorithms given")
+    by_transport: dict[str, list[str]] = {}
+    for name, segments in algorithms.items():
+        by_transport.setdefault(_transport(name, segments), []).append(name)
+    at = max(1, size)
+
+    def latency_bound_below(names: list[str]) -> bool:
+        """``size`` lies below the transport's span, whose first terms are latency-bound at their
+        first size: there they predict their alpha, which smaller sizes keep."""
+        firsts = [min(algorithms[name], key=lambda t: fitted_range(t)[0]) for name in names]
+        low = min(fitted_range(t)[0] for t in firsts)
+        return at < low and all(segment_line(t)[0] >= segment_line(t)[1] * low
+                                for t in firsts if fitted_range(t)[0] == low)
+
+    reach = {tr: 0.0 if latency_bound_below(names) else
+             span_distance([t for name in names for t in algorithms[name]], size)
+             for tr, names in by_transport.items()}
+    nearest = min(reach.values())
+    chosen: dict[str, Mapping[str, Any]] = {}
+    for tr, names in by_transport.items():
+        if reach[tr] > nearest:
+            continue
+        distance = {name: span_distance(algorithms[name], size) for name in names}
+        if latency_bound_below(names) or reach[tr] > 0.0 or min(distance.values()) == 0.0:
+            chosen.update((name, fitted_segment(algorithms[name], size))
+                          for name in names if distance[name] == min(distance.values()))
+            continue
+        # a gap between the transport's paths: every path's span lies wholly below or above the size
+        spans = {name: [fitted_range(t) for t in algorithms[name]] for name in names}
+        high = max(h for name in names for _, h in spans[name] if h is not None and h < at)
+        low = min(lo for name in names for lo, _ in spans[name] if lo > at)
+        lower = min((segment_time(fitted_segment(algorithms[name], high), high), name) for name in names
+                    if any(h == high for _, h in spans[name]))[1]
+        upper = min((segment_time(fitted_segment(algorithms[name], low), low), name) for name in names
+                    if any(lo == low for lo, _ in spans[name]))[1]
+        term = _chord(fitted_segment(algorithms[lower], high), high, fitted_segment(algorithms[upper], low), low)
+        name = lower if math.log(at / high) <= math.log(low / at) else upper
+        chosen[name] = {**term, "algorithm": name}
+    return [(name, chosen[name]) for name in algorithms if name in chosen]
