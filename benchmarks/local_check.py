@@ -96,14 +96,12 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
     system = calibrate(run1, name="local")
     rows, errors = _predict_run(system, run2)
     ranges = ("< 64 KiB", "64 KiB - 1 MiB", ">= 1 MiB")
-    summary, worst_large = [], 0.0
+    summary = []
     for op in dict.fromkeys(r["op"] for r in run2["rows"]):
         cells = [op]
         for rng in ranges:
             errs = [abs(x) for x in errors.get((op, rng), []) if x is not None]
             cells.append(f"{mean(errs):.1f} / {max(errs):.1f}" if errs else "n/a")
-            if rng != "< 64 KiB" and errs:
-                worst_large = max(worst_large, max(errs))
         summary.append(cells)
     large = _large_errors(errors)
     missing = sum(1 for xs in errors.values() for x in xs if x is None)

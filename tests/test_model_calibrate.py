@@ -1,12 +1,11 @@
 """Calibration of the performance model from `moecomm bench --json` runs
-(collectives/model/calibrate.py): the relative-error alpha-beta fit, the piecewise fit (size segments
+(collectives/model/calibrate.py, its line fits in collectives/model/piecewise.py): the relative-error alpha-beta fit, the piecewise fit (size segments
 for a CPU's cache regimes, and no segments bought by noise), round trips from synthetic runs with
 known terms, the crossover the shm switch point uses (also on segmented fits), and the fit of a real
 run of this repo."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import statistics
@@ -20,20 +19,22 @@ from collectives.model.calibrate import (
     calibrate,
     comparison_start,
     crossover_bytes,
-    fit_alpha_beta,
     fit_run,
+    fitted_term,
+    fitted_time_us,
+    traffic_factor,
+)
+from collectives.model.piecewise import (
+    fit_alpha_beta,
     fit_segments,
     fit_series,
     fit_within,
-    fitted_term,
-    fitted_time_us,
     inconsistent_points,
-    traffic_factor,
+    is_one_series,
 )
 from collectives.model.segments import candidate_terms
 from collectives.model.systems import Link
 
-calibrate_module = importlib.import_module("collectives.model.calibrate")
 
 # A real 2-rank `mpiexec -n 2 moecomm bench --compare` of the CI machine, kept as it was measured before
 # issue 16 (the pure-Python shm transport), so the fit-quality bounds below stay tied to one run.
@@ -320,10 +321,10 @@ def test_a_path_s_lone_size_in_a_regime_stays_on_its_neighbouring_line() -> None
         row["algorithm"] = "one_shot" if row["size"] <= 2 * CLIFF else "two_shot"
     terms = [t for t in fit_run(run)["all_gather"] if t["algorithm"] == "shm/one_shot"]
     assert terms[-1]["max_bytes"] == 2 * CLIFF and sum(t["points"] for t in terms) == FINE_SIZES.index(2 * CLIFF) + 1
-    assert calibrate_module._one_series({"a": [(8, 1.0), (64, 2.0)], "b": [(16, 1.0), (128, 3.0)]})
-    assert calibrate_module._one_series({"a": [(8, 1.0), (16, 2.0)], "b": [(64, 1.0), (128, 3.0)]})
-    assert not calibrate_module._one_series({"a": [(8, 1.0), (16, 2.0)]})
-    assert not calibrate_module._one_series({"a": [(8, 1.0), (64, 2.0)], "b": [(8, 1.5), (64, 3.0)]})
+    assert is_one_series({"a": [(8, 1.0), (64, 2.0)], "b": [(16, 1.0), (128, 3.0)]})
+    assert is_one_series({"a": [(8, 1.0), (16, 2.0)], "b": [(64, 1.0), (128, 3.0)]})
+    assert not is_one_series({"a": [(8, 1.0), (16, 2.0)]})
+    assert not is_one_series({"a": [(8, 1.0), (64, 2.0)], "b": [(8, 1.5), (64, 3.0)]})
     # fit_within: a lone size joins the nearer neighbouring range; empty ranges vanish
     segs = fit_within([(8, 32), (64, 512), (1024, 1024), (2048, 8192)], [8, 16, 32, 1024, 4096, 8192],
                       [1.0 + x / 100 for x in (8, 16, 32, 1024, 4096, 8192)])

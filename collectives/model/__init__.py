@@ -2,7 +2,8 @@
 
 Pure math and data (no torch, no communication). ``systems`` describes machines, ``collective``
 the alpha-beta cost of every algorithm x protocol and the choice by minimum time, ``moe`` the
-expert-parallel dispatch/combine, ``calibrate`` fits a System from a ``moecomm bench --json`` run::
+expert-parallel dispatch/combine, ``calibrate`` fits a System from a ``moecomm bench --json`` run
+(its alpha-beta lines: ``piecewise``; which fitted term predicts a size: ``segments``)::
 
     from collectives.model import get_system, predict_collective
     p = predict_collective(get_system("dgx-h100"), "all_reduce", 1 << 30, nodes=4)

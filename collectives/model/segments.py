@@ -147,8 +147,8 @@ def candidate_terms(algorithms: Mapping[str, Sequence[Mapping[str, Any]]], size:
         return at < low and all(segment_line(t)[0] >= segment_line(t)[1] * low
                                 for t in firsts if fitted_range(t)[0] == low)
 
-    reach = {tr: 0.0 if latency_bound_below(names) else
-             span_distance([t for name in names for t in algorithms[name]], size)
+    below = {tr: latency_bound_below(names) for tr, names in by_transport.items()}
+    reach = {tr: 0.0 if below[tr] else span_distance([t for name in names for t in algorithms[name]], size)
              for tr, names in by_transport.items()}
     nearest = min(reach.values())
     chosen: dict[str, Mapping[str, Any]] = {}
@@ -156,7 +156,7 @@ def candidate_terms(algorithms: Mapping[str, Sequence[Mapping[str, Any]]], size:
         if reach[tr] > nearest:
             continue
         distance = {name: span_distance(algorithms[name], size) for name in names}
-        if latency_bound_below(names) or reach[tr] > 0.0 or min(distance.values()) == 0.0:
+        if below[tr] or reach[tr] > 0.0 or min(distance.values()) == 0.0:
             chosen.update((name, fitted_segment(algorithms[name], size))
                           for name in names if distance[name] == min(distance.values()))
             continue
