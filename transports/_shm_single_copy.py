@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -255,8 +256,7 @@ class SingleCopyPaths:
 
     def _swap_label(self, nbytes: int) -> str:
         """The in-place swap rank 0 last ran for a send of ``nbytes`` (both, before the first)."""
-        return {SINGLE_PATH: "cma_swap", STAGED_PATH: "staged_swap"}.get(
-            self._swap_paths.get(size_class(nbytes)), "cma_swap|staged_swap")
+        return _timed_label("cma_swap", self._swap_paths.get(size_class(nbytes)), staged="staged_swap")
 
     def _swap_path(self) -> int:
         """After an in-place all_to_all's first synchronisation: the swap to run. Rank 0's published
@@ -431,9 +431,8 @@ class SingleCopyPaths:
         steps = self._pairwise_steps(counts, row_bytes, SWAP_CHUNK_BYTES)
         y_addr = out.data_ptr()
         in_place = y_addr == x_addr
-        offsets = [0] * (n + 1)  # our block for rank r = its block for us: offsets[r] in x and in out
-        for r in range(n):
-            offsets[r + 1] = offsets[r] + counts[me][r] * row_bytes
+        # our block for rank r = its block for us: offsets[r] in x and in out
+        offsets = list(accumulate((c * row_bytes for c in counts[me]), initial=0))
         inputs = [self._peer_addrs(r)[0] for r in range(n)]  # read now: the parity words move with each round
         if not in_place:
             copy_bytes(y_addr + offsets[me], x_addr + offsets[me], offsets[me + 1] - offsets[me])
@@ -468,10 +467,9 @@ class SingleCopyPaths:
         n, me, chunk, spin = self.size, self.rank, self._staged_chunk, self._large_spin_ns
         steps = self._pairwise_steps(counts, row_bytes, chunk)
         y_addr = out.data_ptr()
-        send_at, recv_at = [0] * (n + 1), [0] * (n + 1)  # our block for rank r in x; its block for us in out
-        for r in range(n):
-            send_at[r + 1] = send_at[r] + counts[me][r] * row_bytes
-            recv_at[r + 1] = recv_at[r] + counts[r][me] * row_bytes
+        # our block for rank r in x; its block for us in out
+        send_at = list(accumulate((c * row_bytes for c in counts[me]), initial=0))
+        recv_at = list(accumulate((counts[r][me] * row_bytes for r in range(n)), initial=0))
         if y_addr != x_addr:
             copy_bytes(y_addr + recv_at[me], x_addr + send_at[me], send_at[me + 1] - send_at[me])
         for k in range(n):
@@ -488,6 +486,6 @@ class SingleCopyPaths:
         return out
 
 
-def _timed_label(single: str, path: int | None) -> str:
-    """A timed op's algorithm name: ``single`` or ``pull`` (staged) by rank 0's last path, both before one."""
-    return {SINGLE_PATH: single, STAGED_PATH: "pull"}.get(path, f"{single}|pull")
+def _timed_label(single: str, path: int | None, *, staged: str = "pull") -> str:
+    """A timed op's algorithm name: ``single`` or ``staged`` by rank 0's last path, both before one."""
+    return {SINGLE_PATH: single, STAGED_PATH: staged}.get(path, f"{single}|{staged}")
