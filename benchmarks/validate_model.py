@@ -311,6 +311,7 @@ def validation_report(doc: Mapping[str, Any]) -> str:
         families.setdefault(e.point["id"].rsplit("-ep", 1)[0], []).append(e)
     out += ["MoE MAPE by source: " + ", ".join(f"{name} {fmt(mape(evs))}% ({len(evs)})"
                                                 for name, evs in families.items()) + ".", ""]
+    out += [_latency_by_network(latency, variants), ""]
     sections = (("In sample: calibration anchors (single-node points; multi-node ones name the constant fitted on them)",
                  in_sample),
                 ("Out of sample: multi-node bus bandwidth", [e for e in evaluations if e.point["kind"] == "collective"
@@ -330,7 +331,31 @@ def validation_report(doc: Mapping[str, Any]) -> str:
         version = f" NCCL {p['nccl_version']}." if p.get("nccl_version") else ""
         fitted = f" In sample: fits {p['calibrates']}." if p.get("calibrates") else ""
         out.append(f"- `{p['id']}`: <{p['source']['url']}>: {p['source']['quote']}.{version}{note}{fitted}")
+    out += ["", "## Sources found and not used", "",
+            "Multi-node small all_reduce latencies that a search for more InfiniBand/RoCE points found and that are "
+            "not points, each with the reason (a machine, network or algorithm the model has no terms for, or a "
+            "figure we could not read in full); a point is never left out for how well the model predicts it.", ""]
+    out += [f"- <{s['url']}>: {s['what']}. Not used: {s['why']}." for s in doc.get("not_used", ())]
     return "\n".join(out) + "\n"
+
+
+def network_kind(system: System) -> str:
+    """``"EFA"`` for a system whose NICs are AWS EFA, ``"InfiniBand/RoCE"`` for any other network."""
+    return "EFA" if system.nic is not None and system.nic.name.startswith("efa") else "InfiniBand/RoCE"
+
+
+def _latency_by_network(latency: Sequence[Evaluation], variants: Mapping[str, Any]) -> str:
+    """One line: the out-of-sample latency points per network kind, within the goal and MAPE, with node counts."""
+    groups: dict[str, list[Evaluation]] = {}
+    for e in latency:
+        groups.setdefault(network_kind(build_system(e.point["system"], variants)), []).append(e)
+    parts = []
+    for kind, evs in sorted(groups.items()):
+        within = sum(1 for e in evs if e.error_pct is not None and abs(e.error_pct) <= GOAL_LATENCY)
+        nodes = sorted({e.point["nodes"] for e in evs})
+        parts.append(f"{kind} {within}/{len(evs)} within {GOAL_LATENCY:g}%, MAPE {fmt(mape(evs))}% "
+                     f"(nodes: {', '.join(map(str, nodes))})")
+    return "Small all_reduce latency by network: " + "; ".join(parts) + "."
 
 
 def _goal_for(e: Evaluation) -> float:

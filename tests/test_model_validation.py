@@ -98,3 +98,24 @@ def test_system_variants(doc):
     assert p4de.nic_bandwidth_per_node() == pytest.approx(4 * p5en.nic.bandwidth_gbps / 2)
     with pytest.raises(ValueError, match="unknown override"):
         vm.build_system("x", {"x": {"base": "p5en", "description": "", "why": "", "overrides": {"nic_gbit": 1}}})
+
+
+def test_sources_not_used_say_why(doc):
+    # A source left out must be checkable and give its reason, so that leaving one out is reviewable.
+    for s in doc["not_used"]:
+        assert s["url"].startswith("https://") and len(s["what"]) > 10 and len(s["why"]) > 10, s
+    used = {p["source"]["url"] for p in doc["points"]}
+    assert not used & {s["url"] for s in doc["not_used"]}, "a source is both a point and not used"
+
+
+def test_latency_points_are_grouped_by_network(doc):
+    assert vm.network_kind(vm.build_system("p5", doc["systems"])) == "EFA"
+    assert vm.network_kind(get_system("p5en")) == "EFA"
+    assert vm.network_kind(get_system("dgx-h100")) == "InfiniBand/RoCE"
+    assert vm.network_kind(vm.build_system("a100-4hdr", doc["systems"])) == "InfiniBand/RoCE"
+    point = {"kind": "latency", "system": "dgx-h100", "nodes": 4}
+    hit = vm.Evaluation(point, measured=100.0, predicted=110.0, unit="us", detail="")
+    miss = vm.Evaluation(dict(point, system="p5en", nodes=2), measured=100.0, predicted=140.0, unit="us", detail="")
+    line = vm._latency_by_network([hit, miss], doc["systems"])
+    assert "EFA 0/1 within 25%, MAPE 40.0% (nodes: 2)" in line
+    assert "InfiniBand/RoCE 1/1 within 25%, MAPE 10.0% (nodes: 4)" in line
