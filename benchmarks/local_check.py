@@ -68,18 +68,25 @@ def _predict_rows(system: System, run: dict) -> list[_Predicted]:
     return out
 
 
-def _predict_run(system: System, run: dict) -> tuple[list[list[str]], dict[tuple[str, str], list[float | None]]]:
-    """Predict every moecomm row of ``run`` with ``system``: (table rows, signed errors % by (op, size
-    range); None where the model has no fitted term of the algorithm the run used)."""
+def _predict_run(system: System, run: dict, predicted: list[_Predicted]
+                 ) -> tuple[list[list[str]], dict[tuple[str, str], list[float | None]]]:
+    """``run``'s rows as predicted by ``system`` (``predicted``: :func:`_predict_rows` of both): (table
+    rows, signed errors % by (op, size range); None where the model has no fitted term of the
+    algorithm the run used)."""
     nranks = run["env"]["nranks"]
     rows, errors = [], {}
-    for p in _predict_rows(system, run):
+    for p in predicted:
         r = p.row
         pick = predict_collective(system, r["op"], r["size"], nodes=1, gpus_per_node=nranks, dtype=r["dtype"])
         errors.setdefault((r["op"], _size_range(r["size"])), []).append(p.error)
         rows.append([r["op"], str(r["size"]), p.label, f"{p.measured:.1f}", fmt(p.predicted), fmt(p.error),
                      f"{pick.algorithm} {pick.time_us:.1f}"])
     return rows, errors
+
+
+def _mean_max(errors: list[float]) -> str:
+    """``"mean / max"`` of |errors| %, or ``"n/a"`` for none."""
+    return f"{mean(errors):.1f} / {max(errors):.1f}" if errors else "n/a"
 
 
 def _large_errors(errors: dict[tuple[str, str], list[float | None]], op: str | None = None) -> list[float]:
@@ -94,14 +101,14 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
     run1, run2 = (json.loads(Path(f).read_text()) for f in (calibration_run, prediction_run))
     meta = json.loads(Path(meta_file).read_text())
     system = calibrate(run1, name="local")
-    rows, errors = _predict_run(system, run2)
+    predicted = _predict_rows(system, run2)
+    rows, errors = _predict_run(system, run2, predicted)
     ranges = ("< 64 KiB", "64 KiB - 1 MiB", ">= 1 MiB")
     summary = []
     for op in dict.fromkeys(r["op"] for r in run2["rows"]):
         cells = [op]
         for rng in ranges:
-            errs = [abs(x) for x in errors.get((op, rng), []) if x is not None]
-            cells.append(f"{mean(errs):.1f} / {max(errs):.1f}" if errs else "n/a")
+            cells.append(_mean_max([abs(x) for x in errors.get((op, rng), []) if x is not None]))
         summary.append(cells)
     large = _large_errors(errors)
     missing = sum(1 for xs in errors.values() for x in xs if x is None)
@@ -147,7 +154,7 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
             f"{max(large) if large else float('nan'):.1f}% over {len(large)} rows (mean {mean(large) if large else float('nan'):.1f}%, "
             f"{sum(1 for x in large if x <= GOAL_LOCAL)} of {len(large)} rows within {GOAL_LOCAL:g}%): "
             f"{verdict(goal_ok)}." + (f" {missing} row(s) had no fitted term of their algorithm." if missing else ""), ""]
-    out += _local_misses(system, run1, run2)
+    out += _local_misses(system, run1, run2, predicted)
     repeats = sorted(RESULTS.glob(REPEAT_RUNS))
     if repeats:
         out += _repeatability(run1, repeats, ranges)
@@ -158,12 +165,13 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
     return "\n".join(out) + "\n"
 
 
-def _local_misses(system: System, run1: dict, run2: dict) -> list[str]:
-    """The prediction run's rows at >= 64 KiB missed by more than the goal: which fitted line predicted
-    each (a segment and its own fit error, or the chord across a gap between two) and what the
-    calibration run measured at the sizes around it, so a reader can tell a fit from a regime change."""
+def _local_misses(system: System, run1: dict, run2: dict, predicted: list[_Predicted]) -> list[str]:
+    """The prediction run's rows at >= 64 KiB missed by more than the goal (``predicted``: its rows by
+    :func:`_predict_rows`): which fitted line predicted each (a segment and its own fit error, or the
+    chord across a gap between two) and what the calibration run measured at the sizes around it, so a
+    reader can tell a fit from a regime change."""
     lines = []
-    for p in _predict_rows(system, run2):
+    for p in predicted:
         r = p.row
         if r["size"] < LOCAL_MIN_SIZE or p.error is None or abs(p.error) <= GOAL_LOCAL:
             continue
@@ -222,12 +230,9 @@ def _calibrated_on_repeats(repeats: list[Path], run2: dict) -> list[str]:
     ops = list(dict.fromkeys(r["op"] for r in run2["rows"]))
     rows = []
     for path in repeats:
-        _, errors = _predict_run(calibrate(json.loads(path.read_text()), name="local"), run2)
-        cells = [path.name]
-        for op in [*ops, None]:
-            errs = _large_errors(errors, op)
-            cells.append(f"{mean(errs):.1f} / {max(errs):.1f}" if errs else "n/a")
-        rows.append(cells)
+        system = calibrate(json.loads(path.read_text()), name="local")
+        _, errors = _predict_run(system, run2, _predict_rows(system, run2))
+        rows.append([path.name, *(_mean_max(_large_errors(errors, op)) for op in [*ops, None])])
     return (["## The same prediction, calibrated on each repeat run", "",
              "The prediction run predicted again from a model fitted on each repeat run (the calibration "
              "run's own command, made again): mean / max |error| % at >= 64 KiB. Not the check itself (its "

@@ -211,6 +211,11 @@ def mape(evaluations: Iterable[Evaluation]) -> float | None:
     return mean(errors) if errors else None
 
 
+def _within(evaluations: Iterable[Evaluation], goal: float) -> int:
+    """How many evaluations have a prediction within ``goal`` percent."""
+    return sum(1 for e in evaluations if e.error_pct is not None and abs(e.error_pct) <= goal)
+
+
 def _point_label(p: Mapping[str, Any]) -> str:
     if p["kind"] == "moe":
         return (f"{p['op'].split('_')[1]} {p['mode']} EP{p['ep']}, {p['tokens']} tok, h{p['hidden']}, "
@@ -293,8 +298,7 @@ def validation_report(doc: Mapping[str, Any]) -> str:
            "candidate of that algorithm.", ""]
     summary = []
     m_multi, m_lat, m_moe, m_in = mape(multinode), mape(latency), mape(moe), mape(in_sample)
-    lat_within = sum(1 for e in latency if e.error_pct is not None and abs(e.error_pct) <= GOAL_LATENCY)
-    moe_within = sum(1 for e in moe if e.error_pct is not None and abs(e.error_pct) <= GOAL_MOE)
+    lat_within, moe_within = _within(latency, GOAL_LATENCY), _within(moe, GOAL_MOE)
     summary.append(["in sample: the points the model's constants are fitted on", str(len(in_sample)), fmt(m_in),
                     "(fit, not a goal)"])
     summary.append(["out of sample: multi-node busbw >= 1 GiB", str(len(multinode)), fmt(m_multi),
@@ -351,9 +355,8 @@ def _latency_by_network(latency: Sequence[Evaluation], variants: Mapping[str, An
         groups.setdefault(network_kind(build_system(e.point["system"], variants)), []).append(e)
     parts = []
     for kind, evs in sorted(groups.items()):
-        within = sum(1 for e in evs if e.error_pct is not None and abs(e.error_pct) <= GOAL_LATENCY)
         nodes = sorted({e.point["nodes"] for e in evs})
-        parts.append(f"{kind} {within}/{len(evs)} within {GOAL_LATENCY:g}%, MAPE {fmt(mape(evs))}% "
+        parts.append(f"{kind} {_within(evs, GOAL_LATENCY)}/{len(evs)} within {GOAL_LATENCY:g}%, MAPE {fmt(mape(evs))}% "
                      f"(nodes: {', '.join(map(str, nodes))})")
     return "Small all_reduce latency by network: " + "; ".join(parts) + "."
 

@@ -160,7 +160,8 @@ def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any
             logger.info("%s: %s %s/%s on %d ranks: left out %s, over %gx slower than a larger size", where, op,
                         transport, algorithm, ranks, ", ".join(f"{points[i][1]:.1f} us at {points[i][0]:.0f} B"
                                                               for i in dropped), SLOWER_THAN_LARGER_LIMIT)
-            points = [p for i, p in enumerate(points) if i not in set(dropped)]
+            left_out = set(dropped)
+            points = [p for i, p in enumerate(points) if i not in left_out]
         kept[(op, transport, ranks)][algorithm] = points
     calibration: dict[str, list[list[dict[str, Any]]]] = defaultdict(list)  # op -> one term list per group
     for (op, transport, ranks), labels in kept.items():
