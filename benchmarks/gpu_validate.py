@@ -158,6 +158,18 @@ def _device_step(name: str, title: str, budget_s: int, args: list[str]) -> Step:
                 skip=f"`moecomm {args[0]}` has no --device option yet: it would measure CPU tensors")
 
 
+def select_steps(steps: Sequence[Step], names: str) -> list[Step]:
+    """The steps named in ``names`` (comma-separated), in plan order; an unknown name is a usage error
+    listing the known ones."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = [s.name for s in steps]
+    unknown = [n for n in wanted if n not in known]
+    if unknown or not wanted:
+        raise click.BadParameter(f"unknown step(s) {unknown or names!r}; the steps are {', '.join(known)}",
+                                 param_hint="--steps")
+    return [s for s in steps if s.name in wanted]
+
+
 def format_plan(steps: Sequence[Step], paths: dict[str, Path]) -> list[str]:
     """The plan as printed by ``--dry-run``: every step, its budget, the exact command, the outputs."""
     lines = [f"# moecomm validate-gpu plan: {len(steps)} steps, {sum(s.budget_s for s in steps)} s of "
@@ -361,8 +373,13 @@ def _gpu_name() -> str | None:
 @click.option("--check", type=click.Choice(["collectives", "graphs", "abort"]), default=None, hidden=True,
               help="Run one GPU check (a step of the run) and print its result.")
 @click.option("--nprocs", type=click.IntRange(min=1), default=2, hidden=True, help="Ranks of --check.")
+@click.option("--steps", "only", default=None, metavar="NAMES",
+              help="Comma-separated step names to run, in plan order (to split the run over several GPU "
+                   "calls, each under 10 minutes) [default: every step].")
+@click.option("--budget", type=click.FloatRange(min=10), default=TOTAL_BUDGET_S, show_default=True,
+              help="Seconds for the whole run; a step is killed at min(its budget, what is left).")
 def validate_gpu(dry_run: bool, results_dir: str, gpu_name: str | None, date: str | None, check: str | None,
-                 nprocs: int) -> None:
+                 nprocs: int, only: str | None, budget: float) -> None:
     """Validate the GPU code in one run of at most ~25 minutes: environment, GPU tests, CUDA graphs, the
     collective sweep against torch.distributed NCCL, MoE and TP benchmarks; the record goes to
     benchmarks/results/gpu-<gpu>-<date>.{txt,json,png}.
@@ -385,11 +402,13 @@ def validate_gpu(dry_run: bool, results_dir: str, gpu_name: str | None, date: st
     name = gpu_name or _gpu_name() or "unknown-gpu"
     day = date or _dt.date.today().isoformat()
     steps, paths = plan(name, day, results_dir)
+    if only:
+        steps = select_steps(steps, only)
     for line in format_plan(steps, paths):
         click.echo(line)
     if dry_run:
         return
-    outcomes = run_plan(steps)
+    outcomes = run_plan(steps, total_s=budget)
     code = write_record(outcomes, paths, name, day)
     click.echo(f"# wrote {paths['txt']} and {paths['json']}; exit code {code}")
     sys.exit(code)

@@ -216,3 +216,14 @@ def test_abort_check_passes_when_the_late_rank_is_named_and_fails_when_nobody_wa
     assert ok["failures"] == [], ok
     missing = gv.check_abort(2, device="cpu", transports=("nccl",), timeout=1.0)
     assert len(missing["failures"]) == 1 and "nccl: did not come up" in missing["failures"][0], missing
+
+
+def test_steps_selects_a_subset_in_plan_order_and_rejects_unknown_names(monkeypatch, tmp_path):
+    monkeypatch.setattr(gv, "run_plan", _forbid)
+    args = ["validate-gpu", "--dry-run", "--gpu-name", GPU, "--date", DATE, "--results-dir", str(tmp_path)]
+    res = CliRunner().invoke(main, [*args, "--steps", "bench-sweep,environment"])
+    assert res.exit_code == 0, res.output
+    assert "2 steps" in res.output and "1. environment (" in res.output and "2. bench-sweep (" in res.output
+    assert "gpu-tests" not in res.output
+    res = CliRunner().invoke(main, [*args, "--steps", "environment,bench-swep"])
+    assert res.exit_code == 2 and "bench-swep" in res.output and "bench-sweep" in res.output, res.output
