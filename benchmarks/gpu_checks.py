@@ -10,6 +10,24 @@ import time
 from typing import Any, Sequence
 
 
+def gpu_transports(nprocs: int) -> tuple[tuple[str, ...], str, list[str]]:
+    """The GPU transports ``nprocs`` ranks sharing cuda:0 can be checked through here.
+
+    Returns:
+        (transports, the communicator's transport= ("auto", or "ipc" when NCCL cannot start),
+        what is not run and why). NCCL refuses two ranks on one GPU before 2.30 ("Duplicate GPU
+        detected"); 2.30 allows it with NCCL_MULTI_RANK_GPU_ENABLE=1.
+    """
+    from transports.nccl import nccl_version
+
+    version = nccl_version()
+    if nprocs > 1 and (version is None or version < (2, 30, 0)):
+        have = ".".join(map(str, version)) if version else "none"
+        return ("ipc",), "ipc", [f"nccl with {nprocs} ranks on one GPU: this machine's NCCL ({have}) is older "
+                                  "than 2.30, which refuses ranks sharing a GPU"]
+    return ("nccl", "ipc"), "auto", []
+
+
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8")
 _OPS = ("sum", "prod", "max", "min", "avg")
 _TOL = {"float16": 2e-3, "bfloat16": 2e-2, "float32": 1e-5, "float64": 1e-12}
@@ -118,7 +136,7 @@ def _collectives_body(comm: Any, device: str, required: Sequence[str]) -> dict[s
     return {"transports": names, "cases": cases, "failures": failures}
 
 
-def _graphs_body(comm: Any, device: str, replays: int) -> dict[str, Any]:
+def _graphs_body(comm: Any, device: str, replays: int, transports: Sequence[str]) -> dict[str, Any]:
     """On every rank (CUDA only): per transport nccl and ipc, capture one all_reduce in a CUDA graph,
     then replay it ``replays`` times with fresh inputs copied into the captured buffer, each result
     checked against the sum of every rank's regenerated input."""
@@ -126,7 +144,7 @@ def _graphs_body(comm: Any, device: str, replays: int) -> dict[str, Any]:
 
     failures: list[str] = []
     n, r = comm.size, comm.rank
-    for t in ("nccl", "ipc"):
+    for t in transports:
         if t not in comm.transports:
             failures.append(f"{t}: did not come up (available: {sorted(comm.transports)})")
             continue
@@ -190,44 +208,61 @@ def _abort_body(comm: Any, device: str, transport: str, timeout: float) -> dict[
     return {"failures": [f"{transport}: all_reduce returned without rank 1"]}
 
 
-def check_abort(nprocs: int = 2, device: str = "cuda:0", transports: Sequence[str] = ("nccl", "ipc"),
+def check_abort(nprocs: int = 2, device: str = "cuda:0", transports: Sequence[str] | None = None,
                 timeout: float = 4.0) -> dict[str, Any]:
-    """Run :func:`_abort_body` once per transport (a communicator is unusable after a timeout)."""
+    """Run :func:`_abort_body` once per transport (a communicator is unusable after a timeout);
+    ``transports`` defaults to :func:`gpu_transports`'."""
     import collectives
 
+    forced, not_run = "auto", []
+    if transports is None:
+        transports, forced, not_run = gpu_transports(nprocs)
     failures = []
     for t in transports:
         results = collectives.launch(_abort_body, nprocs, device, t, timeout, timeout=timeout, device=device,
-                                     return_exceptions=True)
+                                     transport=forced, return_exceptions=True)
         for q, res in enumerate(results):
             if isinstance(res, BaseException):
                 failures.append(f"rank {q}: {t}: the rank failed: {type(res).__name__}: {str(res)[:300]}")
             else:
                 failures += [f"rank {q}: {f}" for f in res["failures"]]
-    return {"nprocs": nprocs, "device": device, "transports": list(transports), "failures": failures}
+    return {"nprocs": nprocs, "device": device, "transports": list(transports), "not_run": not_run,
+            "failures": failures}
 
 
-def check_collectives(nprocs: int, device: str = "cuda:0", required: Sequence[str] = ("nccl", "ipc"),
-                      transport: str = "auto", options: dict[str, Any] | None = None,
+def check_collectives(nprocs: int, device: str = "cuda:0", required: Sequence[str] | None = None,
+                      transport: str | None = None, options: dict[str, Any] | None = None,
                       timeout: float = 120.0) -> dict[str, Any]:
     """Run :func:`_collectives_body` on ``nprocs`` ranks, all on ``device``.
 
+    Args:
+        required, transport: the transports that must come up and the communicator's transport=
+            [default: :func:`gpu_transports`].
     Returns:
-        {"nprocs", "device", "cases", "transports", "failures": [per-rank failure strings, rank-prefixed]}.
+        {"nprocs", "device", "cases", "transports", "not_run", "failures": [per-rank failure strings,
+        rank-prefixed]}.
     """
     import collectives
+
+    not_run: list[str] = []
+    if required is None:
+        required, forced, not_run = gpu_transports(nprocs)
+        transport = transport or forced
+    transport = transport or "auto"
 
     results = collectives.launch(_collectives_body, nprocs, device, list(required), transport=transport,
                                  options=options, timeout=timeout, device=device)
     failures = [f"rank {q}: {f}" for q, res in enumerate(results) for f in res["failures"]]
     return {"nprocs": nprocs, "device": device, "cases": results[0]["cases"], "transports": results[0]["transports"],
-            "failures": failures}
+            "not_run": not_run, "failures": failures}
 
 
 def check_graphs(nprocs: int, device: str = "cuda:0", replays: int = 100, timeout: float = 120.0) -> dict[str, Any]:
     """Run :func:`_graphs_body` on ``nprocs`` ranks, all on ``device`` (needs CUDA)."""
     import collectives
 
-    results = collectives.launch(_graphs_body, nprocs, device, replays, timeout=timeout, device=device)
-    return {"nprocs": nprocs, "device": device, "replays": replays,
-            "failures": [f"rank {q}: {f}" for q, res in enumerate(results) for f in res["failures"]]}
+    transports, forced, not_run = gpu_transports(nprocs)
+    results = collectives.launch(_graphs_body, nprocs, device, replays, transports, timeout=timeout, device=device,
+                                 transport=forced)
+    return {"nprocs": nprocs, "device": device, "replays": replays, "transports": list(transports),
+            "not_run": not_run, "failures": [f"rank {q}: {f}" for q, res in enumerate(results) for f in res["failures"]]}

@@ -76,9 +76,9 @@ def gpu_slug(name: str) -> str:
 
 def output_paths(gpu_name: str, date: str, results_dir: str | Path = RESULTS_DIR) -> dict[str, Path]:
     """The record's files: ``gpu-<gpu>-<date>.txt/.json``, the sweep's ``.png`` and its rows' JSON."""
-    stem = Path(results_dir) / f"gpu-{gpu_slug(gpu_name)}-{date}"
-    return {"txt": stem.with_suffix(".txt"), "json": stem.with_suffix(".json"),
-            "png": stem.with_suffix(".png"), "bench_json": Path(f"{stem}-bench.json")}
+    stem = str(Path(results_dir) / f"gpu-{gpu_slug(gpu_name)}-{date}")  # a str: a dot in date is no suffix
+    return {"txt": Path(f"{stem}.txt"), "json": Path(f"{stem}.json"),
+            "png": Path(f"{stem}.png"), "bench_json": Path(f"{stem}-bench.json")}
 
 
 @dataclass

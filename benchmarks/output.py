@@ -84,22 +84,29 @@ def gpu_info() -> dict[str, Any]:
 
 
 def nccl_version() -> str | None:
-    """NCCL's version from torch (CUDA builds) or cupy (the cuda12 extra), if either can load it."""
+    """The version of the libnccl this process loads, if it can load one.
+
+    cupy's ``get_version`` asks the loaded library (ncclGetVersion), so an LD_PRELOADed NCCL shows
+    as itself; ``torch.cuda.nccl.version()`` is the version torch was built against (on the H100
+    record it said 2.28.9 while NCCL 2.30.7 was loaded and ran two ranks on one GPU, which 2.28
+    refuses), so it is only the fallback, for torch builds without cupy.
+    """
+    from transports.nccl import nccl_version as loaded
+
+    try:
+        v = loaded()
+    except Exception:  # noqa: BLE001 - a broken driver or libnccl
+        v = None
+    if v:
+        return ".".join(map(str, v))
     import torch
 
     try:
         if torch.version.cuda:
-            return ".".join(map(str, torch.cuda.nccl.version()))
+            return ".".join(map(str, torch.cuda.nccl.version())) + " (torch's build)"
     except Exception:  # noqa: BLE001 - no libnccl
         pass
-    try:
-        import cupy.cuda.nccl as cnccl
-
-        v = cnccl.get_version()
-    except Exception:  # noqa: BLE001 - no cupy / no libnccl
-        return None
-    # NCCL_VERSION_CODE: major*10000 + minor*100 + patch since 2.9, major*1000 + minor*100 + patch before
-    return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+    return None
 
 
 def _git_commit() -> str | None:

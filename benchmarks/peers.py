@@ -357,10 +357,10 @@ class TorchPeer(Peer):
     def describe(self) -> str:
         extra = ""
         if self.name == "nccl":
-            try:
-                extra = " NCCL " + ".".join(map(str, torch.cuda.nccl.version()))
-            except Exception:  # noqa: BLE001
-                pass
+            from .output import nccl_version
+
+            v = nccl_version()  # the loaded library's (torch.cuda.nccl.version() is torch's build's)
+            extra = f" NCCL {v}" if v else ""
         return f"{self.name} (torch {torch.__version__}{extra}, {self.device})"
 
     def close(self) -> None:
@@ -452,7 +452,7 @@ def init_torch_distributed(comm, backend: str, timeout: float) -> None:
 
     Args:
         comm: a moecomm Communicator; rank r of the group is rank r of ``comm``.
-        backend: "gloo" or "nccl" (nccl: rank r uses GPU ``comm.local_rank``).
+        backend: "gloo" or "nccl" (nccl: the communicator's GPU, else ``cuda:local_rank``).
         timeout: seconds for the store and the group's collectives.
     """
     import torch.distributed as dist
@@ -460,8 +460,9 @@ def init_torch_distributed(comm, backend: str, timeout: float) -> None:
     store, _ = torch_store(comm, timeout)
     kw = {}
     if backend == "nccl":
-        torch.cuda.set_device(comm.local_rank)
-        kw["device_id"] = torch.device("cuda", comm.local_rank)
+        device = comm.device if comm.device.type == "cuda" else torch.device("cuda", comm.local_rank)
+        torch.cuda.set_device(device)  # the communicator's GPU: ranks may share one
+        kw["device_id"] = device
     dist.init_process_group(backend, store=store, rank=comm.rank, world_size=comm.size,
                             timeout=timedelta(seconds=timeout), **kw)
 
@@ -485,7 +486,9 @@ def build_peers(comm, *, transports: Sequence[str] | None, compare: bool, peers:
         available or an unknown peer.
     """
     notes: list[str] = []
-    mdev = f"cuda:{comm.local_rank}" if device == "cuda" else "cpu"
+    # the communicator's own GPU (cuda:local_rank modulo the GPUs seen: ranks may share one)
+    mdev = str(comm.device) if device == "cuda" and comm.device.type == "cuda" else \
+        f"cuda:{comm.local_rank}" if device == "cuda" else "cpu"
     # with --compare: every transport that moves this device's tensors itself (not staged through host)
     native = [t for t in sorted(comm.transports) if device in getattr(comm.transports[t], "devices", ("cpu",))]
     names = list(transports) if transports else (native if compare else ["auto"])

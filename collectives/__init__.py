@@ -75,7 +75,7 @@ def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[st
     each process did before).
 
     Args:
-        transport: "auto" (pick per call), "shm", "mpi" or "nccl"; anything but "auto"
+        transport: "auto" (pick per call), "shm", "mpi", "nccl", "ipc" or "gloo"; anything but "auto"
             overrides ``MOECOMM_TRANSPORT``.
         timeout: seconds any wait may take before it raises; positive and finite (0, negative,
             inf and nan raise ValueError, a non-number TypeError, before anything is started).

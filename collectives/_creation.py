@@ -99,9 +99,10 @@ def create_transports(group: GroupInfo, topology: Topology, device: torch.device
     up = [set(r["up"]) for r in reports]
     nccl_failed = [(group.global_ranks[r], rep["errors"]["nccl"]) for r, rep in enumerate(reports)
                    if "nccl" in rep["errors"]]
-    if nccl_failed and forced not in ("shm", "mpi"):
+    if nccl_failed and forced not in ("shm", "mpi", "ipc"):
         # There are GPUs (NCCL was wanted on every rank): dropping NCCL would move every CUDA
-        # tensor through host memory, silently and slowly. Say why and what to do instead.
+        # tensor through host memory, silently and slowly. Say why and what to do instead. A
+        # communicator forced onto another transport asked for that path, so NCCL is dropped there.
         for t in made.values():
             t.close()
         raise RuntimeError(_nccl_failure_message(nccl_failed, reports, group.global_ranks,
@@ -162,5 +163,6 @@ def _nccl_failure_message(failed: list[tuple[int, str]], reports: list[dict], ra
     return (f"NCCL could not start on rank(s) {[r for r, _ in failed]} (rank {failed[0][0]}: {failed[0][1]}); "
             f"every rank aborted the creation. {why}To fix: give each rank its own GPU (device= of "
             "collectives.init/launch; the default is cuda:local_rank), or, for ranks that must share a GPU, set "
-            "NCCL_MULTI_RANK_GPU_ENABLE=1 with NCCL >= 2.30. To run without NCCL, pass transport='shm' or 'mpi' "
-            "(CUDA tensors are then copied through host memory) or device='cpu'.")
+            "NCCL_MULTI_RANK_GPU_ENABLE=1 with NCCL >= 2.30. To run without NCCL, pass transport='ipc' (our "
+            "kernels over CUDA IPC, one node), 'shm' or 'mpi' (CUDA tensors are then copied through host "
+            "memory) or device='cpu'.")

@@ -106,7 +106,7 @@ def test_nccl_duplicate_gpu_raises_on_every_rank_with_what_to_do(monkeypatch):
         msg = str(e)
         assert "NCCL could not start on rank(s) [0, 1]" in msg and "NCCL_ERROR_INVALID_USAGE" in msg, msg
         assert "ranks [0, 1] share a GPU" in msg and "NCCL_MULTI_RANK_GPU_ENABLE=1" in msg and "2.30" in msg, msg
-        assert "2.30.4" in msg and "own GPU" in msg and "transport='shm'" in msg, msg
+        assert "2.30.4" in msg and "own GPU" in msg and "transport='ipc'" in msg and "'shm'" in msg, msg
     assert sorted(made) == [0, 1] and current == [torch.device("cuda", 0)] * 2
 
 

@@ -227,3 +227,9 @@ def test_steps_selects_a_subset_in_plan_order_and_rejects_unknown_names(monkeypa
     assert "gpu-tests" not in res.output
     res = CliRunner().invoke(main, [*args, "--steps", "environment,bench-swep"])
     assert res.exit_code == 2 and "bench-swep" in res.output and "bench-sweep" in res.output, res.output
+
+
+def test_a_dot_in_the_date_tag_stays_in_the_file_names(tmp_path):
+    paths = gv.output_paths(GPU, "2026-11-23-nccl2.30.7", tmp_path)
+    assert paths["txt"].name == "gpu-nvidia-h100-80gb-hbm3-2026-11-23-nccl2.30.7.txt"
+    assert paths["bench_json"].name == "gpu-nvidia-h100-80gb-hbm3-2026-11-23-nccl2.30.7-bench.json"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import collectives
-from transports.nccl import NCCL_DTYPES, NCCL_OPS, nccl_module, nccl_version
+from transports.nccl import NCCL_DTYPES, NCCL_OPS, decode_unique_id, encode_unique_id, nccl_module, nccl_version
 from transports.base import ReduceOp
 
 HAS_NCCL = nccl_module() is not None
@@ -19,6 +19,22 @@ def test_module_imports_and_maps_every_dtype_and_op():
     assert {torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8} <= set(NCCL_DTYPES)
     if not HAS_NCCL:
         assert nccl_version() is None
+
+
+@pytest.mark.parametrize("uid", [bytes(range(1, 129)), tuple((-1) ** i * (i % 97) for i in range(128))],
+                         ids=["cupy14-bytes", "cupy13-tuple"])
+def test_unique_id_travels_as_the_type_cupy_gave(uid):
+    # cupy-cuda13x 14.2.0 returns bytes (seen on the H100), older cupy a tuple of ints: each must
+    # reach NcclCommunicator as it left get_unique_id
+    back = decode_unique_id(encode_unique_id(uid), 0)
+    assert back == uid and type(back) is type(uid)
+
+
+def test_root_failing_to_make_the_unique_id_raises_its_error_on_every_rank():
+    with pytest.raises(RuntimeError, match=r"rank 3 could not make the NCCL unique id: OSError: no libnccl"):
+        decode_unique_id(b"E" + b"OSError: no libnccl", 3)
+    with pytest.raises(RuntimeError, match="unreadable"):
+        decode_unique_id(b"", 0)
 
 
 def test_cpu_only_communicator_has_no_nccl_and_stages_cuda_nowhere():

@@ -13,8 +13,8 @@ round trip and cannot be graph-captured). NCCL itself never validates arguments.
 Device: the transport opens NCCL on ``GroupInfo.cuda_device`` (the communicator binds each rank to
 ``cuda:local_rank`` unless told otherwise), else on the current device.
 
-STATUS: written against cupy's documented NcclCommunicator API but NOT yet run on a GPU
-(the development machine has none); the GPU tests in tests/test_nccl.py skip without one.
+STATUS: run on an H100 (NCCL 2.28.9, cupy-cuda13x 14.2.0) by ``moecomm validate-gpu``; the record is
+in benchmarks/results/gpu-*.txt. The GPU tests in tests/test_nccl.py skip without a GPU.
 """
 
 from __future__ import annotations
@@ -69,6 +69,26 @@ def nccl_version() -> tuple[int, int, int] | None:
     return (v // 10000, (v // 100) % 100, v % 100) if v >= 10000 else (v // 1000, (v // 100) % 10, v % 100)
 
 
+def encode_unique_id(uid: bytes | tuple) -> bytes:
+    """The NCCL unique id as it travels over the rendezvous, its type kept: cupy < 14 returns a tuple
+    of 128 small ints, cupy 14 ``bytes`` (seen with cupy-cuda13x 14.2.0), and
+    ``NcclCommunicator`` takes back what ``get_unique_id`` gave."""
+    if isinstance(uid, (bytes, bytearray)):
+        return b"B" + bytes(uid)
+    return b"T" + np.asarray(uid, dtype=np.int64).tobytes()
+
+
+def decode_unique_id(blob: bytes, root: int) -> bytes | tuple:
+    """Inverse of :func:`encode_unique_id`; raises RuntimeError with the root's error if it sent one."""
+    kind, body = blob[:1], blob[1:]
+    if kind == b"B":
+        return body
+    if kind == b"T":
+        return tuple(int(v) for v in np.frombuffer(body, dtype=np.int64))
+    why = body.decode(errors="replace") if kind == b"E" else f"an unreadable id ({blob[:8]!r}...)"
+    raise RuntimeError(f"rank {root} could not make the NCCL unique id: {why}")
+
+
 class NCCLTransport(Transport):
     name = "nccl"
     devices = ("cuda",)
@@ -80,9 +100,13 @@ class NCCLTransport(Transport):
             raise RuntimeError("NCCL is not available (needs a GPU, cupy and libnccl)")
         self.nccl = nccl
         self.device = group.cuda_device if group.cuda_device is not None else torch.cuda.current_device()
-        uid = nccl.get_unique_id() if self.rank == 0 else ()
-        ids = group.rendezvous.allgather_bytes(np.asarray(uid, dtype=np.int64).tobytes() if self.rank == 0 else b"")
-        unique_id = tuple(int(v) for v in np.frombuffer(ids[0], dtype=np.int64))
+        payload = b""
+        if self.rank == 0:  # a failure here still takes part in the exchange, so no peer waits out of step
+            try:
+                payload = encode_unique_id(nccl.get_unique_id())
+            except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
+                payload = b"E" + f"{type(e).__name__}: {e}".encode()
+        unique_id = decode_unique_id(group.rendezvous.allgather_bytes(payload)[0], group.global_ranks[0])
         with torch.cuda.device(self.device):
             self.comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
         self._checked: set[int] = set()
