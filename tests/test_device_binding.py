@@ -166,3 +166,31 @@ def test_a_tensor_on_another_gpu_raises_on_every_rank():
     res = collectives.launch(_body_wrong_gpu, 2)
     assert "rank 0 passed a tensor on cuda:1" in res[0] and "bound to cuda:0" in res[0], res
     assert "rejected" in res[1], res
+
+
+def test_nccl_failure_with_ipc_forced_is_no_error(monkeypatch):
+    # two ranks on one GPU with NCCL < 2.30 (seen on the H100): transport="ipc" asked for ipc, so the
+    # failed NCCL is dropped instead of stopping the communicator
+    import collectives._creation as creation
+    import transports.ipc as ipc_mod
+    from transports import transport_class
+
+    class FakeIpc:
+        name, devices = "ipc", ("cuda",)
+
+        def __init__(self, group):
+            self.size = group.size
+
+        def close(self):
+            pass
+
+    _fake_gpus(monkeypatch, 1)
+    monkeypatch.setattr(ipc_mod, "ipc_available", lambda settings: True)
+    monkeypatch.setattr(creation, "transport_class", lambda name: FakeIpc if name == "ipc" else transport_class(name))
+    res = _create_on_threads(2, transport="ipc")
+    for r in range(2):
+        assert isinstance(res[r], collectives.Communicator), res[r]
+        assert "nccl" not in res[r].transports and "ipc" in res[r].transports
+        res[r].close()
+    res = _create_on_threads(2)  # auto: still the loud NCCL error
+    assert all(isinstance(res[r], RuntimeError) and "transport='ipc'" in str(res[r]) for r in range(2)), res

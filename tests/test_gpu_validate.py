@@ -233,3 +233,19 @@ def test_a_dot_in_the_date_tag_stays_in_the_file_names(tmp_path):
     paths = gv.output_paths(GPU, "2026-11-23-nccl2.30.7", tmp_path)
     assert paths["txt"].name == "gpu-nvidia-h100-80gb-hbm3-2026-11-23-nccl2.30.7.txt"
     assert paths["bench_json"].name == "gpu-nvidia-h100-80gb-hbm3-2026-11-23-nccl2.30.7-bench.json"
+
+
+@pytest.mark.parametrize("version, nprocs, want", [
+    ((2, 28, 9), 2, (("ipc",), "ipc", True)),   # NCCL < 2.30 refuses two ranks on one GPU: ipc alone, said so
+    (None, 2, (("ipc",), "ipc", True)),
+    ((2, 30, 7), 2, (("nccl", "ipc"), "auto", False)),
+    ((2, 28, 9), 1, (("nccl", "ipc"), "auto", False)),  # one rank: any NCCL
+])
+def test_gpu_checks_run_nccl_at_two_ranks_on_one_gpu_only_where_nccl_allows_it(monkeypatch, version, nprocs, want):
+    import transports.nccl
+
+    monkeypatch.setattr(transports.nccl, "nccl_version", lambda: version)
+    transports_, forced, not_run = gpu_checks.gpu_transports(nprocs)
+    assert (transports_, forced, bool(not_run)) == want
+    if not_run:
+        assert "older than 2.30" in not_run[0] and (".".join(map(str, version)) if version else "none") in not_run[0]
