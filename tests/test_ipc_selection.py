@@ -20,10 +20,40 @@ class _Fake:
         self.devices, self.size = devices, size
 
 
-def test_cuda_calls_go_to_ipc_up_to_the_table_and_to_nccl_above():
+def test_the_measured_table_sends_no_cuda_call_to_ipc():
+    # the GPU record's crossover is "never" (see the next test): every CUDA call goes to NCCL
+    avail = {"ipc": _Fake(("cuda",), 2), "nccl": _Fake(("cuda",), 2), "shm": _Fake(("cpu",), 2)}
+    for op in (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER):
+        assert ipc_max_bytes(op, 2) == 0
+        for nbytes in (8, 4096, 1 << 20):
+            assert choose_transport(op, "cuda", True, avail, None, nbytes=nbytes)[0] == "nccl"
+    assert choose_transport(OpCode.ALL_REDUCE, "cuda", True, avail, "ipc", nbytes=8)[0] == "ipc"  # forced
+
+
+def test_the_table_holds_what_the_gpu_record_measured():
+    """IPC_MAX_BYTES is the crossover of the model fitted on the committed GPU sweep: re-derive it."""
+    from pathlib import Path
+
+    from collectives.model.calibrate import calibrate, crossover_bytes, fitted_time_us
+    from collectives.selection import GPU_CROSSOVER_RECORD
+
+    record = Path(__file__).resolve().parent.parent / GPU_CROSSOVER_RECORD
+    system = calibrate(str(record), name="gpu-record")
+    for op, ipc_alg in ((OpCode.ALL_REDUCE, "ipc/one_shot"), (OpCode.ALL_GATHER, "ipc/pull"),
+                        (OpCode.REDUCE_SCATTER, "ipc/pull_reduce")):
+        name = op.name.lower()
+        assert fitted_time_us(system, name, ipc_alg, 8, ranks=2) > fitted_time_us(system, name, "moecomm-nccl/nccl", 8,
+                                                                                 ranks=2)
+        assert crossover_bytes(system, name, ipc_alg, "moecomm-nccl/nccl", ranks=2) is None  # nccl faster throughout
+        assert IPC_MAX_BYTES[(op, "any")][2] == 0
+
+
+def test_cuda_calls_go_to_ipc_up_to_the_table_and_to_nccl_above(monkeypatch):
     avail = {"ipc": _Fake(("cuda",)), "nccl": _Fake(("cuda",)), "shm": _Fake(("cpu",))}
-    limit = ipc_max_bytes(OpCode.ALL_REDUCE, 4)
-    assert limit == IPC_MAX_BYTES[(OpCode.ALL_REDUCE, "any")][4] > 0
+    limit = 8 << 20  # a table that sends small calls to ipc (the mechanism, for a faster ipc host path)
+    for op in (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER):
+        monkeypatch.setitem(IPC_MAX_BYTES, (op, "any"), {n: limit for n in range(2, 9)})
+    assert ipc_max_bytes(OpCode.ALL_REDUCE, 4) == limit
     for op in (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER):
         assert choose_transport(op, "cuda", True, avail, None, nbytes=1024)[0] == "ipc"
         assert choose_transport(op, "cuda", True, avail, None, nbytes=limit)[0] == "ipc"
