@@ -5,7 +5,7 @@ of signal words, ``bind_thread``, ``sync``, ``capturing``, ``close``); see :mod:
 
 - :class:`_HostRegions`: every region in one POSIX shared-memory segment (emulation, CPU tensors);
 - :class:`_CudaRegions`: one cudaMalloc region per rank, opened by the peers through CUDA IPC handles
-  (written for the GPU machines; it has not run yet).
+  (run on an H100, two ranks on one GPU: benchmarks/results/gpu-nvidia-h100-80gb-hbm3-2026-11-23-notes.md).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class _HostRegions:
 class _CudaRegions:
     """One cudaMalloc region per rank, opened by the peers through CUDA IPC handles.
 
-    Written for the GPU machines (CUDA 13, cupy-cuda13x); it has not run yet.
+    Run on an H100 (CUDA 13, cupy-cuda13x 14.2), two ranks on one GPU; CUDA IPC between GPUs is untried.
     Signal words are read and written with async copies on a non-blocking stream of our own, so
     the watchdog can read peers' states and set our ABORT word while a kernel spins.
     """

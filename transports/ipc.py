@@ -13,8 +13,9 @@ Two providers map the regions (:mod:`transports._ipc_regions`):
 
 - ``cuda``: one ``cudaMalloc`` region per rank, shared with ``cudaIpcGetMemHandle`` /
   ``cudaIpcOpenMemHandle`` (cupy) over the group's rendezvous, closed on close. Ranks of one GPU
-  work too (CUDA IPC between processes of one device). NOT RUN YET: no GPU was available when
-  it was written; the emulated provider below is what the tests prove.
+  work too (CUDA IPC between processes of one device). Run on an H100 with two ranks on one GPU
+  (every collective x dtype x op, CUDA graphs, the timeout path: benchmarks/results/gpu-nvidia-h100-80gb-hbm3-2026-11-23-notes.md); between GPUs it is
+  untried. CI proves the kernels through the emulated provider below.
 - ``host`` (emulation, ``MOECOMM_IPC_EMULATE=1``): one POSIX shared-memory segment for the
   group (mode 0600, random name, unlinked once mapped; :mod:`transports._segment`), and the same
   kernels run by Triton's interpreter (``TRITON_INTERPRET=1``), where pointers are host
@@ -31,11 +32,12 @@ closes or aborts, or the call outlives the communicator's timeout; the host then
 ``PeerFailedError`` / ``CollectiveTimeoutError`` naming the rank, marks its own STATE aborted
 (so the peers raise too) and refuses later calls (``CommunicatorBrokenError``).
 
-Known limits (GPU path, unmeasured): after each launch the host waits for the stream to read
-ERROR/MISMATCH, except under CUDA-graph capture (then a failure shows at the next checked call);
-a signature's device copy is made on its first call, so warm a call up before capturing it.
+Known limits (GPU path): after each launch the host waits for the stream to read ERROR/MISMATCH,
+except under CUDA-graph capture (then a failure shows at the next checked call); on the H100 that
+wait and Triton's launcher made an 8 KiB all_reduce 3x slower than NCCL, so auto never picks ipc
+(collectives/selection.py IPC_MAX_BYTES). A signature's device copy is made on its first call, so warm a call up before capturing it.
 Copy collectives move bytes (uint8 tiles); all_to_all reads the counts on the host because its
-output is allocated there (and compares ``recv_counts=`` with them there, in the same read). ipc is in no selection chain yet (collectives/selection.py).
+output is allocated there (and compares ``recv_counts=`` with them there, in the same read).
 """
 
 from __future__ import annotations
