@@ -66,9 +66,11 @@ def _difference(got: Any, want: Any) -> str:
     return f"max abs diff {(got.double().cpu() - want.double()).abs().max().item():.3g}"
 
 
-def _collectives_body(comm: Any, device: str, required: Sequence[str]) -> dict[str, Any]:
+def _collectives_body(comm: Any, device: str, required: Sequence[str], large_numel: int = 0) -> dict[str, Any]:
     """On every rank: every collective x dtype x op through each required transport and auto,
-    against a reference computed from every rank's regenerated input; uneven all_to_all; split.
+    against a reference computed from every rank's regenerated input; uneven all_to_all with zero
+    counts; sum all_reduce, all_gather and all_to_all of float32 at 0 and 1001 elements (and
+    ``large_numel``, 256 MiB on the GPU, when > 0); split.
 
     Returns:
         {"transports": [...], "cases": n, "failures": ["transport op dtype: what", ...]} (this rank's).
@@ -106,10 +108,10 @@ def _collectives_body(comm: Any, device: str, required: Sequence[str]) -> dict[s
                     elif coll == "broadcast":
                         src = n - 1
                         got, want = view.broadcast(x, src), xs[src]
-                    else:  # uneven: rank q sends q + p + 1 rows to rank p
-                        rows = [[_inputs(q, case, (q + p + 1, 5), dtype) for p in range(n)] for q in range(n)]
+                    else:  # uneven, zero counts among them: rank q sends (q + 2p + 1) % 3 rows to rank p
+                        rows = [[_inputs(q, case, (_rows(q, p), 5), dtype) for p in range(n)] for q in range(n)]
                         send = torch.cat(rows[r]).to(device)
-                        got = view.all_to_all(send, [r + p + 1 for p in range(n)])
+                        got = view.all_to_all(send, [_rows(r, p) for p in range(n)])
                         want = torch.cat([rows[q][r] for q in range(n)])
                     if want.dtype != dtype and dtype.is_floating_point:
                         want = want.to(dtype)  # the reference rounded as the result is
@@ -118,6 +120,26 @@ def _collectives_body(comm: Any, device: str, required: Sequence[str]) -> dict[s
                     elif not _close(got, want, dn):
                         failures.append(f"{label}: wrong result ({_difference(got, want)})")
                 except Exception as e:  # noqa: BLE001 - recorded; the next case goes on
+                    failures.append(f"{label}: raised {type(e).__name__}: {str(e)[:300]}")
+        for numel in (0, 1001, large_numel) if large_numel else (0, 1001):
+            for coll in ("all_reduce", "all_gather", "all_to_all"):
+                cases += 1
+                label = f"{t} {coll} float32 x {numel}"
+                xs = [_inputs(q, 20_000 + cases, (numel,), torch.float32) for q in range(n)]
+                try:
+                    x = xs[r].to(device)
+                    if coll == "all_reduce":
+                        got, want = view.all_reduce(x), _reference("sum", xs).float()
+                    elif coll == "all_gather":
+                        got, want = view.all_gather(x), torch.cat(xs)
+                    else:  # even split of whole rows where it divides, the rest to the last rank
+                        counts = [numel // n] * (n - 1) + [numel - (numel // n) * (n - 1)]
+                        got = view.all_to_all(x, counts)
+                        offsets = [sum(counts[:p]) for p in range(n)]
+                        want = torch.cat([xs[q][offsets[r]:offsets[r] + counts[r]] for q in range(n)])
+                    if not _close(got, want, "float32"):
+                        failures.append(f"{label}: wrong result ({_difference(got, want)})")
+                except Exception as e:  # noqa: BLE001
                     failures.append(f"{label}: raised {type(e).__name__}: {str(e)[:300]}")
     try:  # split: everyone in one group, then every rank alone
         for together in (True, False):
@@ -134,6 +156,11 @@ def _collectives_body(comm: Any, device: str, required: Sequence[str]) -> dict[s
     except Exception as e:  # noqa: BLE001
         failures.append(f"split: raised {type(e).__name__}: {str(e)[:300]}")
     return {"transports": names, "cases": cases, "failures": failures}
+
+
+def _rows(sender: int, receiver: int) -> int:
+    """Rows ``sender`` sends ``receiver`` in the uneven all_to_all case: 0, 1 or 2, zeros included."""
+    return (sender + 2 * receiver + 1) % 3
 
 
 def _graphs_body(comm: Any, device: str, replays: int, transports: Sequence[str]) -> dict[str, Any]:
@@ -230,14 +257,18 @@ def check_abort(nprocs: int = 2, device: str = "cuda:0", transports: Sequence[st
             "failures": failures}
 
 
+LARGE_NUMEL = 64 << 20  # float32 elements: 256 MiB per rank, the size the GPU issues ask the checks to reach
+
+
 def check_collectives(nprocs: int, device: str = "cuda:0", required: Sequence[str] | None = None,
                       transport: str | None = None, options: dict[str, Any] | None = None,
-                      timeout: float = 120.0) -> dict[str, Any]:
+                      timeout: float = 120.0, large_numel: int = LARGE_NUMEL) -> dict[str, Any]:
     """Run :func:`_collectives_body` on ``nprocs`` ranks, all on ``device``.
 
     Args:
         required, transport: the transports that must come up and the communicator's transport=
             [default: :func:`gpu_transports`].
+        large_numel: float32 elements of the largest size case (0: none).
     Returns:
         {"nprocs", "device", "cases", "transports", "not_run", "failures": [per-rank failure strings,
         rank-prefixed]}.
@@ -250,8 +281,8 @@ def check_collectives(nprocs: int, device: str = "cuda:0", required: Sequence[st
         transport = transport or forced
     transport = transport or "auto"
 
-    results = collectives.launch(_collectives_body, nprocs, device, list(required), transport=transport,
-                                 options=options, timeout=timeout, device=device)
+    results = collectives.launch(_collectives_body, nprocs, device, list(required), large_numel,
+                                 transport=transport, options=options, timeout=timeout, device=device)
     failures = [f"rank {q}: {f}" for q, res in enumerate(results) for f in res["failures"]]
     return {"nprocs": nprocs, "device": device, "cases": results[0]["cases"], "transports": results[0]["transports"],
             "not_run": not_run, "failures": failures}

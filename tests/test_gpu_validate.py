@@ -199,14 +199,17 @@ def test_collectives_check_passes_on_cpu_and_names_exactly_the_wrong_cases():
     res = collectives.launch(_check_bodies, 2, transport="shm", device="cpu", timeout=120.0)
     ints = sum(not getattr(torch, d).is_floating_point for d in gpu_checks._DTYPES)
     per_transport = len(gpu_checks._DTYPES) * (2 * len(gpu_checks._OPS) + 3) - 2 * ints  # no avg for ints
+    per_transport += 2 * 3  # sizes 0 and 1001 x all_reduce, all_gather, all_to_all
     for rank, (good, wrong, no_nccl) in enumerate(res):
         assert good["failures"] == [] and good["transports"] == ["shm", "auto"], (rank, good)
         assert good["cases"] == 2 * per_transport + 2  # + the two splits
         want = {f"{t} all_reduce(max) {d}: wrong result" for t in ("shm", "auto") for d in gpu_checks._DTYPES}
         assert {f.split(" (")[0] for f in wrong["failures"]} == want, (rank, wrong["failures"])
         assert len(no_nccl["failures"]) == 1 and "['nccl'] did not come up" in no_nccl["failures"][0]
-    summary = gv.check_collectives(1, device="cpu", required=("shm",), transport="shm", timeout=60.0)
+    summary = gv.check_collectives(1, device="cpu", required=("shm",), transport="shm", timeout=60.0,
+                                   large_numel=3 << 20)  # the large size, smaller here
     assert summary["failures"] == [] and summary["nprocs"] == 1
+    assert summary["cases"] == 2 * (per_transport + 3) + 2
 
 
 def test_abort_check_passes_when_the_late_rank_is_named_and_fails_when_nobody_waits():
