@@ -216,7 +216,7 @@ def calibrate(run: Mapping[str, Any] | str | Path, *, name: str = "local") -> Sy
     at_ranks = [t for terms in calibration.values() for t in terms if t["ranks"] == ranks]
     all_reduce = [t for t in calibration.get("all_reduce", ()) if t["ranks"] == ranks]
     shown = min(all_reduce or at_ranks, key=lambda t: t["beta_us_per_byte"])
-    intra = Link("shm", shown["bandwidth_gbps"] or 1.0, shown["alpha_us"])
+    intra = Link(str(shown["transport"]), shown["bandwidth_gbps"] or 1.0, shown["alpha_us"])  # shm, moecomm-nccl, ...
     device = str(env.get("device", "cpu"))
     described = (f"fitted from {where}: {env.get('hostname', '?')} ({env.get('cpu_model', '?')}), "
                  f"{ranks} ranks, {device}")
