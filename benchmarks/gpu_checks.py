@@ -238,7 +238,7 @@ def _abort_body(comm: Any, device: str, transport: str, timeout: float) -> dict[
 def check_abort(nprocs: int = 2, device: str = "cuda:0", transports: Sequence[str] | None = None,
                 timeout: float = 4.0) -> dict[str, Any]:
     """Run :func:`_abort_body` once per transport (a communicator is unusable after a timeout);
-    ``transports`` defaults to :func:`gpu_transports`'."""
+    ``transports`` defaults to :func:`gpu_transports`'s."""
     import collectives
 
     forced, not_run = "auto", []

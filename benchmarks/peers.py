@@ -486,9 +486,9 @@ def build_peers(comm, *, transports: Sequence[str] | None, compare: bool, peers:
         available or an unknown peer.
     """
     notes: list[str] = []
-    # the communicator's own GPU (cuda:local_rank modulo the GPUs seen: ranks may share one)
-    mdev = str(comm.device) if device == "cuda" and comm.device.type == "cuda" else \
-        f"cuda:{comm.local_rank}" if device == "cuda" else "cpu"
+    mdev = "cpu"
+    if device == "cuda":  # the communicator's own GPU (cuda:local_rank modulo the GPUs seen: ranks may share one)
+        mdev = str(comm.device) if comm.device.type == "cuda" else f"cuda:{comm.local_rank}"
     # with --compare: every transport that moves this device's tensors itself (not staged through host)
     native = [t for t in sorted(comm.transports) if device in getattr(comm.transports[t], "devices", ("cpu",))]
     names = list(transports) if transports else (native if compare else ["auto"])

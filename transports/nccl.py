@@ -13,8 +13,9 @@ round trip and cannot be graph-captured). NCCL itself never validates arguments.
 Device: the transport opens NCCL on ``GroupInfo.cuda_device`` (the communicator binds each rank to
 ``cuda:local_rank`` unless told otherwise), else on the current device.
 
-STATUS: run on an H100 (NCCL 2.28.9, cupy-cuda13x 14.2.0) by ``moecomm validate-gpu``; the record is
-in benchmarks/results/gpu-*.txt. The GPU tests in tests/test_nccl.py skip without a GPU.
+STATUS: run on one H100 by ``moecomm validate-gpu`` (cupy-cuda13x 14.2.0; NCCL 2.28.9 at one rank,
+2.30.7 at two ranks sharing the GPU): benchmarks/results/gpu-nvidia-h100-80gb-hbm3-2026-11-23-notes.md.
+The GPU tests in tests/test_nccl.py skip without a GPU.
 """
 
 from __future__ import annotations
