@@ -25,16 +25,11 @@ def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
 
     Returns {"rows": [Row dicts], "notes": [...], "meta": {...}}; rows are the same on every rank.
     """
-    from .peers import build_peers, gpus_per_rank_available
+    from .peers import bench_device, build_peers
     from .progress import Progress
     from .report import memcpy_table, ratio_table
 
-    device = opts["device"]
-    has_gpus = gpus_per_rank_available(comm) if device in ("auto", "cuda") else False
-    if device == "cuda" and not has_gpus:
-        raise click.UsageError("--device cuda needs a CUDA GPU for every local rank (torch.cuda.device_count() "
-                               f">= {comm.local_size}); use --device cpu")
-    device = "cuda" if has_gpus else "cpu"
+    device = bench_device(comm, opts["device"])
     try:
         peers, notes = build_peers(comm, transports=opts["transports"], compare=opts["compare"], peers=opts["peers"],
                                    device=device, timeout=opts["timeout"], memcpy=opts["memcpy"])

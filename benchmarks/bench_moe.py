@@ -4,10 +4,10 @@ Per rank: T tokens of hidden H, each routed to k distinct experts of E (uniforml
 DeepEP's tests), identity experts (combine sends back what dispatch delivered).
 
 moecomm: ``ExpertDispatcher.get_dispatch_layout`` (the count exchange: "layout"), ``dispatch``
-with that layout, ``combine``. Baseline ("torch-gloo"), Megatron's all-to-all token dispatcher
-done in plain torch: layout = per-expert counts exchanged with ``all_to_all_single`` plus the
-sort that permutes the (token, expert) pairs; dispatch = gather the pair rows, one uneven
-``all_to_all_single`` over gloo, regroup by local expert; combine = the reverse regroup, the
+with that layout, ``combine``. Baseline ("torch-gloo" on CPU tensors, "torch-nccl" with ``--device cuda``),
+Megatron's all-to-all token dispatcher done in plain torch: layout = per-expert counts exchanged with
+``all_to_all_single`` plus the sort that permutes the (token, expert) pairs; dispatch = gather the pair
+rows, one uneven ``all_to_all_single`` over gloo (NCCL), regroup by local expert; combine = the reverse regroup, the
 reverse ``all_to_all_single``, weighted un-permute. The baseline sends one row per (token,
 expert) pair; moecomm one per (token, destination rank).
 
@@ -49,7 +49,7 @@ from .table import Column, Table
 log = logging.getLogger("benchmarks")
 
 DTYPES = {name: _ALL_DTYPES[name] for name in ("bfloat16", "float16", "float32")}
-IMPLS = ("moecomm", "torch-gloo", "moecomm-flat")
+IMPLS = ("moecomm", "torch-gloo", "moecomm-flat", "torch-nccl")
 TABLE = Table([Column("rank", 5), Column("impl", 12), Column("layout_us", 10, ".1f"), Column("dispatch_us", 12, ".1f"),
                Column("disp_GB/s", 10, ".2f"), Column("combine_us", 11, ".1f"), Column("comb_GB/s", 10, ".2f"),
                Column("recv_rows", 10), Column("moved_MB", 9, ".2f"), Column("inter_MB", 9, ".3f"),
@@ -86,10 +86,12 @@ class _Baseline:
         send_splits = counts.view(self.P, self.L).sum(1).tolist()
         recv_splits = c.sum(1).tolist()
         # received rows are (source, expert); regroup to (expert, source)
-        seg = torch.arange(self.P * self.L).view(self.P, self.L).t().reshape(-1)
+        dev = experts.device
+        seg = torch.arange(self.P * self.L, device=dev).view(self.P, self.L).t().reshape(-1)
         starts = torch.cumsum(c.reshape(-1), 0) - c.reshape(-1)
         lens = c.reshape(-1)[seg]
-        regroup = torch.repeat_interleave(starts[seg] - torch.cumsum(lens, 0) + lens, lens) + torch.arange(int(lens.sum()))
+        regroup = (torch.repeat_interleave(starts[seg] - torch.cumsum(lens, 0) + lens, lens)
+                   + torch.arange(int(lens.sum()), device=dev))
         return order, order // k, send_splits, recv_splits, regroup, c.sum(0)
 
     def dispatch(self, x: torch.Tensor, lay: tuple) -> torch.Tensor:
@@ -108,7 +110,7 @@ class _Baseline:
         back = expert_out.new_empty((len(tok), expert_out.shape[1]))
         self.dist.all_to_all_single(back, back_in, send_splits, recv_splits)
         w = weights.reshape(-1).index_select(0, order).to(torch.float32).unsqueeze(1)
-        y = torch.zeros((num_tokens, expert_out.shape[1]), dtype=torch.float32)
+        y = torch.zeros((num_tokens, expert_out.shape[1]), dtype=torch.float32, device=expert_out.device)
         y.index_add_(0, tok, back.float() * w)
         return y.to(expert_out.dtype)
 
@@ -123,26 +125,30 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
     """
     from moe import ExpertDispatcher
 
-    from .peers import init_torch_distributed
+    from .peers import bench_device, init_torch_distributed
 
-    if o["keep_freed_memory"] and not _keep_freed_memory() and comm.rank == 0:
+    device = bench_device(comm, o["device"])
+    dev = comm.device if device == "cuda" else torch.device("cpu")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)  # the clock reads finished GPU work
+    if device == "cpu" and o["keep_freed_memory"] and not _keep_freed_memory() and comm.rank == 0:
         log.warning("could not configure glibc malloc; timings include page faults")
     torch.manual_seed(1234 + comm.rank)
     dtype = DTYPES[o["dtype"]]
     T, H, k, E = o["tokens"], o["hidden"], o["top_k"], o["experts"]
-    x = torch.randn(T, H).to(dtype)
-    scores = torch.rand(T, E)
+    x = torch.randn(T, H).to(dtype).to(dev)
+    scores = torch.rand(T, E).to(dev)
     weights, experts = torch.topk(scores, k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
     disp = ExpertDispatcher(comm, E)
     impls: dict[str, Any] = {"moecomm": disp}
     if disp.node_aware and o["compare_flat"]:
         impls["moecomm-flat"] = ExpertDispatcher(comm, E, node_aware=False)
+    baseline = f"torch-{'nccl' if device == 'cuda' else 'gloo'}"
     if o["baseline"]:
         import torch.distributed as dist
 
-        init_torch_distributed(comm, "gloo", o["timeout"])
-        impls["torch-gloo"] = _Baseline(dist, E)
+        init_torch_distributed(comm, baseline.split("-")[1], o["timeout"])
+        impls[baseline] = _Baseline(dist, E)
     num_nodes = len(getattr(comm.topology, "nodes", ())) or 1
     want = (x.float() * weights.sum(-1, keepdim=True)).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -154,16 +160,20 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
             d = impl if base is None else disp
             times = {"layout": 0.0, "dispatch": 0.0, "combine": 0.0}
             for it in range(o["warmup"] + o["iters"]):
+                sync()
                 comm.barrier()
                 t0 = time.perf_counter()
                 lay = d.get_dispatch_layout(x, experts) if base is None else base.layout(experts)
+                sync()
                 t1 = time.perf_counter()
                 if base is None:
                     recv_x, _, handle = d.dispatch(x, experts, layout=lay)
                 else:
                     recv_x = base.dispatch(x, lay)
+                sync()
                 t2 = time.perf_counter()
                 y = d.combine(recv_x, handle, weights) if base is None else base.combine(recv_x, lay, weights, T)
+                sync()
                 t3 = time.perf_counter()
                 if it >= o["warmup"]:
                     times["layout"] += t1 - t0
@@ -183,7 +193,7 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
             rows.append([comm.rank, IMPLS.index(name), *(times[p] / n for p in ("layout", "dispatch", "combine")),
                          uniq_rows, moved, inter, intra, int(ok), num_nodes])
     if o["baseline"]:
-        impls["torch-gloo"].dist.destroy_process_group()
+        impls[baseline].dist.destroy_process_group()
     for d in impls.values():
         if isinstance(d, ExpertDispatcher):
             d.close()
@@ -266,18 +276,22 @@ def _print_node_summary(stats: list[list[list[float]]], o: dict[str, Any]) -> No
 @click.option("--cpu-scale/--full-scale", default=False, show_default=True,
               help="Scale down for CPU runs: tokens / 8 and hidden / 4 (4096 x 7168 -> 512 x 1792).")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
-              help="Also time torch.distributed all_to_all_single over gloo (plain permutation).")
+              help="Also time torch.distributed all_to_all_single over gloo, NCCL on GPU (plain permutation).")
 @click.option("--compare-flat/--no-compare-flat", default=True, show_default=True,
               help="Across nodes: also time the flat path (node_aware=False) beside the node-aware one.")
 @click.option("--keep-freed-memory/--no-keep-freed-memory", default=True, show_default=True,
               help="CPU: keep freed memory in the process (glibc mallopt) so timings exclude page faults.")
 @click.option("--timeout", type=SECONDS, default=300.0, show_default=True, help="Communicator timeout in seconds.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where the tokens live; auto: cuda when every local rank has a GPU (the baseline is then "
+                   "torch.distributed over NCCL, and every phase is timed after a device synchronisation).")
 def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, nprocs: int, iters: int, warmup: int,
-              cpu_scale: bool, baseline: bool, compare_flat: bool, keep_freed_memory: bool, timeout: float) -> None:
+              cpu_scale: bool, baseline: bool, compare_flat: bool, keep_freed_memory: bool, timeout: float,
+              device: str) -> None:
     """MoE dispatch / combine time and GB/s per rank (layout separately), with the torch.distributed baseline."""
     o = dict(tokens=tokens, hidden=hidden, top_k=top_k, experts=experts, dtype=dtype, iters=iters, warmup=warmup,
              baseline=baseline, compare_flat=compare_flat, cpu_scale=cpu_scale, tokens_full=tokens, hidden_full=hidden,
-             keep_freed_memory=keep_freed_memory, timeout=timeout)
+             keep_freed_memory=keep_freed_memory, timeout=timeout, device=device)
     if cpu_scale:
         o["tokens"], o["hidden"] = max(tokens // 8, 1), max(hidden // 4, 1)
     if top_k > experts:

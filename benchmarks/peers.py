@@ -387,6 +387,22 @@ def gpus_per_rank_available(comm) -> bool:
     return _agree(comm, ok)
 
 
+def bench_device(comm, requested: str) -> str:
+    """The device a benchmark's tensors live on: "cuda" or "cpu" (agreed across ranks).
+
+    Args:
+        requested: "auto" (cuda when every local rank has a GPU, see :func:`gpus_per_rank_available`),
+            "cpu" or "cuda" (a usage error where some rank has none).
+    """
+    import click
+
+    has_gpus = gpus_per_rank_available(comm) if requested in ("auto", "cuda") else False
+    if requested == "cuda" and not has_gpus:
+        raise click.UsageError("--device cuda needs a CUDA GPU for every local rank (torch.cuda.device_count() "
+                               f">= {comm.local_size}); use --device cpu")
+    return "cuda" if has_gpus else "cpu"
+
+
 def _store_address(comm) -> str:
     """The address rank 0's store listens on: loopback when every rank is on this node, else this
     host's address on the route to another rank's host (a UDP connect sends nothing; it only

@@ -29,6 +29,16 @@ def test_bench_moe_rejects_bad_options():
     assert res.exit_code != 0 and "not divisible" in res.output
 
 
+def test_bench_moe_device_cuda_without_a_gpu_is_a_usage_error(monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    res = CliRunner().invoke(main, ["bench-moe", "--tokens", "16", "--hidden", "8", "--experts", "4", "-k", "2",
+                                    "--nprocs", "2", "--iters", "1", "--warmup", "0", "--device", "cuda"])
+    assert res.exit_code == 2 and "--device cuda needs a CUDA GPU" in res.output, res.output
+
+
 # ---- the torch.distributed baseline's store: no port picked, released and bound again ----------
 def _squat_released_ports(comm, o):
     """bench-moe's rank body on a machine where any loopback port that a Python socket binds and
@@ -64,7 +74,7 @@ def test_bench_moe_baseline_survives_a_busy_machine():
     import collectives
 
     o = dict(tokens=16, hidden=8, top_k=2, experts=4, dtype="float32", iters=1, warmup=0, baseline=True,
-             cpu_scale=False, tokens_full=16, hidden_full=8, keep_freed_memory=False, timeout=30.0)
+             cpu_scale=False, tokens_full=16, hidden_full=8, keep_freed_memory=False, timeout=30.0, device="cpu")
     stats = collectives.launch(_squat_released_ports, 2, o, timeout=30.0)[0]
     rows = [r for per_rank in stats for r in per_rank]
     assert sorted((int(r[0]), int(r[1])) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
