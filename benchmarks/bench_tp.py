@@ -36,8 +36,9 @@ class TimedComm:
     (e.g. "fwd", "bwd"); nothing is recorded while ``phase`` is None.
     """
 
-    def __init__(self, comm) -> None:
+    def __init__(self, comm, sync: Callable[[], None] = lambda: None) -> None:
         self._comm = comm
+        self._sync = sync  # on a GPU: wait for queued work, so a collective's time is its own
         self.phase: str | None = None
         self.stats: dict = defaultdict(lambda: [0, 0.0, 0])
         for name in _TIMED:
@@ -47,8 +48,10 @@ class TimedComm:
         def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if self.phase is None:
                 return fn(x, *args, **kwargs)
+            self._sync()
             t0 = time.perf_counter()
             out = fn(x, *args, **kwargs)
+            self._sync()
             s = self.stats[(name, self.phase)]
             s[0] += 1
             s[1] += time.perf_counter() - t0
@@ -68,14 +71,19 @@ def _bench_group(comm, opts: dict[str, Any]) -> dict[str, Any] | None:
     """Measure the MLP block on this TP group (every rank of ``comm``); the group's rank 0 gets the row."""
     from collectives.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+    from .peers import bench_device
+
+    on_gpu = bench_device(comm, opts["device"]) == "cuda"
+    dev = comm.device if on_gpu else torch.device("cpu")
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)  # the clock reads finished GPU work
     dtype = DTYPES[opts["dtype"]]
     hidden, ffn, tokens, sp = opts["hidden"], opts["ffn"], opts["tokens"], opts["sequence_parallel"]
-    tc = TimedComm(comm)
-    fc1 = ColumnParallelLinear(hidden, ffn, tc, sequence_parallel=sp, dtype=dtype, seed=1)
-    fc2 = RowParallelLinear(ffn, hidden, tc, sequence_parallel=sp, dtype=dtype, seed=2)
+    tc = TimedComm(comm, sync)
+    fc1 = ColumnParallelLinear(hidden, ffn, tc, sequence_parallel=sp, dtype=dtype, device=dev, seed=1)
+    fc2 = RowParallelLinear(ffn, hidden, tc, sequence_parallel=sp, dtype=dtype, device=dev, seed=2)
     gen = torch.Generator().manual_seed(3)
-    X = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    G = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    X = torch.randn(tokens, hidden, generator=gen).to(dtype).to(dev)
+    G = torch.randn(tokens, hidden, generator=gen).to(dtype).to(dev)
     rows = slice(comm.rank * tokens // comm.size, (comm.rank + 1) * tokens // comm.size) if sp else slice(None)
     x, g = X[rows].contiguous(), G[rows].contiguous()
 
@@ -84,11 +92,14 @@ def _bench_group(comm, opts: dict[str, Any]) -> dict[str, Any] | None:
         fc2.zero_grad(set_to_none=True)
         xx = x.detach().requires_grad_()
         tc.phase = "fwd"
+        sync()
         t0 = time.perf_counter()
         y = fc2(F.gelu(fc1(xx)))
+        sync()
         t1 = time.perf_counter()
         tc.phase = "bwd"
         y.backward(g)
+        sync()
         t2 = time.perf_counter()
         tc.phase = None
         return t1 - t0, t2 - t1
@@ -120,11 +131,12 @@ def _bench_group(comm, opts: dict[str, Any]) -> dict[str, Any] | None:
     worst = comm.all_reduce(torch.tensor([err]), op="max")
     if comm.rank != 0:
         return None
+    device = f"{torch.cuda.get_device_name(dev)}" if on_gpu else "cpu"
     m = summed[:4].tolist()
     ops = {k: (summed[4 + 3 * i].item() / it, summed[5 + 3 * i].item() / it, summed[6 + 3 * i].item() / it)
            for i, k in enumerate(keys)}
     return dict(tp=comm.size, fwd=m[0], bwd=m[1], comm_fwd=m[2], comm_bwd=m[3], ops=ops, err=float(worst[0]),
-                threads=torch.get_num_threads())
+                threads=torch.get_num_threads(), device=device)
 
 
 def _bench_world(comm, opts: dict[str, Any], tp: int) -> dict[str, Any] | None:
@@ -152,6 +164,7 @@ def _format(r: dict[str, Any], opts: dict[str, Any]) -> list[str]:
                         "on" if opts["sequence_parallel"] else "off", r["threads"], r["fwd"] * 1e3, r["bwd"] * 1e3,
                         total * 1e3, comm_t * 1e3, 100 * comm_t / total if total else 0.0, (total - comm_t) * 1e3,
                         flops / total / 1e9 if total else 0.0, "N/A" if r["err"] < 0 else f"{r['err']:.2e}")]
+    lines.append(f"#      on {r['device']}")
     for (op, phase), (calls, secs, nbytes) in sorted(r["ops"].items(), key=lambda kv: (kv[0][1] != "fwd", kv[0][0])):
         lines.append(f"#      {phase} {op:<15} {calls:>4.0f} call(s)/iter, "
                      f"{format_size(nbytes / max(calls, 1)):>10} in per call, {secs * 1e3:>9.3f} ms/iter")
@@ -171,8 +184,11 @@ def _format(r: dict[str, Any], opts: dict[str, Any]) -> list[str]:
 @click.option("--check/--no-check", "-c", default=True, show_default=True,
               help="Compare the output with the dense block in float64.")
 @click.option("--timeout", type=SECONDS, default=300.0, show_default=True, help="Communicator timeout in seconds.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where the block runs; auto: cuda when every local rank has a GPU (each phase and collective "
+                   "is then timed after a device synchronisation).")
 def bench_tp(hidden: int, ffn: int, tokens: int, sizes: str, iters: int, warmup: int, dtype: str,
-             sequence_parallel: bool, check: bool, timeout: float) -> None:
+             sequence_parallel: bool, check: bool, timeout: float, device: str) -> None:
     """Forward+backward time of the tensor-parallel MLP block (column -> GELU -> row) per TP size,
     with the time spent in collectives shown separately."""
     import collectives
@@ -191,8 +207,11 @@ def bench_tp(hidden: int, ffn: int, tokens: int, sizes: str, iters: int, warmup:
         if sequence_parallel and tokens % t:
             raise click.BadParameter(f"--tokens {tokens} is not divisible by TP size {t} (needed with "
                                      "--sequence-parallel)", param_hint="--sizes")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter("needs a CUDA GPU (torch.cuda.is_available() is False here); use --device cpu",
+                                 param_hint="--device")
     opts = dict(hidden=hidden, ffn=ffn, tokens=tokens, iters=iters, warmup=warmup, dtype=dtype,
-                sequence_parallel=sequence_parallel, check=check)
+                sequence_parallel=sequence_parallel, check=check, device=device)
     mode = collectives.detect_launch()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
