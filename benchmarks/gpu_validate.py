@@ -144,7 +144,7 @@ def plan(gpu_name: str, date: str, results_dir: str | Path = RESULTS_DIR) -> tup
     moe_args = ["bench-moe", "--tokens", "4096", "--hidden", "7168", "-k", "8", "--experts", "256",
                 "-d", "bfloat16", "--nprocs", "2"]
     steps.append(_device_step("bench-moe", "MoE dispatch/combine, DeepEP's conditions, 2 ranks", 240, moe_args))
-    steps.append(_device_step("bench-tp", "tensor-parallel MLP block", 120, ["bench-tp"]))
+    steps.append(_device_step("bench-tp", "tensor-parallel MLP block at TP 1 and 2", 120, ["bench-tp", "--sizes", "1,2"]))
     assert sum(s.budget_s for s in steps) <= TOTAL_BUDGET_S
     return steps, paths
 
