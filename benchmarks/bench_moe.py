@@ -143,11 +143,12 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
     impls: dict[str, Any] = {"moecomm": disp}
     if disp.node_aware and o["compare_flat"]:
         impls["moecomm-flat"] = ExpertDispatcher(comm, E, node_aware=False)
-    baseline = f"torch-{'nccl' if device == 'cuda' else 'gloo'}"
+    backend = "nccl" if device == "cuda" else "gloo"
+    baseline = f"torch-{backend}"
     if o["baseline"]:
         import torch.distributed as dist
 
-        init_torch_distributed(comm, baseline.split("-")[1], o["timeout"])
+        init_torch_distributed(comm, backend, o["timeout"])
         impls[baseline] = _Baseline(dist, E)
     num_nodes = len(getattr(comm.topology, "nodes", ())) or 1
     want = (x.float() * weights.sum(-1, keepdim=True)).to(dtype)

@@ -131,7 +131,7 @@ def _bench_group(comm, opts: dict[str, Any]) -> dict[str, Any] | None:
     worst = comm.all_reduce(torch.tensor([err]), op="max")
     if comm.rank != 0:
         return None
-    device = f"{torch.cuda.get_device_name(dev)}" if on_gpu else "cpu"
+    device = torch.cuda.get_device_name(dev) if on_gpu else "cpu"
     m = summed[:4].tolist()
     ops = {k: (summed[4 + 3 * i].item() / it, summed[5 + 3 * i].item() / it, summed[6 + 3 * i].item() / it)
            for i, k in enumerate(keys)}
@@ -207,7 +207,7 @@ def bench_tp(hidden: int, ffn: int, tokens: int, sizes: str, iters: int, warmup:
         if sequence_parallel and tokens % t:
             raise click.BadParameter(f"--tokens {tokens} is not divisible by TP size {t} (needed with "
                                      "--sequence-parallel)", param_hint="--sizes")
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():  # before the header; the ranks check it too (bench_device)
         raise click.BadParameter("needs a CUDA GPU (torch.cuda.is_available() is False here); use --device cpu",
                                  param_hint="--device")
     opts = dict(hidden=hidden, ffn=ffn, tokens=tokens, iters=iters, warmup=warmup, dtype=dtype,
