@@ -298,7 +298,7 @@ def _body_timed_all_to_all(comm, forced: int | None, native: str = "auto", decla
         expected = [xs[s][sum(rows[s * n : s * n + r]) : sum(rows[s * n : s * n + r + 1])] for s in range(n)]
         assert torch.equal(got, torch.cat(expected)), (r, call)
         paths.append(shm._a2a_paths[size_class(sum(rows[:n]) * width * 4)])
-    timed = dict(shm._a2a_paths)
+    timed, timed_algorithm = dict(shm._a2a_paths), comm.plan("all_to_all", xs[r]).algorithm
     # a staged sender (rank 1 sends 4 KB) or an exchange in place: not timed, and still right
     per = lambda s: 12 if s == 1 else 600  # rows rank s sends to each rank
     xs = [rank_input("untimed", s, (3 * per(s), width), torch.float32, 0) for s in range(n)]
@@ -309,7 +309,7 @@ def _body_timed_all_to_all(comm, forced: int | None, native: str = "auto", decla
                      for s in range(n)])
     assert torch.equal(comm.all_to_all(y, out=y), ref)
     assert shm._a2a_paths == timed
-    return paths, comm.plan("all_to_all", xs[r]).algorithm
+    return paths, timed_algorithm
 
 
 @pytest.mark.parametrize("forced,native,declared", [
@@ -323,3 +323,6 @@ def test_timed_all_to_all_follows_rank_0_on_every_rank(forced, native, declared)
         assert set(paths[0]) == {_shm_single_copy.SINGLE_PATH, _shm_single_copy.STAGED_PATH}, paths[0]
     else:
         assert set(paths[0]) == {forced}
+        # the staged path is a pairwise exchange, not pull's rounds: the bench rows and the model tell them apart
+        label = {_shm_single_copy.STAGED_PATH: "staged_pairwise", _shm_single_copy.SINGLE_PATH: "cma_pull"}[forced]
+        assert all(algorithm == label for _, algorithm in res), res

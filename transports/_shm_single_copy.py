@@ -247,12 +247,15 @@ class SingleCopyPaths:
 
     def _a2a_label(self, nbytes: int) -> str:
         """all_to_all's algorithm for a sender of ``nbytes``: pull below the single-copy size; above it
-        cma_pull, or the path rank 0 last chose for its send of that size when it is timed."""
+        cma_pull, or the path rank 0 last chose for its send of that size when it is timed: cma_pull or
+        staged_pairwise (``_staged_pairwise_all_to_all``: a lockstep pairwise exchange in chunks, not
+        pull's rounds of whole slots, so its own name: the performance model fits each name on its own,
+        and one name over both put a false step into pull's fit at the switch point)."""
         if not self.single_copy or not 0 < nbytes or nbytes < self._a2a_direct_min:
             return "pull"
         if not self._timed_a2a:
             return "cma_pull"
-        return _timed_label("cma_pull", self._a2a_paths.get(size_class(nbytes)))
+        return _timed_label("cma_pull", self._a2a_paths.get(size_class(nbytes)), staged="staged_pairwise")
 
     def _swap_label(self, nbytes: int) -> str:
         """The in-place swap rank 0 last ran for a send of ``nbytes`` (both, before the first)."""
