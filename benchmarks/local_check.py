@@ -28,6 +28,11 @@ PREDICTION_RUN = RESULTS / "local-prediction-run.json"
 LOCAL_RUNS_META = RESULTS / "local-runs-meta.json"
 # The calibration run's command made again later, minutes apart: how well this machine repeats itself
 REPEAT_RUNS = "local-repeat-run-*.json"
+# Earlier recordings of the check (the same two commands at an earlier commit), one folder each with
+# its calibration and prediction runs and their meta file, kept when the runs above were made again:
+# the verdict is recomputed on each with the current model, so the report shows how much it moves
+# between recordings of the same commands on this machine.
+HISTORY = RESULTS / "local-check-history"
 GOAL_LOCAL = 20.0  # issue 13: local calibrate-then-predict check, sizes >= 64 KiB, in percent
 LOCAL_MIN_SIZE = 64 << 10
 
@@ -159,6 +164,7 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
     if repeats:
         out += _repeatability(run1, repeats, ranges)
         out += _calibrated_on_repeats(repeats, run2)
+    out += _earlier_recordings(meta, large, sorted(p for p in HISTORY.glob("*") if p.is_dir()))
     out += ["## Every row of the prediction run", ""]
     out += table(["op", "size B", "algorithm used", "measured us", "predicted us", "error %", "model's pick, us"],
                   rows) + [""]
@@ -239,3 +245,39 @@ def _calibrated_on_repeats(repeats: list[Path], run2: dict) -> list[str]:
              "calibration run is fixed above, before any result); it shows how much the verdict depends on "
              "which run of the same command the model happened to be fitted on.", ""]
             + table(["fitted on", *ops, "all ops"], rows) + [""])
+
+
+def _verdict_cells(large: list[float]) -> list[str]:
+    """Mean and largest |error| % at >= 64 KiB, the rows within the goal, and the verdict."""
+    within = sum(1 for x in large if x <= GOAL_LOCAL)
+    return [f"{mean(large):.1f}" if large else "n/a", f"{max(large):.1f}" if large else "n/a",
+            f"{within} of {len(large)}", verdict(bool(large) and within == len(large))]
+
+
+def _earlier_recordings(meta: Mapping[str, Any], large: list[float], folders: list[Path]) -> list[str]:
+    """The check's verdict on each earlier recording of the same commands (:data:`HISTORY`), beside
+    this one's (``meta``, ``large``: its runs' meta and |errors| at >= 64 KiB), all with the current model."""
+    if not folders:
+        return []
+
+    def first_commit(m: Mapping[str, Any]) -> str:
+        return next((r["commit"] for r in m["runs"] if r["role"] == "calibration"), "?")
+
+    def loads(m: Mapping[str, Any]) -> str:
+        return ", ".join(f"{r['load_before']}" for r in m["runs"] if r["role"] in ("calibration", "prediction"))
+
+    rows = [["this one", first_commit(meta), loads(meta), *_verdict_cells(large)]]
+    for folder in folders:
+        earlier = json.loads((folder / LOCAL_RUNS_META.name).read_text())
+        run1, run2 = (json.loads((folder / f.name).read_text()) for f in (CALIBRATION_RUN, PREDICTION_RUN))
+        system = calibrate(run1, name="local")
+        _, errors = _predict_run(system, run2, _predict_rows(system, run2))
+        rows.append([f"{HISTORY.name}/{folder.name}", first_commit(earlier), loads(earlier),
+                     *_verdict_cells(_large_errors(errors))])
+    return (["## Earlier recordings of the same check", "",
+             "The same two commands made at an earlier commit, kept when the runs above replaced them; each "
+             "verdict is recomputed here with the current model. The library changed between them only where "
+             "the commit log says (the algorithm names of the rows included); how far runs of one command move "
+             "on this machine is in the repeat tables above.", ""]
+            + table(["recording", "commit", "1-min load before the calibration, prediction run",
+                     "mean abs. error % at >= 64 KiB", "largest %", "rows within 20%", "verdict"], rows) + [""])
