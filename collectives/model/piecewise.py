@@ -236,7 +236,7 @@ def fit_series(paths: Mapping[str, Sequence[tuple[float, float]]], *, max_segmen
     the paths take turns (their speeds differ by tens of percent there) leave a residual that no
     breakpoint removes and that hides a real cliff elsewhere: the local check's calibration run
     (benchmarks/results/model-local-check.md) kept all_gather's pull on one line from 8 B to 8 MiB,
-    11% rms, across the 1-2 MiB cache step, and missed 384 KiB by 25%.
+    11% rms, across the step between 1 and 2 MiB, and missed 384 KiB by 25%.
 
     Args:
         paths: ``{path: [(size bytes, time us), ...]}``.
