@@ -125,10 +125,10 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
     """
     from moe import ExpertDispatcher
 
-    from .peers import bench_device, init_torch_distributed
+    from .peers import bench_device, comm_gpu, init_torch_distributed
 
     device = bench_device(comm, o["device"])
-    dev = comm.device if device == "cuda" else torch.device("cpu")
+    dev = comm_gpu(comm) if device == "cuda" else torch.device("cpu")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)  # the clock reads finished GPU work
     if device == "cpu" and o["keep_freed_memory"] and not _keep_freed_memory() and comm.rank == 0:
         log.warning("could not configure glibc malloc; timings include page faults")

@@ -387,6 +387,12 @@ def gpus_per_rank_available(comm) -> bool:
     return _agree(comm, ok)
 
 
+def comm_gpu(comm) -> torch.device:
+    """The GPU a benchmark binds to: the communicator's own (ranks may share one: cuda:local_rank modulo
+    the GPUs seen), else ``cuda:local_rank``."""
+    return comm.device if comm.device.type == "cuda" else torch.device("cuda", comm.local_rank)
+
+
 def bench_device(comm, requested: str) -> str:
     """The device a benchmark's tensors live on: "cuda" or "cpu" (agreed across ranks).
 
@@ -476,8 +482,8 @@ def init_torch_distributed(comm, backend: str, timeout: float) -> None:
     store, _ = torch_store(comm, timeout)
     kw = {}
     if backend == "nccl":
-        device = comm.device if comm.device.type == "cuda" else torch.device("cuda", comm.local_rank)
-        torch.cuda.set_device(device)  # the communicator's GPU: ranks may share one
+        device = comm_gpu(comm)
+        torch.cuda.set_device(device)
         kw["device_id"] = device
     dist.init_process_group(backend, store=store, rank=comm.rank, world_size=comm.size,
                             timeout=timedelta(seconds=timeout), **kw)
@@ -502,9 +508,7 @@ def build_peers(comm, *, transports: Sequence[str] | None, compare: bool, peers:
         available or an unknown peer.
     """
     notes: list[str] = []
-    mdev = "cpu"
-    if device == "cuda":  # the communicator's own GPU (cuda:local_rank modulo the GPUs seen: ranks may share one)
-        mdev = str(comm.device) if comm.device.type == "cuda" else f"cuda:{comm.local_rank}"
+    mdev = str(comm_gpu(comm)) if device == "cuda" else "cpu"
     # with --compare: every transport that moves this device's tensors itself (not staged through host)
     native = [t for t in sorted(comm.transports) if device in getattr(comm.transports[t], "devices", ("cpu",))]
     names = list(transports) if transports else (native if compare else ["auto"])

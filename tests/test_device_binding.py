@@ -194,3 +194,16 @@ def test_nccl_failure_with_ipc_forced_is_no_error(monkeypatch):
         res[r].close()
     res = _create_on_threads(2)  # auto: still the loud NCCL error
     assert all(isinstance(res[r], RuntimeError) and "transport='ipc'" in str(res[r]) for r in range(2)), res
+
+
+def test_benchmarks_bind_to_the_communicators_gpu():
+    # bench, bench-moe, bench-tp and their torch.distributed NCCL peer use the communicator's GPU (ranks
+    # may share one); cuda:local_rank only where the communicator is not on a GPU
+    from types import SimpleNamespace
+
+    from benchmarks.peers import comm_gpu
+
+    shared = SimpleNamespace(device=torch.device("cuda", 0), local_rank=1)
+    assert comm_gpu(shared) == torch.device("cuda", 0)
+    on_cpu = SimpleNamespace(device=torch.device("cpu"), local_rank=3)
+    assert comm_gpu(on_cpu) == torch.device("cuda", 3)
