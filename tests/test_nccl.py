@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import collectives
-from transports.nccl import NCCL_DTYPES, NCCL_OPS, decode_unique_id, encode_unique_id, nccl_module, nccl_version
+from transports.nccl import (NCCL_DTYPES, NCCL_OPS, decode_unique_id, encode_unique_id, encode_unique_id_failure,
+                             nccl_module, nccl_version)
 from transports.base import ReduceOp
 
 HAS_NCCL = nccl_module() is not None
@@ -33,6 +34,8 @@ def test_unique_id_travels_as_the_type_cupy_gave(uid):
 def test_root_failing_to_make_the_unique_id_raises_its_error_on_every_rank():
     with pytest.raises(RuntimeError, match=r"rank 3 could not make the NCCL unique id: OSError: no libnccl"):
         decode_unique_id(b"E" + b"OSError: no libnccl", 3)
+    with pytest.raises(RuntimeError, match=r"rank 0 could not make the NCCL unique id: OSError: no libnccl"):
+        decode_unique_id(encode_unique_id_failure(OSError("no libnccl")), 0)
     with pytest.raises(RuntimeError, match="unreadable"):
         decode_unique_id(b"", 0)
 

@@ -79,8 +79,15 @@ def encode_unique_id(uid: bytes | tuple) -> bytes:
     return b"T" + np.asarray(uid, dtype=np.int64).tobytes()
 
 
+def encode_unique_id_failure(error: BaseException) -> bytes:
+    """What a root that could not make the id sends instead, so every rank raises its error
+    (:func:`decode_unique_id`) in the same exchange instead of waiting out of step."""
+    return b"E" + f"{type(error).__name__}: {error}".encode()
+
+
 def decode_unique_id(blob: bytes, root: int) -> bytes | tuple:
-    """Inverse of :func:`encode_unique_id`; raises RuntimeError with the root's error if it sent one."""
+    """Inverse of :func:`encode_unique_id` and :func:`encode_unique_id_failure`; raises RuntimeError
+    with the root's error if it sent one."""
     kind, body = blob[:1], blob[1:]
     if kind == b"B":
         return body
@@ -106,7 +113,7 @@ class NCCLTransport(Transport):
             try:
                 payload = encode_unique_id(nccl.get_unique_id())
             except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
-                payload = b"E" + f"{type(e).__name__}: {e}".encode()
+                payload = encode_unique_id_failure(e)
         unique_id = decode_unique_id(group.rendezvous.allgather_bytes(payload)[0], group.global_ranks[0])
         with torch.cuda.device(self.device):
             self.comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
