@@ -135,6 +135,15 @@ def test_round_trip_recovers_known_terms_and_choices(tmp_path: Path) -> None:
     assert System.from_dict(json.loads(json.dumps(system.to_dict()))) == system
 
 
+@pytest.mark.parametrize("cpu_model, vendor", [("AMD EPYC 9B45", "amd"), ("Intel(R) Xeon(R) Platinum 8480C", "intel"),
+                                               (None, "intel")])
+def test_calibrated_system_takes_the_run_s_cpu_vendor(cpu_model: str | None, vendor: str) -> None:
+    run = _synthetic_run(noise=0.02)
+    if cpu_model is not None:
+        run["env"]["cpu_model"] = cpu_model
+    assert calibrate(run).cpu_vendor == vendor
+
+
 def test_crossover_edge_cases() -> None:
     system = calibrate(_synthetic_run(noise=0.0))
     # mpi is slower everywhere than shm one_shot (higher latency and per-byte cost): no crossing.

@@ -222,10 +222,17 @@ def calibrate(run: Mapping[str, Any] | str | Path, *, name: str = "local") -> Sy
                  f"{ranks} ranks, {device}")
     return System(
         name=name, description=described, gpus_per_node=ranks, arch="host", intra=intra, nic=None,
-        nics_per_node=0, nvls=False,
+        nics_per_node=0, nvls=False, cpu_vendor=_cpu_vendor(env),
         sources={"calibration": f"least squares in relative error over {where} ({env.get('command', 'moecomm bench')})",
                  "intra": f"fitted term {shown['algorithm']} (display only: predictions use the calibration)"},
         calibration=calibration)
+
+
+def _cpu_vendor(env: Mapping[str, Any]) -> str:
+    """The run's CPU vendor as System.cpu_vendor spells it: ``"amd"`` for an AMD ``cpu_model``, else
+    ``"intel"`` (the field's default). It only moves network terms, which a fitted single-node System
+    has none of; it is set so that the saved System does not contradict its own description."""
+    return "amd" if "amd" in str(env.get("cpu_model", "")).lower() else "intel"
 
 
 def _segments(system: System, op: str, algorithm: str, ranks: int) -> list[Mapping[str, Any]]:
