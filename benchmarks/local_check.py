@@ -292,15 +292,20 @@ def _earlier_recordings(meta: Mapping[str, Any], errors: dict[tuple[str, str], l
         return ", ".join(f"{r['load_before']}" for r in m["runs"] if r["role"] in ("calibration", "prediction"))
 
     rows = [["this one", first_commit(meta), loads(meta), *_verdict_cells(errors)]]
+    met = [_goal_met(_large_errors(errors), _unpredicted(errors))]
     for folder in folders:
         earlier = json.loads((folder / LOCAL_RUNS_META.name).read_text())
         run1, run2 = (json.loads((folder / f.name).read_text()) for f in (CALIBRATION_RUN, PREDICTION_RUN))
+        earlier_errors = _fitted_errors(run1, run2)
         rows.append([f"{HISTORY.name}/{folder.name}", first_commit(earlier), loads(earlier),
-                     *_verdict_cells(_fitted_errors(run1, run2))])
+                     *_verdict_cells(earlier_errors)])
+        met.append(_goal_met(_large_errors(earlier_errors), _unpredicted(earlier_errors)))
     return (["## Earlier recordings of the same check", "",
-             "The same two commands made at an earlier commit, kept when the runs above replaced them; each "
-             "verdict is recomputed here with the current model. The library changed between them only where "
-             "the commit log says (the algorithm names of the rows included); how far runs of one command move "
-             "on this machine is in the repeat tables above.", ""]
+             "The same two commands made at an earlier commit, kept when the runs above replaced them "
+             "(`python -m benchmarks.record_local_check`); each verdict is recomputed here with the current "
+             "model. The library changed between them only where the commit log says (the algorithm names of "
+             "the rows included); how far runs of one command move on this machine is in the repeat tables above.",
+             ""]
             + table(["recording", "commit", "1-min load before the calibration, prediction run",
-                     "mean abs. error % at >= 64 KiB", "largest %", "rows within 20%", "verdict"], rows) + [""])
+                     "mean abs. error % at >= 64 KiB", "largest %", "rows within 20%", "verdict"], rows)
+            + ["", f"The goal was met in {sum(met)} of these {len(met)} recordings of the same commands.", ""])
