@@ -340,6 +340,35 @@ def test_a_path_s_lone_size_in_a_regime_stays_on_its_neighbouring_line() -> None
     assert [(x.min_bytes, x.max_bytes, x.points) for x in segs] == [(8, 32, 3), (1024, 8192, 3)]
 
 
+def test_a_path_back_past_other_paths_sizes_takes_their_regime() -> None:
+    # The local check's calibration run of 16ceb64, all_to_all: timing chose the staged path at 2, 4,
+    # 8 and 128 MiB and single copy at 16-64 MiB. Synthetic: the per-byte cost doubles above 8 MiB;
+    # single copy is 10% faster than staged.
+    rng = np.random.default_rng(3)
+    alpha, beta = 20.0, 6e-5
+    def time(size: int, path: str) -> float:
+        cost = alpha + beta * size * (2.0 if size > LLC_EDGE else 1.0)
+        return cost * (0.9 if path == "cma_pull" else 1.0) * math.exp(rng.normal(0.0, 0.02))
+    staged = [2 << 20, 4 << 20, 8 << 20, 128 << 20]
+    single = [16 << 20, 32 << 20, 64 << 20]
+    rows = [_row("all_to_all", "shm", "staged_pairwise", size, time(size, "staged")) for size in staged]
+    rows += [_row("all_to_all", "shm", "cma_pull", size, time(size, "cma_pull")) for size in single]
+    rows += [_row("all_to_all", "shm", "pull", size, alpha + beta * size) for size in SERIES_SIZES if size < 2 << 20]
+    run = {"schema": "moecomm-bench/1", "env": {"nranks": 2}, "options": {}, "notes": [], "rows": rows}
+    terms = [t for t in fit_run(run)["all_to_all"] if t["algorithm"] == "shm/staged_pairwise"]
+    # 128 MiB keeps a segment on single copy's line, over the sizes the staged path skipped in DRAM
+    assert [(t["min_bytes"], t["max_bytes"], t["points"]) for t in terms] == [(2 << 20, 8 << 20, 3),
+                                                                              (16 << 20, 128 << 20, 1)]
+    system = calibrate(run)
+    for size in (24 << 20, 96 << 20):
+        want = alpha + 2 * beta * size
+        assert fitted_time_us(system, "all_to_all", "staged_pairwise", size, ranks=2) == pytest.approx(want, rel=0.1)
+    # Joined to its 8 MiB neighbour instead (a path fitted on its own), one line spans both regimes
+    [line] = fit_within([(2 << 20, 8 << 20), (16 << 20, 128 << 20)], staged,
+                        [r["time_us"] for r in rows if r["algorithm"] == "staged_pairwise"])
+    assert abs((line.alpha_us + line.beta_us_per_byte * (24 << 20)) / (alpha + 2 * beta * (24 << 20)) - 1) > 0.2
+
+
 def test_fit_within_fits_each_range_holding_two_sizes() -> None:
     sizes = [8, 16, 32, 1024, 4096]
     times = [1.0 + s / 100 for s in sizes]

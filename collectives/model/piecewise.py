@@ -195,22 +195,43 @@ SLOWER_THAN_LARGER_LIMIT = 2.0
 MOST_DROPPED_SHARE = 0.25
 
 
-def fit_within(bounds: Sequence[tuple[int, int]], sizes: Sequence[float], times_us: Sequence[float]) -> list[Segment]:
+def fit_within(bounds: Sequence[tuple[int, int]], sizes: Sequence[float], times_us: Sequence[float], *,
+               series: tuple[Sequence[float], Sequence[float]] | None = None) -> list[Segment]:
     """One line per given size range over the points that fall in it (:func:`fit_segments`' lines,
     with breakpoints found elsewhere). A range that holds a single size of these points joins the
     nearer neighbouring range that holds any (a line needs two sizes; one_shot's last size before the
     switch point, cut off by a breakpoint found on the op's whole series, stays on one_shot's line).
 
+    Except where the path came back to that size past sizes other paths took (``series``: every
+    path's points; a label flipping by timing): its nearest sizes of its own lie in another cache
+    regime, so joining them drew one line across the regimes in between. The single size keeps a
+    segment of its own instead, on the line of the other paths' points in the range (two sizes or
+    more; the paths' speeds differ, so not a line through its own point as well) scaled to pass
+    through its time, over its size and the sizes of the range it skipped; the gap to its
+    neighbour is then a chord (:func:`~collectives.model.segments.fitted_segment`). The local check's calibration run of
+    16ceb64 timed all_to_all's staged_pairwise at 2, 4, 8 and 128 MiB and cma_pull at 16-64 MiB:
+    staged_pairwise's one line from 2 to 128 MiB (21% rms) missed its 24 MiB row by 33%.
+
     Args:
         bounds: ``(min_bytes, max_bytes)`` per range, ascending, not overlapping.
         sizes: bytes per point (``[P]``); times_us: measured times (``[P]``, > 0).
+        series: ``(sizes, times_us)`` of every path of the series, these points included; None: a
+            path measured on its own.
 
     Returns:
-        The segments, smallest sizes first; none when the points have fewer than two sizes.
+        The segments, smallest sizes first; none when the points have fewer than two sizes. A single
+        size on the other paths' line is a segment of one point (``points`` 1, or its repeats) whose
+        ``rms_relative_error`` is that line's on their points.
     """
     s = np.asarray(sizes, dtype=np.float64)
     t = np.asarray(times_us, dtype=np.float64)
-    parts = [mask for mask in ((s >= low) & (s <= high) for low, high in bounds) if mask.any()]
+    if len(np.unique(s)) < 2:
+        return []
+    ranges = [(mask, (low, high)) for mask, (low, high) in (((s >= low) & (s <= high), (low, high))
+                                                             for low, high in bounds) if mask.any()]
+    on_series = [] if series is None else [_on_series_line(s, t, mask, where, series) for mask, where in ranges]
+    parts = [mask for k, (mask, _) in enumerate(ranges) if not on_series or on_series[k] is None]
+    on_series = [segment for segment in on_series if segment is not None]
     while len(parts) > 1:
         lone = [i for i, mask in enumerate(parts) if len(np.unique(s[mask])) < 2]
         if not lone:
@@ -222,7 +243,40 @@ def fit_within(bounds: Sequence[tuple[int, int]], sizes: Sequence[float], times_
         j = min(gaps, key=lambda j: (gaps[j], j))
         parts[j] = parts[j] | parts[i]
         del parts[i]
-    return [_fit_line(s[mask], t[mask])[1] for mask in parts if len(np.unique(s[mask])) >= 2]
+    lines = [_fit_line(s[mask], t[mask])[1] for mask in parts if len(np.unique(s[mask])) >= 2]
+    return sorted(lines + on_series, key=lambda seg: seg.min_bytes)
+
+
+def _on_series_line(s: np.ndarray, t: np.ndarray, mask: np.ndarray, where: tuple[int, int],
+                    series: tuple[Sequence[float], Sequence[float]]) -> Segment | None:
+    """:func:`fit_within`'s segment for a range holding one size of the path, on the other paths'
+    line there, when the path came back to it past other paths' sizes; else None."""
+    own = np.unique(s[mask])
+    if len(own) != 1:
+        return None
+    size, others = float(own[0]), np.unique(s[~mask])
+    if not len(others):
+        return None
+    nearest = others[np.argmin(np.abs(np.log(np.maximum(others, 1.0) / max(size, 1.0))))]
+    low, high = sorted((size, float(nearest)))
+    all_sizes = np.asarray(series[0], dtype=np.float64)
+    all_times = np.asarray(series[1], dtype=np.float64)
+    skipped = (all_sizes > low) & (all_sizes < high)
+    if not skipped.any():
+        return None  # its own neighbour comes next in the series: it stays on that line
+    # the other paths' points in the range: the series' points less this path's own
+    inside = (all_sizes >= where[0]) & (all_sizes <= where[1]) & ~np.isin(all_sizes, s)
+    if len(np.unique(all_sizes[inside])) < 2:
+        return None
+    _, line = _fit_line(all_sizes[inside], all_times[inside])
+    predicted = line.alpha_us + line.beta_us_per_byte * size
+    if predicted <= 0:
+        return None
+    scale = float(np.mean(t[mask])) / predicted
+    # It holds over the sizes the path skipped in this range too (the other paths' line there).
+    span = np.append(all_sizes[skipped & inside], size)
+    return Segment(line.alpha_us * scale, line.beta_us_per_byte * scale, int(span.min()), int(span.max()),
+                   int(mask.sum()), line.rms_relative_error)
 
 
 def fit_series(paths: Mapping[str, Sequence[tuple[float, float]]], *, max_segments: int = MAX_SEGMENTS,
@@ -254,7 +308,8 @@ def fit_series(paths: Mapping[str, Sequence[tuple[float, float]]], *, max_segmen
     best: tuple[float, int, dict[str, list[Segment]]] | None = None
     for _, split in _best_splits(s, t, max_segments, min_sizes):
         bounds = [(seg.min_bytes, seg.max_bytes) for seg in split]
-        lines = {name: fit_within(bounds, [p[0] for p in points], [p[1] for p in points]) for name, points in fitted}
+        lines = {name: fit_within(bounds, [p[0] for p in points], [p[1] for p in points], series=(s, t))
+                 for name, points in fitted}
         used = [seg for segs in lines.values() for seg in segs]
         rss = sum(seg.rms_relative_error ** 2 * seg.points for seg in used)
         count = sum(seg.points for seg in used)
