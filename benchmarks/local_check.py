@@ -251,7 +251,8 @@ def _repeatability(run1: dict, repeats: list[Path], ranges: tuple[str, ...]) -> 
              "The calibration run's command made again, minutes later on the same quiet machine (see the runs "
              "table), compared at the sizes both measured: |difference| % mean / max (signed mean). A model "
              "fitted on one run cannot predict another run more closely than the machine repeats its own "
-             "measurements.", ""]
+             "measurements. This 2-vCPU VM switches between a faster and a slower state minutes apart (up to 2x at "
+             "every size; benchmarks/results/local-check-slow-calibration.txt).", ""]
             + table(["repeat", "op", *ranges], rows) + [""])
 
 
