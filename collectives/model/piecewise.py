@@ -208,9 +208,10 @@ def fit_within(bounds: Sequence[tuple[int, int]], sizes: Sequence[float], times_
     segment of its own instead, on the line of the other paths' points in the range (two sizes or
     more; the paths' speeds differ, so not a line through its own point as well) scaled to pass
     through its time, over its size and the sizes of the range it skipped; the gap to its
-    neighbour is then a chord (:func:`~collectives.model.segments.fitted_segment`). The local check's calibration run of
-    16ceb64 timed all_to_all's staged_pairwise at 2, 4, 8 and 128 MiB and cma_pull at 16-64 MiB:
-    staged_pairwise's one line from 2 to 128 MiB (21% rms) missed its 24 MiB row by 33%.
+    neighbour is then a chord (:func:`~collectives.model.segments.fitted_segment`). The local
+    check's calibration run of 16ceb64 timed all_to_all's staged_pairwise at 2, 4, 8 and 128 MiB
+    and cma_pull at 16-64 MiB: staged_pairwise's one line from 2 to 128 MiB (21% rms) missed its
+    24 MiB row by 33%.
 
     Args:
         bounds: ``(min_bytes, max_bytes)`` per range, ascending, not overlapping.
