@@ -369,6 +369,23 @@ def test_a_path_back_past_other_paths_sizes_takes_their_regime() -> None:
     assert abs((line.alpha_us + line.beta_us_per_byte * (24 << 20)) / (alpha + 2 * beta * (24 << 20)) - 1) > 0.2
 
 
+def test_a_path_timing_chose_at_one_size_only_takes_the_other_paths_line() -> None:
+    # all_gather: staged pull everywhere but 64 MiB, where timing chose single copy (15% faster)
+    alpha, beta = 10.0, 1e-4
+    def time(size: int) -> float:
+        return alpha + beta * size * (2.0 if size > LLC_EDGE else 1.0)
+    rows = [_row("all_gather", "shm", "pull", size, time(size)) for size in SERIES_SIZES if size != 64 << 20]
+    rows.append(_row("all_gather", "shm", "cma_push", 64 << 20, 0.85 * time(64 << 20)))
+    # (fit_run left a path of one size without a term: a row of it could not be predicted at all)
+    run = {"schema": "moecomm-bench/1", "env": {"nranks": 2}, "options": {}, "notes": [], "rows": rows}
+    [term] = [t for t in fit_run(run)["all_gather"] if t["algorithm"] == "shm/cma_push"]
+    assert (term["min_bytes"], term["max_bytes"], term["points"]) == (64 << 20, 64 << 20, 1)
+    system = calibrate(run)
+    for size in (64 << 20, 128 << 20):  # on pull's DRAM line, 15% faster
+        assert fitted_time_us(system, "all_gather", "cma_push", size, ranks=2) == pytest.approx(0.85 * time(size),
+                                                                                                 rel=0.02)
+
+
 def test_fit_within_fits_each_range_holding_two_sizes() -> None:
     sizes = [8, 16, 32, 1024, 4096]
     times = [1.0 + s / 100 for s in sizes]

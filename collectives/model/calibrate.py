@@ -175,8 +175,9 @@ def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any
         series = fit_series(labels) if is_one_series(labels) else None
         for algorithm, points in sorted(labels.items()):
             sizes = [p[0] for p in points]
-            if len(set(sizes)) < 2:
-                logger.warning("%s: %s %s/%s on %d ranks has one size only; not fitted",
+            if len(set(sizes)) < 2 and not (series and algorithm in series):
+                logger.warning("%s: %s %s/%s on %d ranks has one size only (and no other path of the op's series "
+                               "beside it to take a line from); not fitted",
                                where, op, transport, algorithm, ranks)
                 continue
             segments = series[algorithm] if series is not None else fit_segments(sizes, [p[1] for p in points])

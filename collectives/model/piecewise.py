@@ -256,15 +256,16 @@ def _on_series_line(s: np.ndarray, t: np.ndarray, mask: np.ndarray, where: tuple
     if len(own) != 1:
         return None
     size, others = float(own[0]), np.unique(s[~mask])
-    if not len(others):
-        return None
-    nearest = others[np.argmin(np.abs(np.log(np.maximum(others, 1.0) / max(size, 1.0))))]
-    low, high = sorted((size, float(nearest)))
     all_sizes = np.asarray(series[0], dtype=np.float64)
     all_times = np.asarray(series[1], dtype=np.float64)
-    skipped = (all_sizes > low) & (all_sizes < high)
-    if not skipped.any():
-        return None  # its own neighbour comes next in the series: it stays on that line
+    if len(others):
+        nearest = others[np.argmin(np.abs(np.log(np.maximum(others, 1.0) / max(size, 1.0))))]
+        low, high = sorted((size, float(nearest)))
+        skipped = (all_sizes > low) & (all_sizes < high)
+        if not skipped.any():
+            return None  # its own neighbour comes next in the series: it stays on that line
+    else:  # the path's only size: timing chose it there alone
+        skipped = np.zeros(all_sizes.shape, dtype=bool)
     # the other paths' points in the range: the series' points less this path's own
     inside = (all_sizes >= where[0]) & (all_sizes <= where[1]) & ~np.isin(all_sizes, s)
     if len(np.unique(all_sizes[inside])) < 2:
@@ -298,7 +299,9 @@ def fit_series(paths: Mapping[str, Sequence[tuple[float, float]]], *, max_segmen
         max_segments, min_sizes, penalty: as for :func:`fit_segments`.
 
     Returns:
-        ``{path: segments}`` (smallest sizes first) for every path with two or more sizes.
+        ``{path: segments}`` (smallest sizes first) for every path with two or more sizes, and for a
+        path of one size whose range holds two sizes of the other paths: one segment on their line
+        there, scaled through its time (as :func:`fit_within` places a size a path came back to).
     """
     series = sorted(p for points in paths.values() for p in points)
     s = np.array([p[0] for p in series], dtype=np.float64)
@@ -306,7 +309,7 @@ def fit_series(paths: Mapping[str, Sequence[tuple[float, float]]], *, max_segmen
     fitted = [p for p in paths.items() if len({size for size, _ in p[1]}) >= 2]
     if not fitted:
         return {}
-    best: tuple[float, int, dict[str, list[Segment]]] | None = None
+    best: tuple[float, int, dict[str, list[Segment]], list[tuple[int, int]]] | None = None
     for _, split in _best_splits(s, t, max_segments, min_sizes):
         bounds = [(seg.min_bytes, seg.max_bytes) for seg in split]
         lines = {name: fit_within(bounds, [p[0] for p in points], [p[1] for p in points], series=(s, t))
@@ -315,9 +318,25 @@ def fit_series(paths: Mapping[str, Sequence[tuple[float, float]]], *, max_segmen
         rss = sum(seg.rms_relative_error ** 2 * seg.points for seg in used)
         count = sum(seg.points for seg in used)
         if count:
-            option = (_criterion(rss, count, len(split), penalty), len(split), lines)
+            option = (_criterion(rss, count, len(split), penalty), len(split), lines, bounds)
             best = option if best is None or option[:2] < best[:2] else best
-    return {} if best is None else best[2]
+    if best is None:
+        return {}
+    out = dict(best[2])
+    # A path of one size (timing chose it there alone) lies on the other paths' line in its range.
+    for name, points in paths.items():
+        if name in out:
+            continue
+        size = points[0][0]
+        where = next(((low, high) for low, high in best[3] if low <= size <= high), None)
+        if where is None:
+            continue
+        own = np.array([p[0] for p in points], dtype=np.float64)
+        segment = _on_series_line(own, np.array([p[1] for p in points], dtype=np.float64),
+                                  np.ones(own.shape, dtype=bool), where, (s, t))
+        if segment is not None:
+            out[name] = [segment]
+    return out
 
 
 def is_one_series(labels: Mapping[str, list[tuple[float, float]]]) -> bool:
