@@ -160,10 +160,12 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
         for t in op_terms:
             beta = t["beta_us_per_byte"]
             rms = t.get("rms_relative_error")
+            borrowed = t.get("from_other_paths")  # one size of a path, on the other paths' line there
             terms.append([op, t["algorithm"], str(t["ranks"]), f"{t['alpha_us']:.2f}",
                           f"{1e-3 / beta:.2f}" if beta > 0 else "inf",
                           f"{t.get('min_bytes', '?')} .. {t.get('max_bytes', '?')}",
-                          "n/a" if rms is None else f"{100 * rms:.1f}"])
+                          "n/a" if rms is None else f"one size: the other paths' line there, {100 * rms:.1f}"
+                          if borrowed else f"{100 * rms:.1f}"])
     out += table(["op", "algorithm", "ranks", "alpha us", "1/beta GB/s (of size)", "fitted sizes B",
                    "rms relative fit error on its own run %"], terms) + [""]
     goal_ok = _goal_met(large, missing)

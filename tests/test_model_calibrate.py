@@ -380,6 +380,7 @@ def test_a_path_timing_chose_at_one_size_only_takes_the_other_paths_line() -> No
     run = {"schema": "moecomm-bench/1", "env": {"nranks": 2}, "options": {}, "notes": [], "rows": rows}
     [term] = [t for t in fit_run(run)["all_gather"] if t["algorithm"] == "shm/cma_push"]
     assert (term["min_bytes"], term["max_bytes"], term["points"]) == (64 << 20, 64 << 20, 1)
+    assert term["from_other_paths"] is True
     system = calibrate(run)
     for size in (64 << 20, 128 << 20):  # on pull's DRAM line, 15% faster
         assert fitted_time_us(system, "all_gather", "cma_push", size, ranks=2) == pytest.approx(0.85 * time(size),

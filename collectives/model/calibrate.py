@@ -119,6 +119,7 @@ def _terms(op: str, transport: str, algorithm: str, ranks: int, segments: Sequen
         "rms_relative_error": seg.rms_relative_error, "moved_bytes_per_size": factor,
         # moved bytes per us / 1e3 = GB/s; None where the fit found no size dependence
         "bandwidth_gbps": factor / seg.beta_us_per_byte / 1e3 if seg.beta_us_per_byte > 0 else None,
+        **({"from_other_paths": True} if seg.from_other_paths else {}),
     } for index, seg in enumerate(segments)]
 
 
@@ -134,7 +135,9 @@ def fit_run(run: Mapping[str, Any] | str | Path) -> dict[str, list[dict[str, Any
         "max_bytes", "segment", "points", "rms_relative_error", "moved_bytes_per_size",
         "bandwidth_gbps"}``. An algorithm fitted piecewise (:func:`~collectives.model.piecewise.fit_segments`) has one term per
         size segment (``segment`` 0, 1, ... smallest sizes first; ``min_bytes`` .. ``max_bytes``
-        the sizes it was fitted on, ``points`` its rows, ``rms_relative_error`` its own fit's).
+        the sizes it was fitted on, ``points`` its rows, ``rms_relative_error`` its own fit's; with
+        ``"from_other_paths": True``, a size timing chose this path at among other paths' sizes, on their
+        line there: ``rms_relative_error`` is that line's, :func:`~collectives.model.piecewise.fit_within`).
         Algorithms fastest-at-their-largest-size first, each algorithm's segments together.
     """
     data, where = _load(run)

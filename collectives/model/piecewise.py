@@ -94,6 +94,9 @@ class Segment:
     max_bytes: int
     points: int
     rms_relative_error: float
+    # a path's size that timing chose among other paths' sizes: their line there, scaled through it
+    # (fit_within); rms_relative_error is then that line's on their points
+    from_other_paths: bool = False
 
 
 def _fit_line(sizes: np.ndarray, times_us: np.ndarray) -> tuple[float, Segment]:
@@ -278,7 +281,7 @@ def _on_series_line(s: np.ndarray, t: np.ndarray, mask: np.ndarray, where: tuple
     # It holds over the sizes the path skipped in this range too (the other paths' line there).
     span = np.append(all_sizes[skipped & inside], size)
     return Segment(line.alpha_us * scale, line.beta_us_per_byte * scale, int(span.min()), int(span.max()),
-                   int(mask.sum()), line.rms_relative_error)
+                   int(mask.sum()), line.rms_relative_error, from_other_paths=True)
 
 
 def fit_series(paths: Mapping[str, Sequence[tuple[float, float]]], *, max_segments: int = MAX_SEGMENTS,
