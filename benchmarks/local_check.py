@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 from typing import Any, Mapping, NamedTuple
 
 from collectives.model import System, calibrate, predict_collective
@@ -35,6 +35,7 @@ REPEAT_RUNS = "local-repeat-run-*.json"
 HISTORY = RESULTS / "local-check-history"
 GOAL_LOCAL = 20.0  # issue 13: local calibrate-then-predict check, sizes >= 64 KiB, in percent
 LOCAL_MIN_SIZE = 64 << 10
+SMALL_SIZE = 1536  # the largest size both runs measure all_reduce at below 2 KiB (1 KiB, 1.5 KiB)
 
 
 def _size_range(size: int) -> str:
@@ -100,6 +101,14 @@ def _table_rows(system: System, run: dict, predicted: list[_Predicted]) -> list[
     return rows
 
 
+def _small_all_reduce_us(run: dict) -> float | None:
+    """Median p50 of the run's all_reduce rows of <= 1.5 KiB: a gauge of the VM's state (a fast and a
+    slow one; local-check-slow-calibration.txt), since those times are latency only."""
+    times = [row_time_us(r) for r in run["rows"]
+             if r.get("library", "moecomm") == "moecomm" and r["op"] == "all_reduce" and r["size"] <= SMALL_SIZE]
+    return median(times) if times else None
+
+
 def _mean_max(errors: list[float]) -> str:
     """``"mean / max"`` of |errors| %, or ``"n/a"`` for none."""
     return f"{mean(errors):.1f} / {max(errors):.1f}" if errors else "n/a"
@@ -151,9 +160,17 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
            "on the first run and predicts the out-of-place median call time (`p50`) of every row of the second run, which "
            "used other sizes. Each row is compared with the fitted term of the algorithm the run actually used; "
            "the last column is the model's own pick.", ""]
-    out += table(["run", "command", "commit", "1-min load before / after"],
-                  [[m["file"], f"`{m['command']}`", m["commit"], f"{m['load_before']} / {m['load_after']}"]
-                   for m in meta["runs"]]) + [""]
+    def gauge(file: str) -> str:
+        path = Path(calibration_run).parent / file
+        small = _small_all_reduce_us(json.loads(path.read_text())) if path.exists() else None
+        return fmt(small)
+
+    out += table(["run", "command", "commit", "1-min load before / after", "all_reduce <= 1.5 KiB, median p50 us"],
+                  [[m["file"], f"`{m['command']}`", m["commit"], f"{m['load_before']} / {m['load_after']}",
+                    gauge(m["file"])] for m in meta["runs"]]) + [""]
+    out += ["The last column is a rough gauge of the VM's state: small all_reduces are latency only, ~1.8 us in "
+            "its fast state and up to ~3.9 us in its slow one; larger sizes move by other amounts "
+            "(benchmarks/results/local-check-slow-calibration.txt).", ""]
     out += ["## Fitted terms (from the calibration run)", ""]
     terms = []
     for op, op_terms in system.calibration.items():
@@ -191,7 +208,7 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
     if repeats:
         out += _repeatability(run1, repeats, ranges)
         out += _calibrated_on_repeats(repeats, run2)
-    out += _earlier_recordings(meta, errors, sorted(p for p in HISTORY.glob("*") if p.is_dir()))
+    out += _earlier_recordings(meta, errors, (run1, run2), sorted(p for p in HISTORY.glob("*") if p.is_dir()))
     out += ["## Every row of the prediction run", ""]
     out += table(["op", "size B", "algorithm used", "measured us", "predicted us", "error %", "model's pick, us"],
                   rows) + [""]
@@ -282,9 +299,10 @@ def _verdict_cells(errors: dict[tuple[str, str], list[float | None]]) -> list[st
 
 
 def _earlier_recordings(meta: Mapping[str, Any], errors: dict[tuple[str, str], list[float | None]],
-                        folders: list[Path]) -> list[str]:
+                        runs: tuple[dict, dict], folders: list[Path]) -> list[str]:
     """The check's verdict on each earlier recording of the same commands (:data:`HISTORY`), beside
-    this one's (``meta``, ``errors``: its runs' meta and :func:`_errors_by_range`), all with the current model."""
+    this one's (``meta``, ``errors``, ``runs``: its runs' meta, :func:`_errors_by_range` and its
+    calibration and prediction runs), all with the current model."""
     if not folders:
         return []
 
@@ -294,13 +312,16 @@ def _earlier_recordings(meta: Mapping[str, Any], errors: dict[tuple[str, str], l
     def loads(m: Mapping[str, Any]) -> str:
         return ", ".join(f"{r['load_before']}" for r in m["runs"] if r["role"] in ("calibration", "prediction"))
 
-    rows = [["this one", first_commit(meta), loads(meta), *_verdict_cells(errors)]]
+    def gauges(run1: dict, run2: dict) -> str:
+        return f"{fmt(_small_all_reduce_us(run1))} / {fmt(_small_all_reduce_us(run2))}"
+
+    rows = [["this one", first_commit(meta), loads(meta), gauges(*runs), *_verdict_cells(errors)]]
     met = [_goal_met(_large_errors(errors), _unpredicted(errors))]
     for folder in folders:
         earlier = json.loads((folder / LOCAL_RUNS_META.name).read_text())
         run1, run2 = (json.loads((folder / f.name).read_text()) for f in (CALIBRATION_RUN, PREDICTION_RUN))
         earlier_errors = _fitted_errors(run1, run2)
-        rows.append([f"{HISTORY.name}/{folder.name}", first_commit(earlier), loads(earlier),
+        rows.append([f"{HISTORY.name}/{folder.name}", first_commit(earlier), loads(earlier), gauges(run1, run2),
                      *_verdict_cells(earlier_errors)])
         met.append(_goal_met(_large_errors(earlier_errors), _unpredicted(earlier_errors)))
     return (["## Earlier recordings of the same check", "",
@@ -310,5 +331,6 @@ def _earlier_recordings(meta: Mapping[str, Any], errors: dict[tuple[str, str], l
              "the rows included); how far runs of one command move on this machine is in the repeat tables above.",
              ""]
             + table(["recording", "commit", "1-min load before the calibration, prediction run",
+                     "all_reduce <= 1.5 KiB us, calibration / prediction run",
                      "mean abs. error % at >= 64 KiB", "largest %", "rows within 20%", "verdict"], rows)
             + ["", f"The goal was met in {sum(met)} of these {len(met)} recordings of the same commands.", ""])

@@ -1,5 +1,6 @@
 """benchmarks/record_local_check.py: making the local check's runs again keeps the current recording
-under local-check-history/<its commit>/ (the runs themselves are minutes of benchmarking, not a test)."""
+under local-check-history/<its commit>/ (the runs themselves are minutes of benchmarking, not a test),
+and the report's gauge of the VM's state in each run (benchmarks/local_check.py)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,15 @@ def test_the_recorded_commands_are_the_check_s_sweeps():
     calibration, prediction = rec.RUNS[0][2], rec.RUNS[1][2]
     assert all(sweep == calibration for _, role, sweep in rec.RUNS if role == "repeat")
     assert calibration != prediction  # the prediction run is made at other sizes
+
+
+def test_the_state_gauge_is_the_median_small_all_reduce_of_moecomm_rows():
+    from benchmarks.local_check import _small_all_reduce_us
+
+    def row(op: str, size: int, p50: float, library: str = "moecomm") -> dict:
+        return {"op": op, "size": size, "p50_us": p50, "time_us": p50, "library": library}
+
+    run = {"rows": [row("all_reduce", 8, 1.9), row("all_reduce", 1024, 2.3), row("all_reduce", 1536, 2.1),
+                    row("all_reduce", 2048, 9.0), row("all_gather", 8, 5.0), row("all_reduce", 8, 40.0, "torch")]}
+    assert _small_all_reduce_us(run) == pytest.approx(2.1)
+    assert _small_all_reduce_us({"rows": [row("all_gather", 8, 5.0)]}) is None
