@@ -223,14 +223,14 @@ def fit_within(bounds: Sequence[tuple[int, int]], sizes: Sequence[float], times_
             path measured on its own.
 
     Returns:
-        The segments, smallest sizes first; none when the points have fewer than two sizes. A single
-        size on the other paths' line is a segment of one point (``points`` 1, or its repeats) whose
-        ``rms_relative_error`` is that line's on their points.
+        The segments, smallest sizes first; none when the points have fewer than two sizes and no
+        other paths' line takes their size (a path of one size, which timing chose there alone, gets
+        that line as a path that came back does). A single size on the other paths' line is a segment
+        of one point (``points`` 1, or its repeats) whose ``rms_relative_error`` is that line's on
+        their points.
     """
     s = np.asarray(sizes, dtype=np.float64)
     t = np.asarray(times_us, dtype=np.float64)
-    if len(np.unique(s)) < 2:
-        return []
     ranges = [(mask, (low, high)) for mask, (low, high) in (((s >= low) & (s <= high), (low, high))
                                                              for low, high in bounds) if mask.any()]
     on_series = [] if series is None else [_on_series_line(s, t, mask, where, series) for mask, where in ranges]
@@ -326,19 +326,11 @@ def fit_series(paths: Mapping[str, Sequence[tuple[float, float]]], *, max_segmen
     if best is None:
         return {}
     out = dict(best[2])
-    # A path of one size (timing chose it there alone) lies on the other paths' line in its range.
-    for name, points in paths.items():
-        if name in out:
-            continue
-        size = points[0][0]
-        where = next(((low, high) for low, high in best[3] if low <= size <= high), None)
-        if where is None:
-            continue
-        own = np.array([p[0] for p in points], dtype=np.float64)
-        segment = _on_series_line(own, np.array([p[1] for p in points], dtype=np.float64),
-                                  np.ones(own.shape, dtype=bool), where, (s, t))
-        if segment is not None:
-            out[name] = [segment]
+    for name, points in paths.items():  # a path of one size: on the other paths' line in its range, if any
+        if name not in out:
+            lone = fit_within(best[3], [p[0] for p in points], [p[1] for p in points], series=(s, t))
+            if lone:
+                out[name] = lone
     return out
 
 
