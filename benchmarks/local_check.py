@@ -109,6 +109,11 @@ def _small_all_reduce_us(run: dict) -> float | None:
     return median(times) if times else None
 
 
+def _gauge(run: dict | None) -> str:
+    """:func:`_small_all_reduce_us` of ``run`` as a table cell ("n/a" without the run or such rows)."""
+    return fmt(_small_all_reduce_us(run) if run is not None else None)
+
+
 def _mean_max(errors: list[float]) -> str:
     """``"mean / max"`` of |errors| %, or ``"n/a"`` for none."""
     return f"{mean(errors):.1f} / {max(errors):.1f}" if errors else "n/a"
@@ -139,6 +144,8 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
     """The local calibrate-then-predict report (Markdown)."""
     run1, run2 = (json.loads(Path(f).read_text()) for f in (calibration_run, prediction_run))
     meta = json.loads(Path(meta_file).read_text())
+    repeats = {p.name: json.loads(p.read_text()) for p in sorted(RESULTS.glob(REPEAT_RUNS))}
+    loaded = {Path(calibration_run).name: run1, Path(prediction_run).name: run2, **repeats}
     system = calibrate(run1, name="local")
     predicted = _predict_rows(system, run2)
     rows, errors = _table_rows(system, run2, predicted), _errors_by_range(predicted)
@@ -160,14 +167,9 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
            "on the first run and predicts the out-of-place median call time (`p50`) of every row of the second run, which "
            "used other sizes. Each row is compared with the fitted term of the algorithm the run actually used; "
            "the last column is the model's own pick.", ""]
-    def gauge(file: str) -> str:
-        path = Path(calibration_run).parent / file
-        small = _small_all_reduce_us(json.loads(path.read_text())) if path.exists() else None
-        return fmt(small)
-
     out += table(["run", "command", "commit", "1-min load before / after", "all_reduce <= 1.5 KiB, median p50 us"],
                   [[m["file"], f"`{m['command']}`", m["commit"], f"{m['load_before']} / {m['load_after']}",
-                    gauge(m["file"])] for m in meta["runs"]]) + [""]
+                    _gauge(loaded.get(m["file"]))] for m in meta["runs"]]) + [""]
     out += ["The last column is a rough gauge of the VM's state: small all_reduces are latency only, ~1.8 us in "
             "its fast state and up to ~3.9 us in its slow one; larger sizes move by other amounts "
             "(benchmarks/results/local-check-slow-calibration.txt).", ""]
@@ -204,7 +206,6 @@ def local_report(calibration_run: Path = CALIBRATION_RUN, prediction_run: Path =
             f"{_within_goal(large)} of {len(large)} rows within {GOAL_LOCAL:g}%): "
             f"{verdict(goal_ok)}." + (f" {missing} row(s) had no fitted term of their algorithm." if missing else ""), ""]
     out += _local_misses(system, run1, run2, predicted)
-    repeats = sorted(RESULTS.glob(REPEAT_RUNS))
     if repeats:
         out += _repeatability(run1, repeats, ranges)
         out += _calibrated_on_repeats(repeats, run2)
@@ -245,7 +246,7 @@ def _local_misses(system: System, run1: dict, run2: dict, predicted: list[_Predi
     return ["## Rows missed by more than the goal", "", *lines, ""]
 
 
-def _repeatability(run1: dict, repeats: list[Path], ranges: tuple[str, ...]) -> list[str]:
+def _repeatability(run1: dict, repeats: Mapping[str, dict], ranges: tuple[str, ...]) -> list[str]:
     """How far the calibration run's own command, made again, lands from it (the floor of any prediction)."""
     def times(run: dict) -> dict[tuple[str, str, int], float]:
         return {(r["op"], r["transport"], r["size"]): row_time_us(r) for r in run["rows"]
@@ -253,14 +254,14 @@ def _repeatability(run1: dict, repeats: list[Path], ranges: tuple[str, ...]) -> 
 
     first = times(run1)
     rows = []
-    for path in repeats:
-        again = times(json.loads(path.read_text()))
+    for name, repeat in repeats.items():
+        again = times(repeat)
         diffs: dict[tuple[str, str], list[float]] = {}
         for key in sorted(first.keys() & again.keys()):
             diffs.setdefault((key[0], _size_range(key[2])), []).append(
                 100.0 * (again[key] - first[key]) / first[key])
         for op in dict.fromkeys(k[0] for k in first):
-            cells = [path.name, op]
+            cells = [name, op]
             for rng in ranges:
                 ds = diffs.get((op, rng), [])
                 cells.append(f"{mean(abs(d) for d in ds):.1f} / {max(abs(d) for d in ds):.1f} ({mean(ds):+.1f})"
@@ -275,27 +276,20 @@ def _repeatability(run1: dict, repeats: list[Path], ranges: tuple[str, ...]) -> 
             + table(["repeat", "op", *ranges], rows) + [""])
 
 
-def _calibrated_on_repeats(repeats: list[Path], run2: dict) -> list[str]:
+def _calibrated_on_repeats(repeats: Mapping[str, dict], run2: dict) -> list[str]:
     """The same prediction made from each repeat run instead: how much the verdict depends on which
     run of one command the model was fitted on."""
     ops = list(dict.fromkeys(r["op"] for r in run2["rows"]))
     rows = []
-    for path in repeats:
-        errors = _fitted_errors(json.loads(path.read_text()), run2)
-        rows.append([path.name, *(_mean_max(_large_errors(errors, op)) for op in [*ops, None])])
+    for name, repeat in repeats.items():
+        errors = _fitted_errors(repeat, run2)
+        rows.append([name, *(_mean_max(_large_errors(errors, op)) for op in [*ops, None])])
     return (["## The same prediction, calibrated on each repeat run", "",
              "The prediction run predicted again from a model fitted on each repeat run (the calibration "
              "run's own command, made again): mean / max |error| % at >= 64 KiB. Not the check itself (its "
              "calibration run is fixed above, before any result); it shows how much the verdict depends on "
              "which run of the same command the model happened to be fitted on.", ""]
             + table(["fitted on", *ops, "all ops"], rows) + [""])
-
-
-def _verdict_cells(errors: dict[tuple[str, str], list[float | None]]) -> list[str]:
-    """Mean and largest |error| % at >= 64 KiB, the rows within the goal, and the verdict."""
-    large = _large_errors(errors)
-    return [f"{mean(large):.1f}" if large else "n/a", f"{max(large):.1f}" if large else "n/a",
-            f"{_within_goal(large)} of {len(large)}", verdict(_goal_met(large, _unpredicted(errors)))]
 
 
 def _earlier_recordings(meta: Mapping[str, Any], errors: dict[tuple[str, str], list[float | None]],
@@ -312,18 +306,21 @@ def _earlier_recordings(meta: Mapping[str, Any], errors: dict[tuple[str, str], l
     def loads(m: Mapping[str, Any]) -> str:
         return ", ".join(f"{r['load_before']}" for r in m["runs"] if r["role"] in ("calibration", "prediction"))
 
-    def gauges(run1: dict, run2: dict) -> str:
-        return f"{fmt(_small_all_reduce_us(run1))} / {fmt(_small_all_reduce_us(run2))}"
+    def row(name: str, m: Mapping[str, Any], run1: dict, run2: dict, errors: dict) -> tuple[list[str], bool]:
+        """The recording's cells (mean and largest |error| % at >= 64 KiB, rows within the goal, verdict)
+        and whether it met the goal."""
+        large = _large_errors(errors)
+        met = _goal_met(large, _unpredicted(errors))
+        return [name, first_commit(m), loads(m), f"{_gauge(run1)} / {_gauge(run2)}",
+                f"{mean(large):.1f}" if large else "n/a", f"{max(large):.1f}" if large else "n/a",
+                f"{_within_goal(large)} of {len(large)}", verdict(met)], met
 
-    rows = [["this one", first_commit(meta), loads(meta), gauges(*runs), *_verdict_cells(errors)]]
-    met = [_goal_met(_large_errors(errors), _unpredicted(errors))]
+    scored = [row("this one", meta, *runs, errors)]
     for folder in folders:
         earlier = json.loads((folder / LOCAL_RUNS_META.name).read_text())
         run1, run2 = (json.loads((folder / f.name).read_text()) for f in (CALIBRATION_RUN, PREDICTION_RUN))
-        earlier_errors = _fitted_errors(run1, run2)
-        rows.append([f"{HISTORY.name}/{folder.name}", first_commit(earlier), loads(earlier), gauges(run1, run2),
-                     *_verdict_cells(earlier_errors)])
-        met.append(_goal_met(_large_errors(earlier_errors), _unpredicted(earlier_errors)))
+        scored.append(row(f"{HISTORY.name}/{folder.name}", earlier, run1, run2, _fitted_errors(run1, run2)))
+    rows, met = [cells for cells, _ in scored], [ok for _, ok in scored]
     return (["## Earlier recordings of the same check", "",
              "The same two commands made at an earlier commit, kept when the runs above replaced them "
              "(`python -m benchmarks.record_local_check`); each verdict is recomputed here with the current "
