@@ -125,11 +125,10 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
     """
     from moe import ExpertDispatcher
 
-    from .peers import bench_device, comm_gpu, init_torch_distributed
+    from .peers import bench_placement, init_torch_distributed
 
-    device = bench_device(comm, o["device"])
-    dev = comm_gpu(comm) if device == "cuda" else torch.device("cpu")
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)  # the clock reads finished GPU work
+    dev, sync = bench_placement(comm, o["device"])
+    device = dev.type
     if device == "cpu" and o["keep_freed_memory"] and not _keep_freed_memory() and comm.rank == 0:
         log.warning("could not configure glibc malloc; timings include page faults")
     torch.manual_seed(1234 + comm.rank)

@@ -71,11 +71,10 @@ def _bench_group(comm, opts: dict[str, Any]) -> dict[str, Any] | None:
     """Measure the MLP block on this TP group (every rank of ``comm``); the group's rank 0 gets the row."""
     from collectives.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from .peers import bench_device, comm_gpu
+    from .peers import bench_placement
 
-    on_gpu = bench_device(comm, opts["device"]) == "cuda"
-    dev = comm_gpu(comm) if on_gpu else torch.device("cpu")
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)  # the clock reads finished GPU work
+    dev, sync = bench_placement(comm, opts["device"])
+    on_gpu = dev.type == "cuda"
     dtype = DTYPES[opts["dtype"]]
     hidden, ffn, tokens, sp = opts["hidden"], opts["ffn"], opts["tokens"], opts["sequence_parallel"]
     tc = TimedComm(comm, sync)

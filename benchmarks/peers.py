@@ -409,6 +409,15 @@ def bench_device(comm, requested: str) -> str:
     return "cuda" if has_gpus else "cpu"
 
 
+def bench_placement(comm, requested: str) -> tuple[torch.device, Callable[[], None]]:
+    """Where a benchmark's tensors live (:func:`bench_device`) and what its clock reads wait for:
+    the communicator's GPU (:func:`comm_gpu`) with ``torch.cuda.synchronize``, so a phase's time is
+    of finished GPU work, or the CPU with nothing to wait for."""
+    if bench_device(comm, requested) == "cuda":
+        return comm_gpu(comm), torch.cuda.synchronize
+    return torch.device("cpu"), lambda: None
+
+
 def _store_address(comm) -> str:
     """The address rank 0's store listens on: loopback when every rank is on this node, else this
     host's address on the route to another rank's host (a UDP connect sends nothing; it only

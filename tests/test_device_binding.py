@@ -207,3 +207,18 @@ def test_benchmarks_bind_to_the_communicators_gpu():
     assert comm_gpu(shared) == torch.device("cuda", 0)
     on_cpu = SimpleNamespace(device=torch.device("cpu"), local_rank=3)
     assert comm_gpu(on_cpu) == torch.device("cuda", 3)
+
+
+def test_benchmarks_place_tensors_and_wait_by_the_agreed_device(monkeypatch):
+    # bench-moe and bench-tp: on the CPU nothing to wait for; on a GPU the communicator's GPU and a
+    # device synchronisation before each clock read
+    from types import SimpleNamespace
+
+    from benchmarks import peers
+
+    comm = SimpleNamespace(device=torch.device("cuda", 0), local_rank=1)
+    dev, sync = peers.bench_placement(comm, "cpu")  # "cpu" asks no rank anything
+    assert dev == torch.device("cpu") and sync() is None
+    monkeypatch.setattr(peers, "bench_device", lambda c, requested: "cuda")
+    dev, sync = peers.bench_placement(comm, "auto")
+    assert dev == torch.device("cuda", 0) and sync is torch.cuda.synchronize
