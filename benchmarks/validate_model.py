@@ -29,6 +29,7 @@ import numpy as np
 
 from collectives.model import (NCCL_ALGORITHMS, System, bus_factor, get_system, predict_collective,
                                predict_moe)
+from collectives.model.systems import efa_latency_us
 
 from ._model_report import RESULTS, fmt, table, verdict
 from .common import format_size
@@ -56,7 +57,8 @@ def load_points(path: Path = POINTS_FILE) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-_OVERRIDE_KEYS = {"nic_from", "nic_bandwidth_scale", "nics_per_node", "intra_bandwidth_scale"}
+_OVERRIDE_KEYS = {"nic_from", "nic_bandwidth_scale", "nics_per_node", "intra_bandwidth_scale",
+                  "efa_plugin_latency_us", "network_protocols"}
 
 
 def build_system(name: str, variants: Mapping[str, Any]) -> System:
@@ -66,7 +68,9 @@ def build_system(name: str, variants: Mapping[str, Any]) -> System:
         name: a preset name, or a key of ``variants``.
         variants: ``{name: {"base", "description", "overrides", "why"}}`` from the points file;
             overrides: ``nic_from`` (take another preset's NIC link), ``nic_bandwidth_scale``,
-            ``nics_per_node``, ``intra_bandwidth_scale``.
+            ``nics_per_node``, ``intra_bandwidth_scale``, ``efa_plugin_latency_us`` (the NIC's
+            latency from aws-ofi-nccl's figure for the platform, systems.efa_latency_us),
+            ``network_protocols`` (System.network_protocols).
 
     Returns:
         The System. An unknown override key raises ValueError naming it.
@@ -83,11 +87,14 @@ def build_system(name: str, variants: Mapping[str, Any]) -> System:
     if "nic_bandwidth_scale" in overrides:
         nic = replace(nic, name=f"{nic.name}x{overrides['nic_bandwidth_scale']:g}",
                       bandwidth_gbps=nic.bandwidth_gbps * overrides["nic_bandwidth_scale"])
+    if "efa_plugin_latency_us" in overrides:
+        nic = replace(nic, latency_us=efa_latency_us(overrides["efa_plugin_latency_us"]))
     intra = base.intra
     if "intra_bandwidth_scale" in overrides:
         intra = replace(intra, bandwidth_gbps=intra.bandwidth_gbps * overrides["intra_bandwidth_scale"])
     return replace(base, name=name, description=spec["description"], nic=nic, intra=intra,
                    nics_per_node=overrides.get("nics_per_node", base.nics_per_node),
+                   network_protocols=tuple(overrides.get("network_protocols", base.network_protocols)),
                    sources={**base.sources, "validation variant": spec["why"]})
 
 
@@ -237,11 +244,12 @@ def _rows(evaluations: Sequence[Evaluation]) -> list[list[str]]:
 
 # Our reading of why a point misses, keyed by point id prefix (the longest matching prefix wins);
 # printed only for points that miss.
-_EFA = ("EFA: one per-hop latency for every EFA link, fitted on the 2x p5 8-byte point (69.12 us); small-message "
-        "times over EFA differ by instance and stack: 164 us on p4de's EFA v1, 50.6 us on p6-b200.")
-_EFA_64K = ("Between 8 B and 64 KiB the measured time roughly doubles (p5 69 -> 135 us, p4de 164 -> 227 us) while the "
+_EFA = ("EFA: the extra per-hop latency is aws-ofi-nccl's figure for the platform (75 us p4de/p5, 35 us p5en/"
+        "p6-b200) times one scale fitted on the 2x p5 8-byte point (69.12 us); the real ratio between EFA "
+        "generations need not be the plugin's.")
+_EFA_64K = ("Between 8 B and 64 KiB 2x p5's time roughly doubles (69 -> 135 us out-of-place, 104 in-place) while the "
             "model adds a few us of LL transfer: over EFA a 64 KiB all_reduce is not yet latency-bound in the model's "
-            "sense (per-message costs of the aws-ofi-nccl path); the p5 row's own in-place time is 103.8 us.")
+            "sense (per-message costs of the aws-ofi-nccl path). p4de, Simple-only, grows less (164 -> 227 us).")
 _UCCL_B200 = ("On NVLink5 UCCL-EP's normal kernels (DeepEP V1's design) reach 280-426 GB/s, far below NVLink5's "
               "18 x 40.1 GB/s that the model divides by: the kernels are bound by the SMs they use, not by the link "
               "(DeepEP V2 needs 64 SMs to reach 726 GB/s on SM100, its README).")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -21,6 +22,7 @@ from collectives.model import (
     predict_collective,
 )
 from collectives.model.collective import P2P_EFFICIENCY, _tree_correction
+from collectives.model.systems import efa_latency_us
 
 GIB, MIB, KIB = 1 << 30, 1 << 20, 1 << 10
 A100, H100, P5EN = get_system("dgx-a100"), get_system("dgx-h100"), get_system("p5en")
@@ -173,13 +175,60 @@ def test_broadcast_by_hand() -> None:
 
 
 def test_efa_latency_reproduces_its_fitted_point_only() -> None:
-    # systems.EFA_200G was fitted on 2x p5 all_reduce 8 B = 69.12 us (NCCL runs tree/LL there)
-    pred = predict_collective(P5EN, "all_reduce", 8, nodes=2, algorithms=NCCL_ALGORITHMS)
+    # systems.EFA_LATENCY_SCALE was fitted on 2x p5 all_reduce 8 B = 69.12 us (NCCL runs tree/LL there);
+    # p5's EFA reports 75 us to NCCL through aws-ofi-nccl, p5en's 35 us
+    p5 = replace(P5EN, name="p5", nic=replace(P5EN.nic, latency_us=efa_latency_us(75.0)))
+    pred = predict_collective(p5, "all_reduce", 8, nodes=2, algorithms=NCCL_ALGORITHMS)
     assert (pred.algorithm, pred.protocol) == ("tree", "LL")
     assert pred.time_us == pytest.approx(69.12, rel=1e-3)
+    # p5en: the same shape with 35/75 of p5's extra per hop (21.96 us for LL)
+    extra = (69.12 - 6.8 - 2 * (7 * 0.6 + 5.0)) / 2 * 35.0 / 75.0
+    p5en = predict_collective(P5EN, "all_reduce", 8, nodes=2, algorithms=NCCL_ALGORITHMS)
+    assert p5en.time_us == pytest.approx(6.8 + 2 * (7 * 0.6 + 5.0 + extra), rel=1e-3)
     # the same shape over InfiniBand: NCCL's own table, 6.8 + 2 (7 x 0.6 + 5.0)
     ib = predict_collective(H100, "all_reduce", 8, nodes=2, algorithms=NCCL_ALGORITHMS)
     assert ib.time_us == pytest.approx(6.8 + 2 * (7 * 0.6 + 5.0), rel=1e-3)
+
+
+def test_efa_latency_us_by_hand() -> None:
+    # NCCL's NET Simple reference + twice (scale x plugin figure); the plugin's 0 leaves NCCL's reference
+    assert efa_latency_us(0.0) == pytest.approx(14.0)
+    assert efa_latency_us(75.0) == pytest.approx(14.0 + 2 * 21.96, rel=1e-9)
+    assert efa_latency_us(35.0) - 14.0 == pytest.approx((efa_latency_us(75.0) - 14.0) * 35 / 75, rel=1e-12)
+    for bad in (-1.0, "75", True):
+        with pytest.raises(ValueError, match="plugin_latency_us"):
+            efa_latency_us(bad)
+
+
+def test_network_protocols_restrict_multi_node_candidates_only() -> None:
+    simple_only = replace(A100, name="a100-simple", network_protocols=("Simple",))
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
+        multi = predict_collective(simple_only, op, 4096, nodes=2)
+        assert {c.protocol for c in multi.candidates} == {"Simple"}, op
+        # one node: the plugin never sets NCCL_PROTO there, every protocol stays
+        assert "LL" in {c.protocol for c in predict_collective(simple_only, op, 4096).candidates}, op
+    # tree/Simple by hand: base 8.4 + 2 x (7 NVLink tree Simple hops of 4.0 + one IB hop of 14.0)
+    pred = predict_collective(simple_only, "all_reduce", 8, nodes=2, algorithms=NCCL_ALGORITHMS)
+    assert (pred.algorithm, pred.protocol) == ("tree", "Simple")
+    assert pred.time_us == pytest.approx(8.4 + 2 * (7 * 4.0 + 14.0), rel=1e-3)
+    # and the restriction can only make a prediction slower
+    for size in (8, 1 << 16, 1 << 30):
+        assert _two_node_all_reduce_us(simple_only, size) >= _two_node_all_reduce_us(A100, size)
+
+
+def _two_node_all_reduce_us(system: System, size: int) -> float:
+    return predict_collective(system, "all_reduce", size, nodes=2, algorithms=NCCL_ALGORITHMS).time_us
+
+
+def test_network_protocols_validated_and_round_trip() -> None:
+    simple_only = replace(A100, network_protocols=("Simple",))
+    assert System.from_dict(json.loads(json.dumps(simple_only.to_dict()))) == simple_only
+    assert System.from_dict(json.loads(json.dumps(A100.to_dict()))).network_protocols == ("LL", "LL128", "Simple")
+    for bad in ((), ("simple",), ["Simple"], ("LL", "fast")):
+        with pytest.raises(ValueError, match="network_protocols"):
+            replace(A100, network_protocols=bad)
+    with pytest.raises(ValueError, match="network_protocols"):
+        System.from_dict(dict(A100.to_dict(), network_protocols="Simple"))
 
 
 def test_size_zero_is_latency_only() -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import validate_model as vm
 from collectives.model import get_system
+from collectives.model.systems import efa_latency_us
 
 KINDS = {"collective": "busbw_gbps", "latency": "time_us"}
 
@@ -93,8 +94,15 @@ def test_system_variants(doc):
     p5en = get_system("p5en")
     assert p5.nics_per_node == 32 and p5.nic.bandwidth_gbps == pytest.approx(p5en.nic.bandwidth_gbps / 2)
     assert p5.nic_bandwidth_per_node() == pytest.approx(p5en.nic_bandwidth_per_node())
+    # aws-ofi-nccl's latency figure: 75 us on p5 and p4de, 35 on p5en (and p6-b200, p5en's link)
+    assert p5.nic.latency_us == pytest.approx(efa_latency_us(75.0))
+    assert p5.nic.latency_us > p5en.nic.latency_us
+    assert p5en.nic.latency_us == pytest.approx(efa_latency_us(35.0))
+    assert vm.build_system("p6-b200", doc["systems"]).nic.latency_us == p5en.nic.latency_us
+    assert p5.network_protocols == p5en.network_protocols == ("LL", "LL128", "Simple")
     p4de = vm.build_system("p4de", doc["systems"])
-    assert p4de.intra == get_system("dgx-a100").intra and p4de.nic.latency_us == p5en.nic.latency_us
+    assert p4de.intra == get_system("dgx-a100").intra and p4de.nic.latency_us == p5.nic.latency_us
+    assert p4de.network_protocols == ("Simple",)  # aws-ofi-nccl sets NCCL_PROTO=simple on EFA v1
     assert p4de.nic_bandwidth_per_node() == pytest.approx(4 * p5en.nic.bandwidth_gbps / 2)
     with pytest.raises(ValueError, match="unknown override"):
         vm.build_system("x", {"x": {"base": "p5en", "description": "", "why": "", "overrides": {"nic_gbit": 1}}})

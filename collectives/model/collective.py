@@ -41,7 +41,7 @@ Latencies and protocol efficiencies are NCCL's (NVIDIA/nccl v2.30.7, ``src/graph
 link class, LL = half the bandwidth under a ceiling, LL128 = 0.92, Simple = 1.0.
 
 Fitted constants (in-sample, each named where it is defined): :data:`P2P_EFFICIENCY` (three
-single-node all_to_all points), the EFA per-hop latency (systems.EFA_200G, one 2-node point), the
+single-node all_to_all points), the EFA latency scale (systems.EFA_LATENCY_SCALE, one 2-node point), the
 ipc launch/peer costs (sglang's custom all-reduce). Everything else is NCCL's or a datasheet's.
 
 Bus bandwidth and node count: busbw normalises by ``2(n-1)/n`` (all_reduce), so an algorithm whose
@@ -69,13 +69,12 @@ Known misses (benchmarks/results/model-validation.md has the numbers):
   not modelled.
 - all_to_all: per-peer costs of NCCL's grouped send/recv beyond the network post overhead are
   not modelled; small-message all_to_all at many ranks is optimistic.
-- EFA latency differs by generation: the per-hop figure fitted on p5 (EFA v2) over-predicts the
-  2x p6-b200 8 B all_reduce (50.6 us measured) and under-predicts 2x p4de (EFA v1, 164 us). An
-  unmodelled alternative: aws-ofi-nccl forces NCCL_PROTO=simple where EFA cannot promise in-order
-  128-byte writes (src/platform-aws.cpp, "LL/LL128 protocols can lead to data corruption without
-  data delivery ordering"; p5en is exempted). With Simple only and no extra EFA latency NCCL's own
-  table gives 66.8 us (nvls_tree) for 2x p5 at 8 B (69.1 measured), but which instances ran
-  Simple-only is not stated in the sources, so the model does not assume it.
+- EFA latency by generation is aws-ofi-nccl's per-platform figure (75 us p4d/p4de/p5, 35 us
+  p5en/p6-b200) times one scale fitted on 2x p5 (systems.EFA_LATENCY_SCALE): an assumption that
+  real latency keeps the ratio of the plugin's selection weights. Where the plugin sets
+  NCCL_PROTO=simple (EFA without in-order 128-byte delivery: p4d/p4de) a System says so in
+  ``network_protocols``; which platform runs Simple-only is read from aws-ofi-nccl's code and
+  history, not from the measurements.
 - LL over EFA carries far less than NCCL's LL ceiling: 2x p5 all_reduce grows from 69 us at 8 B
   to 135 us at 64 KiB (aws-samples/awsome-distributed-training), ~2 GB/s, where the model adds 3 us.
   Mid-size multi-node all_reduce (32 KiB - 256 MiB) on EFA is 15-45% optimistic for that reason
@@ -91,10 +90,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping
 
 from .segments import candidate_terms, segment_time
-from .systems import NET_HOP_US, NVLINK_HOP_US, PCI_HOP_US, System
+from .systems import NET_HOP_US, NVLINK_HOP_US, PCI_HOP_US, PROTOCOLS, System
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
-PROTOCOLS = ("LL", "LL128", "Simple")
 ALGORITHMS = ("ring", "tree", "nvls", "nvls_tree", "one_shot", "two_shot", "hierarchical", "pairwise")
 # What NCCL itself runs (nccl-tests measure these): compare published nccl-tests points with
 # predict_collective(..., algorithms=NCCL_ALGORITHMS).
@@ -453,11 +451,13 @@ def _analytical_candidates(f: _Fabric, op: str, size: int) -> list[Candidate]:
     if f.n == 1:  # one rank: a local copy (read + write) after one launch
         mem = s.memory_gbps or s.intra.bandwidth_gbps
         return [_candidate("local", "Simple", BASE_LATENCY_US["ring"][_P["Simple"]], [("memory", 2.0 * size, mem)])]
+    # several nodes: what the network plugin leaves NCCL (NCCL_PROTO=simple on EFA without ordering)
+    allowed = PROTOCOLS if f.N == 1 else s.network_protocols
     if op == "all_to_all":
         per_peer = size / f.n
         protocols = ("LL", "Simple") if per_peer <= P2P_LL_THRESHOLD_BYTES else ("Simple",)
-        return [_pairwise(f, size, p) for p in protocols]
-    for p in PROTOCOLS:
+        return [_pairwise(f, size, p) for p in protocols if p in allowed]
+    for p in allowed:
         out.append(_ring(f, op, size, p))
         if op == "all_reduce":
             out.append(_tree_all_reduce(f, size, p))

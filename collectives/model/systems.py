@@ -38,6 +38,7 @@ NET_HOP_US = 14.0
 
 ARCHES = ("sm80", "sm86", "sm89", "sm90", "sm100", "host")
 CPU_VENDORS = ("intel", "amd")
+PROTOCOLS = ("LL", "LL128", "Simple")  # NCCL's, in its order (NCCL_PROTO names)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ class System:
         memory_gbps: device memory bandwidth, GB/s (staging copies of the ipc kernels); 0 = unknown.
         cpu_vendor: ``"intel"`` or ``"amd"``: NCCL's multi-node LL ceiling and network post overhead
             depend on it (tuning.cc ``llMaxBws``, ``getNetOverhead``).
+        network_protocols: the NCCL protocols a job of several nodes may use (default all three).
+            ``("Simple",)`` where the network plugin sets ``NCCL_PROTO=simple`` for the job, as
+            aws-ofi-nccl does on EFA without in-order 128-byte delivery (p4d/p4de).
         sources: field name -> where its number comes from.
         calibration: fitted alpha-beta terms (from :func:`collectives.model.calibrate`): op -> list of
             ``{"algorithm", "ranks", "alpha_us", "beta_us_per_byte"[, "protocol", "min_bytes",
@@ -128,6 +132,7 @@ class System:
     nvls_efficiency: float = 0.0
     memory_gbps: float = 0.0
     cpu_vendor: str = "intel"
+    network_protocols: tuple[str, ...] = PROTOCOLS
     sources: Mapping[str, str] = field(default_factory=dict, hash=False)
     calibration: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
@@ -154,6 +159,10 @@ class System:
             raise ValueError(f"{where}: memory_gbps must be >= 0, got {self.memory_gbps}")
         if self.cpu_vendor not in CPU_VENDORS:
             raise ValueError(f"{where}: cpu_vendor must be one of {', '.join(CPU_VENDORS)}, got {self.cpu_vendor!r}")
+        if (not isinstance(self.network_protocols, tuple) or not self.network_protocols
+                or not set(self.network_protocols) <= set(PROTOCOLS)):
+            raise ValueError(f"{where}: network_protocols must be a non-empty tuple of {', '.join(PROTOCOLS)}, "
+                             f"got {self.network_protocols!r}")
         if not isinstance(self.calibration, Mapping):
             raise ValueError(f"{where}: calibration must be a mapping op -> list of terms")
 
@@ -201,6 +210,8 @@ class System:
                 value = value.to_dict()
             elif isinstance(value, Mapping):
                 value = json.loads(json.dumps(dict(value)))  # a deep, plain copy
+            elif isinstance(value, tuple):
+                value = list(value)
             d[f.name] = value
         return d
 
@@ -220,6 +231,11 @@ class System:
         kwargs["intra"] = Link.from_dict(d["intra"])
         kwargs["nic"] = Link.from_dict(d["nic"]) if d["nic"] is not None else None
         kwargs["nvls"] = bool(d["nvls"])
+        if "network_protocols" in d:
+            protocols = d["network_protocols"]
+            if isinstance(protocols, str) or not isinstance(protocols, (list, tuple)):
+                raise ValueError(f"network_protocols must be a list of {', '.join(PROTOCOLS)}, got {protocols!r}")
+            kwargs["network_protocols"] = tuple(protocols)
         kwargs["sources"] = dict(d.get("sources", {}))
         kwargs["calibration"] = dict(d.get("calibration", {}))
         return cls(**kwargs)
@@ -256,16 +272,37 @@ PCIE_GEN4 = Link("pcie-gen4", 24.0, PCI_HOP_US)
 HDR_200G = Link("hdr-200g", 24.0, NET_HOP_US)
 # NDR 400G InfiniBand: 46-48 GB/s measured per NIC (NVIDIA/nccl-tests#290, shared ANCHORS.md): 47.
 NDR_400G = Link("ndr-400g", 47.0, NET_HOP_US)
-# EFA 200G (p5en). Bandwidth: no per-NIC measurement at hand; 200 Gb/s = 25 GB/s line rate x 0.94,
-# the measured/line ratio of NDR (47/50): an assumption. Latency: EFA costs more per hop than IB
-# (aws-ofi-nccl reports 35-75 us to NCCL's tuner, src/platform-aws.cpp, a selection weight, not a
-# time); the extra per-hop time is FITTED on one published point, 2x p5.48xlarge all_reduce of 8 B =
-# 69.12 us (aws-samples/awsome-distributed-training micro-benchmarks/nccl-tests/README.md), which
-# NCCL runs as tree/LL: 6.8 + 2 x (7 x 0.6 + (5.0 + x)) = 69.12 -> x = 21.96 us per hop (LL), twice
-# that for Simple: latency_us = 14.0 + 2x = 57.9. In-sample for that point; every other EFA point
-# stays out of sample.
-EFA_EXTRA_HOP_US = (69.12 - 6.8 - 2 * (7 * 0.6 + 5.0)) / 2
-EFA_200G = Link("efa-200g", 25.0 * 47.0 / 50.0, NET_HOP_US + 2 * EFA_EXTRA_HOP_US)
+# EFA. Bandwidth (200G, p5en): no per-NIC measurement at hand; 200 Gb/s = 25 GB/s line rate x 0.94,
+# the measured/line ratio of NDR (47/50): an assumption.
+# Latency: aws-ofi-nccl reports a per-platform network latency to NCCL (aws/aws-ofi-nccl
+# src/platform-aws.cpp, platform table `.latency`: 75 us on p4d/p4de and p5/p5e, 35 us on p5en and
+# p6-b200), which NCCL adds per network hop as graph->latencyInter (NVIDIA/nccl src/graph/search.cc,
+# tuning.cc). Taken literally it makes 2x p5 8-byte all_reduce 175 us (69 measured): it is a selection
+# weight. The model keeps its ratio between platforms and FITS one scale on one published point,
+# 2x p5.48xlarge all_reduce of 8 B = 69.12 us (aws-samples/awsome-distributed-training
+# micro-benchmarks/nccl-tests/README.md), which NCCL runs as tree/LL (p5's EFA reports in-order
+# 128-byte writes, aws-ofi-nccl ece41f0c): 6.8 + 2 x (7 x 0.6 + (5.0 + x)) = 69.12 -> x = 21.96 us per
+# hop for LL (twice that for Simple) = 0.293 x p5's 75 us. In-sample for that point; every other
+# EFA point stays out of sample. (Until this per-platform ratio the model used p5's x for every EFA
+# generation, which over-predicted 2x p6-b200 by 37%; the ratio was adopted after seeing that miss.)
+EFA_P5_PLUGIN_LATENCY_US = 75.0     # aws-ofi-nccl platform table: p4d, p4de, p5/p5e
+EFA_P5EN_PLUGIN_LATENCY_US = 35.0   # aws-ofi-nccl platform table: p5en, p6-b200
+EFA_EXTRA_HOP_US = (69.12 - 6.8 - 2 * (7 * 0.6 + 5.0)) / 2   # fitted on 2x p5 (see above)
+EFA_LATENCY_SCALE = EFA_EXTRA_HOP_US / EFA_P5_PLUGIN_LATENCY_US
+
+
+def efa_latency_us(plugin_latency_us: float) -> float:
+    """Link.latency_us of an EFA card whose aws-ofi-nccl platform entry reports ``plugin_latency_us``.
+
+    NCCL's NET reference plus twice the per-hop extra (the Simple protocol pays it twice), the extra
+    being the plugin's figure times :data:`EFA_LATENCY_SCALE` (fitted on 2x p5, see above).
+    """
+    if isinstance(plugin_latency_us, bool) or not isinstance(plugin_latency_us, (int, float)) or plugin_latency_us < 0:
+        raise ValueError(f"plugin_latency_us must be a number >= 0, got {plugin_latency_us!r}")
+    return NET_HOP_US + 2 * EFA_LATENCY_SCALE * plugin_latency_us
+
+
+EFA_200G = Link("efa-200g", 25.0 * 47.0 / 50.0, efa_latency_us(EFA_P5EN_PLUGIN_LATENCY_US))
 # 200G Ethernet/IB card on the PCIe box: same usable rate as HDR 200G (NVIDIA/nccl#412), IB latency.
 ETH_200G = Link("cx-200g", 24.0, NET_HOP_US)
 
@@ -320,7 +357,8 @@ _PRESETS: tuple[System, ...] = (
         memory_gbps=4800.0,    # H200 HBM3e 4.8 TB/s (NVIDIA datasheet)
         cpu_vendor="intel",    # p5en: 4th gen Intel Xeon Scalable (Sapphire Rapids), AWS instance page
         sources={"intra": _NCCL_NVLINK + ": 18 x 20.6",
-                 "nic": "200 Gb/s EFA = 25 GB/s line x 0.94 (NDR measured/line ratio, nccl-tests#290): assumed",
+                 "nic": "200 Gb/s EFA = 25 GB/s line x 0.94 (NDR measured/line ratio, nccl-tests#290): assumed; "
+                        "latency: aws-ofi-nccl's p5en figure (35 us) x a scale fitted on 2x p5 (systems.EFA_200G)",
                  "nics_per_node": "AWS p5en: 3200 Gbps EFAv3 as 16x 200G (shared ANCHORS.md)",
                  "nvls_efficiency": _NCCL_NVLS + "[Hopper] = 0.85", "memory_gbps": _HBM,
                  "cpu_vendor": "AWS p5en instance page: Intel Sapphire Rapids"}),
