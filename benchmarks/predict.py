@@ -34,7 +34,7 @@ MOE_OPS = ("moe_dispatch", "moe_combine")
 LOCAL = "local"  # --system local: the machine a `moecomm bench --json` run was made on (--calibrate)
 # options that only one kind of prediction reads: giving one to the other kind is a usage error
 _COLLECTIVE_ONLY = {"minbytes": "-b", "maxbytes": "-e", "stepfactor": "-f", "stepbytes": "-i", "dtype": "-d",
-                    "nodes": "--nodes", "plot_path": "--plot", "algorithms": "--algorithms"}
+                    "nodes": "--nodes", "plot_path": "--plot", "algorithms": "--algorithms", "protocols": "--protocols"}
 _MOE_ONLY = {"tokens": "--tokens", "hidden": "--hidden", "topk": "--topk", "experts": "--experts", "ep": "--ep",
              "dispatch_dtype": "--dispatch-dtype", "mode": "--mode", "topk_groups": "--topk-groups"}
 
@@ -109,8 +109,12 @@ def resolve_system(name: str | None, system_file: str | None, calibrate_run: str
 
 def system_summary(system: "System") -> str:
     """Two ``#`` lines: the system's name and description, then its GPUs, links and NICs as the model uses them."""
+    from collectives.model import PROTOCOLS
+
     nic = (f"network {system.nic_bandwidth_per_gpu():g} GB/s ({system.nics_per_node}x {system.nic.name} of "
            f"{system.nic.bandwidth_gbps:g} GB/s per node)" if system.nic else "no network (one node only)")
+    if system.nic and system.network_protocols != PROTOCOLS:
+        nic += f", across nodes NCCL protocol(s) {'/'.join(system.network_protocols)} only"
     return (f"# {system.name}: {system.description}\n# {system.gpus_per_node} GPUs (ranks) per node; per GPU: {system.intra.name} "
             f"{system.intra.bandwidth_gbps:g} GB/s, {nic}; NVLS {'yes' if system.nvls else 'no'}; GB/s = 1e9 B/s")
 
@@ -128,13 +132,14 @@ def systems_lines(systems: Sequence["System"]) -> list[str]:
 # ---- predictions ---------------------------------------------------------------------------------
 def collective_rows(system: "System", ops: Sequence[str], dtypes: Sequence[str], byte_sizes: Sequence[int],
                     nodes_list: Sequence[int], gpus_per_node: int, *,
-                    algorithms: Sequence[str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+                    algorithms: Sequence[str] | None = None,
+                    protocols: Sequence[str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
     """Predictions of a sweep: every op x node count x dtype x size (in that order).
 
     Args:
         system: the machine; ops: collectives of :data:`common.ALL_OPS`; dtypes: names of
             :data:`common.DTYPES`; byte_sizes: nccl-tests sizes (bytes); nodes_list: node counts;
-            gpus_per_node: ranks per node; algorithms: consider only these (None: every one).
+            gpus_per_node: ranks per node; algorithms, protocols: consider only these (None: every one).
 
     Returns:
         (rows, notes): each row :meth:`Prediction.as_dict` plus ``system`` and the runner-up's
@@ -159,7 +164,7 @@ def collective_rows(system: "System", ops: Sequence[str], dtypes: Sequence[str],
                         continue
                     try:
                         p = predict_collective(system, op, size, nodes=nodes, gpus_per_node=gpus_per_node, dtype=dtype,
-                                               algorithms=algorithms)
+                                               algorithms=algorithms, protocols=protocols)
                     except ValueError as e:
                         raise click.UsageError(f"{system.name} cannot run {op} on {nodes} node(s) x {gpus_per_node} "
                                                f"GPUs: {e}") from None
@@ -339,6 +344,9 @@ def _check_kind(ctx: click.Context, moe: bool) -> None:
               help="Consider only these algorithms, comma-separated (ring, tree, nvls, nvls_tree, one_shot, two_shot, "
                    "hierarchical, pairwise), or nccl: what NCCL itself runs, to compare with nccl-tests "
                    "[default: all the model knows].")
+@click.option("--protocols", default=None, metavar="LIST",
+              help="Consider only these NCCL protocols, comma-separated (LL, LL128, Simple), as NCCL_PROTO does "
+                   "[default: all three; across nodes, those the system's network allows].")
 @click.option("-J", "--json", "json_path", default=None, metavar="FILE", help="Write the predictions as JSON.")
 @click.option("--csv", "csv_path", default=None, metavar="FILE", help="Write the predictions as CSV.")
 @click.option("--plot", "plot_path", type=FIGURE, default=None,
@@ -348,7 +356,8 @@ def predict(ctx: click.Context, system_name: str | None, system_file: str | None
             save_system: str | None, list_systems: bool, ops: str, nodes: str, gpus_per_node: int | None,
             minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, dtype: str, tokens: int,
             hidden: int, topk: int, experts: int, topk_groups: int | None, ep: str, dispatch_dtype: str, mode: str,
-            algorithms: str | None, json_path: str | None, csv_path: str | None, plot_path: str | None) -> None:
+            algorithms: str | None, protocols: str | None, json_path: str | None, csv_path: str | None,
+            plot_path: str | None) -> None:
     """Predict collective or MoE all-to-all performance on a machine from the analytical model.
 
     Collectives: an nccl-tests-style table (the sizes, counts and bus factors of `moecomm bench`)
@@ -390,7 +399,7 @@ def predict(ctx: click.Context, system_name: str | None, system_file: str | None
             raise click.BadParameter(str(e), param_hint="-b/-e/-f/-i/-d") from None
         options, rows, notes, lines = _collective_run(system, op_list, _int_list(nodes, "--nodes"),
                                                       gpus_per_node or system.gpus_per_node, dtypes, byte_sizes,
-                                                      _algorithms(algorithms))
+                                                      _algorithms(algorithms), _protocols(protocols))
     options.update(system_file=system_file, calibrate=calibrate_run)
     for line in [system_summary(system), *lines]:
         click.echo(line)
@@ -416,15 +425,31 @@ def _algorithms(text: str | None) -> list[str] | None:
     return list(dict.fromkeys(names))
 
 
+def _protocols(text: str | None) -> list[str] | None:
+    """``--protocols``: names of :data:`collectives.model.PROTOCOLS` (NCCL_PROTO's)."""
+    from collectives.model import PROTOCOLS
+
+    if text is None:
+        return None
+    names = comma_list(text)
+    bad = [p for p in names if p not in PROTOCOLS]
+    if bad or not names:
+        raise click.BadParameter(f"unknown protocol(s) {', '.join(map(repr, bad)) or 'none given'}; give some of "
+                                 f"{', '.join(PROTOCOLS)}", param_hint="--protocols")
+    return list(dict.fromkeys(names))
+
+
 def _collective_run(system: "System", ops: list[str], nodes_list: list[int], gpn: int, dtypes: list[str],
-                    byte_sizes: list[int], algorithms: list[str] | None) -> tuple[dict, list[dict], list[str], list[str]]:
+                    byte_sizes: list[int], algorithms: list[str] | None,
+                    protocols: list[str] | None) -> tuple[dict, list[dict], list[str], list[str]]:
     """(options, rows, notes, printed lines) of a collective sweep."""
     if system.nic is None and max(nodes_list) > 1:
         raise click.BadParameter(f"{system.name} is a single-node machine (its description has no NIC): use --nodes "
                                  "1, or a system with a network (--list-systems)", param_hint="--nodes")
     options = dict(system=system.name, ops=ops, nodes=nodes_list, gpus_per_node=gpn, dtypes=dtypes, sizes=byte_sizes,
-                   algorithms=algorithms)
-    rows, notes = collective_rows(system, ops, dtypes, byte_sizes, nodes_list, gpn, algorithms=algorithms)
+                   algorithms=algorithms, protocols=protocols)
+    rows, notes = collective_rows(system, ops, dtypes, byte_sizes, nodes_list, gpn, algorithms=algorithms,
+                                  protocols=protocols)
     head = (f"# moecomm predict: {','.join(ops)} on {','.join(map(str, nodes_list))} node(s) x {gpn} GPUs, dtype "
             f"{','.join(dtypes)}, sizes {sizes_text(byte_sizes)}")
     lines = [head, *(f"# note: {n}" for n in notes), *COLLECTIVE_TABLE.header(), *map(format_collective, rows),

@@ -427,6 +427,23 @@ def test_calibrated_terms_replace_the_analytical_model() -> None:
         predict_collective(local, "all_reduce", 1000, gpus_per_node=3)
     with pytest.raises(ValueError, match="not for all_gather on 4 ranks"):
         predict_collective(local, "all_gather", 1000)
+    with pytest.raises(ValueError, match="calibrated.*drop the protocols filter"):
+        predict_collective(local, "all_reduce", 1000, protocols=["Simple"])
+
+
+def test_protocols_filter_like_nccl_proto() -> None:
+    for protocol in ("LL", "LL128", "Simple"):
+        pred = predict_collective(H100, "all_reduce", 1 << 20, nodes=2, protocols=[protocol])
+        assert {c.protocol for c in pred.candidates} == {protocol}
+        full = predict_collective(H100, "all_reduce", 1 << 20, nodes=2)
+        assert pred.time_us >= full.time_us
+    with pytest.raises(ValueError, match="unknown protocol.*'Fast'.*LL, LL128, Simple"):
+        predict_collective(H100, "all_reduce", 8, protocols=["Fast"])
+    with pytest.raises(ValueError, match="unknown protocol"):
+        predict_collective(H100, "all_reduce", 8, protocols=[])
+    # nvls runs Simple only: nothing left
+    with pytest.raises(ValueError, match="no candidate.*among the algorithms asked for"):
+        predict_collective(H100, "all_reduce", 8, algorithms=["nvls"], protocols=["LL"])
 
 
 # ---- bad input ------------------------------------------------------------------------------------

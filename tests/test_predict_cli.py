@@ -141,6 +141,34 @@ def test_only_the_algorithms_nccl_runs(tmp_path):
     assert {c["algorithm"] for c in row["candidates"]} == {"ring", "two_shot"}
 
 
+def test_only_the_protocols_asked_for(tmp_path):
+    # --protocols is NCCL_PROTO: every candidate runs one of them, and the pick is the model's with the same filter
+    invoke("predict", "--system", "dgx-a100", "--nodes", "2", "--op", "all_reduce", "-b", "8", "-e", "8",
+           "--algorithms", "nccl", "--protocols", "Simple", "--json", tmp_path / "p.json")
+    (row,) = json.loads((tmp_path / "p.json").read_text())["rows"]
+    direct = model.predict_collective(model.get_system("dgx-a100"), "all_reduce", 8, nodes=2,
+                                      algorithms=model.NCCL_ALGORITHMS, protocols=["Simple"])
+    assert_same_row(row, direct.as_dict())
+    assert {c["protocol"] for c in row["candidates"]} == {"Simple"}
+    assert (row["algorithm"], row["protocol"]) == ("tree", "Simple")
+    unfiltered = model.predict_collective(model.get_system("dgx-a100"), "all_reduce", 8, nodes=2,
+                                          algorithms=model.NCCL_ALGORITHMS)
+    assert unfiltered.protocol == "LL" and row["time_us"] > unfiltered.time_us
+
+
+def test_a_system_file_with_simple_only_networking(tmp_path):
+    # what aws-ofi-nccl does on EFA without in-order delivery: a system file can say so, the header shows it
+    desc = model.get_system("dgx-a100").to_dict()
+    desc.update(name="p4d-like", network_protocols=["Simple"])
+    (tmp_path / "sys.json").write_text(json.dumps(desc))
+    out = invoke("predict", "--system-file", tmp_path / "sys.json", "--nodes", "1,2", "--op", "all_reduce", "-b", "8",
+                 "-e", "8", "--json", tmp_path / "p.json")
+    assert "across nodes NCCL protocol(s) Simple only" in out.output
+    one_node, two_nodes = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert {c["protocol"] for c in two_nodes["candidates"]} == {"Simple"}
+    assert "LL" in {c["protocol"] for c in one_node["candidates"]}
+
+
 def test_plot_one_line_per_node_count(tmp_path):
     from benchmarks.plot import plot_predictions
     from benchmarks.predict import predicted_series
@@ -330,6 +358,12 @@ def test_usage_errors_say_what_to_do(tmp_path):
     usage_error("predict", "--system", "dgx-h100", "--tokens", "128", says=("--tokens does not apply", "moe_dispatch"))
     usage_error("predict", "--system", "dgx-h100", "--algorithms", "ring,bruck", says=("unknown algorithm(s) 'bruck'",
                                                                                       "nccl"))
+    usage_error("predict", "--system", "dgx-h100", "--protocols", "LL,Fast", says=("unknown protocol(s) 'Fast'",
+                                                                                  "LL, LL128, Simple"))
+    usage_error("predict", "--system", "dgx-h100", "--op", "all_reduce", "--nodes", "1", "--gpus-per-node", "1",
+                "--protocols", "LL", says=("no candidate for all_reduce", "drop the protocols filter"))
+    usage_error("predict", "--system", "dgx-h100", "--op", "moe_dispatch", "--protocols", "LL",
+                says=("--protocols does not apply",))
     usage_error("predict", "--system", "dgx-h100", "-b", "1M", "-e", "1K", says=("-b 1 MiB is larger than -e 1 KiB",))
     usage_error("predict", "--system", "dgx-h100", "-f", "1", says=("-f > 1 or -i > 0",))
     usage_error("predict", "--system", "dgx-h100", "-d", "float128", says=("unknown dtype 'float128'",))

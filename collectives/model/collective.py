@@ -505,7 +505,8 @@ def _calibrated_candidates(system: System, op: str, size: int, n: int) -> list[C
 
 
 def predict_collective(system: System, op: str, size: int, *, nodes: int = 1, gpus_per_node: int | None = None,
-                       dtype: str = "float32", algorithms: Iterable[str] | None = None) -> Prediction:
+                       dtype: str = "float32", algorithms: Iterable[str] | None = None,
+                       protocols: Iterable[str] | None = None) -> Prediction:
     """Predicted time and bandwidth of one collective: the fastest algorithm x protocol.
 
     Args:
@@ -518,6 +519,8 @@ def predict_collective(system: System, op: str, size: int, *, nodes: int = 1, gp
         gpus_per_node: GPUs (ranks) used per node, 1 .. ``system.gpus_per_node`` (default: all).
         dtype: element type (for ``count`` only: the model is per byte).
         algorithms: consider only these (e.g. :data:`NCCL_ALGORITHMS` to compare with nccl-tests).
+        protocols: consider only these of :data:`PROTOCOLS`, as ``NCCL_PROTO`` does (e.g.
+            ``["Simple"]``); not for a calibrated system, whose terms are per algorithm.
 
     Returns:
         A :class:`Prediction`; ``candidates`` holds every algorithm x protocol considered, fastest
@@ -557,6 +560,19 @@ def predict_collective(system: System, op: str, size: int, *, nodes: int = 1, gp
         if not candidates:
             raise ValueError(f"none of the algorithms {sorted(wanted)} applies to {op} on {nodes} node(s) of "
                              f"{system.name!r}; drop the algorithms filter to see the candidates")
+    if protocols is not None:
+        wanted = set(protocols)
+        unknown = wanted - set(PROTOCOLS)
+        if unknown or not wanted:
+            raise ValueError(f"unknown protocol(s) {sorted(unknown)}; give some of {', '.join(PROTOCOLS)}")
+        if system.calibration:
+            raise ValueError(f"system {system.name!r} is calibrated: its fitted terms are per algorithm, not per NCCL "
+                             "protocol; drop the protocols filter")
+        candidates = [c for c in candidates if c.protocol in wanted]
+        if not candidates:
+            raise ValueError(f"no candidate for {op} on {nodes} node(s) of {system.name!r} runs {sorted(wanted)}"
+                             f"{' among the algorithms asked for' if algorithms is not None else ''}; "
+                             "drop the protocols filter to see the candidates")
     candidates.sort(key=lambda c: (c.time_us, c.algorithm, c.protocol))
     best = candidates[0]
     algbw = size / (best.time_us * 1e3) if size > 0 and best.time_us > 0 else 0.0
