@@ -214,6 +214,10 @@ def test_network_protocols_restrict_multi_node_candidates_only() -> None:
     # and the restriction can only make a prediction slower
     for size in (8, 1 << 16, 1 << 30):
         assert _two_node_all_reduce_us(simple_only, size) >= _two_node_all_reduce_us(A100, size)
+    # a restriction that leaves an op nothing says so instead of failing inside the choice
+    ll_only = replace(A100, name="a100-ll", network_protocols=("LL",))
+    with pytest.raises(ValueError, match="allows only LL across nodes.*all_to_all.*add Simple"):
+        predict_collective(ll_only, "all_to_all", 1 << 30, nodes=2)
 
 
 def _two_node_all_reduce_us(system: System, size: int) -> float:

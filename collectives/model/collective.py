@@ -551,6 +551,10 @@ def predict_collective(system: System, op: str, size: int, *, nodes: int = 1, gp
         candidates = _calibrated_candidates(system, op, size, n)
     else:
         candidates = _analytical_candidates(_Fabric(system, nodes, gpus), op, size)
+        if not candidates:
+            raise ValueError(f"system {system.name!r} allows only {'/'.join(system.network_protocols)} across nodes, "
+                             f"and no {op} algorithm of the model runs it at {size} B; add Simple to its "
+                             "network_protocols")
     if algorithms is not None:
         wanted = set(algorithms)
         unknown = wanted - set(ALGORITHMS) - {c.algorithm for c in candidates}
