@@ -416,26 +416,25 @@ def _algorithms(text: str | None) -> list[str] | None:
         return None
     if text.strip() == "nccl":
         return list(NCCL_ALGORITHMS)
-    names = comma_list(text)
-    bad = [a for a in names if a not in ALGORITHMS]
-    if bad or not names:
-        raise click.BadParameter(f"unknown algorithm(s) {', '.join(map(repr, bad)) or 'none given'}; give some of "
-                                 f"{', '.join(ALGORITHMS)}, or nccl ({', '.join(NCCL_ALGORITHMS)})",
-                                 param_hint="--algorithms")
-    return list(dict.fromkeys(names))
+    return _known_names(text, ALGORITHMS, "algorithm", "--algorithms",
+                        also=f", or nccl ({', '.join(NCCL_ALGORITHMS)})")
 
 
 def _protocols(text: str | None) -> list[str] | None:
     """``--protocols``: names of :data:`collectives.model.PROTOCOLS` (NCCL_PROTO's)."""
     from collectives.model import PROTOCOLS
 
-    if text is None:
-        return None
+    return None if text is None else _known_names(text, PROTOCOLS, "protocol", "--protocols")
+
+
+def _known_names(text: str, known: Sequence[str], what: str, option: str, *, also: str = "") -> list[str]:
+    """The comma-separated names of ``text``, each one of ``known``, once each in the order given;
+    a usage error of ``option`` naming the unknown ones otherwise."""
     names = comma_list(text)
-    bad = [p for p in names if p not in PROTOCOLS]
+    bad = [name for name in names if name not in known]
     if bad or not names:
-        raise click.BadParameter(f"unknown protocol(s) {', '.join(map(repr, bad)) or 'none given'}; give some of "
-                                 f"{', '.join(PROTOCOLS)}", param_hint="--protocols")
+        raise click.BadParameter(f"unknown {what}(s) {', '.join(map(repr, bad)) or 'none given'}; give some of "
+                                 f"{', '.join(known)}{also}", param_hint=option)
     return list(dict.fromkeys(names))
 
 

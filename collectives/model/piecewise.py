@@ -231,11 +231,15 @@ def fit_within(bounds: Sequence[tuple[int, int]], sizes: Sequence[float], times_
     """
     s = np.asarray(sizes, dtype=np.float64)
     t = np.asarray(times_us, dtype=np.float64)
-    ranges = [(mask, (low, high)) for mask, (low, high) in (((s >= low) & (s <= high), (low, high))
-                                                             for low, high in bounds) if mask.any()]
-    on_series = [] if series is None else [_on_series_line(s, t, mask, where, series) for mask, where in ranges]
-    parts = [mask for k, (mask, _) in enumerate(ranges) if not on_series or on_series[k] is None]
-    on_series = [segment for segment in on_series if segment is not None]
+    ranges = []
+    for low, high in bounds:
+        mask = (s >= low) & (s <= high)
+        if mask.any():
+            ranges.append((mask, (low, high)))
+    # each range's segment on the other paths' line, where the path came back to its one size there
+    placed = [None if series is None else _on_series_line(s, t, mask, where, series) for mask, where in ranges]
+    parts = [mask for (mask, _), segment in zip(ranges, placed) if segment is None]
+    on_series = [segment for segment in placed if segment is not None]
     while len(parts) > 1:
         lone = [i for i, mask in enumerate(parts) if len(np.unique(s[mask])) < 2]
         if not lone:
