@@ -354,9 +354,11 @@ def validation_report(doc: Mapping[str, Any]) -> str:
         fitted = f" In sample: fits {p['calibrates']}." if p.get("calibrates") else ""
         out.append(f"- `{p['id']}`: <{p['source']['url']}>: {p['source']['quote']}.{version}{note}{fitted}")
     out += ["", "## Sources found and not used", "",
-            "Multi-node small all_reduce latencies that a search for more InfiniBand/RoCE points found and that are "
-            "not points, each with the reason (a machine, network or algorithm the model has no terms for, or a "
-            "figure we could not read in full); a point is never left out for how well the model predicts it.", ""]
+            "Published figures found and not made points: multi-node small all_reduce latencies that a search for "
+            "more InfiniBand/RoCE points found, and MoE tables. Each with the reason (a machine, network, algorithm "
+            "or kernel design the model has no terms for, or a figure we could not read in full or turn into a time); "
+            "a point is never left out for how well the model predicts it. Where a source gives points, what it "
+            "leaves out is named in those points' notes (Sources above).", ""]
     out += [f"- <{s['url']}>: {s['what']}. Not used: {s['why']}." for s in doc.get("not_used", ())]
     return "\n".join(out) + "\n"
 
