@@ -250,7 +250,8 @@ _EFA = ("EFA: the extra per-hop latency is aws-ofi-nccl's figure for the platfor
 _EFA_64K = ("Between 8 B and 64 KiB 2x p5's time roughly doubles (69 -> 135 us out-of-place, 104 in-place) while the "
             "model adds a few us of LL transfer: over EFA a 64 KiB all_reduce is not yet latency-bound in the model's "
             "sense (per-message costs of the aws-ofi-nccl path). The step comes past 8 KiB (81 us at 8 KiB, 94 at 16, "
-            "112 at 32; 109 at 128 KiB): aws-ofi-nccl sends a message eagerly only up to OFI_NCCL_EAGER_MAX_SIZE, "
+            "112 at 32; 109 at 128 KiB). A candidate cause, unchecked (it depends on how NCCL splits the message over "
+            "channels and steps): aws-ofi-nccl sends a message eagerly only up to OFI_NCCL_EAGER_MAX_SIZE, "
             "8 KiB (include/nccl_ofi_param.h, 1.7.3 to today); a larger one waits for the receiver's control message "
             "(send() in src/nccl_ofi_rdma.c, .cpp today), one more network crossing, which NCCL's latency model, and so ours, does "
             "not count. p4de, Simple-only, grows less (164 -> 227 us).")
