@@ -466,7 +466,16 @@ def _moe_run(system: "System", ops: list[str], eps: list[int], gpus_per_node: in
             f"{shape['experts']} experts"
             + (f" within {shape['topk_groups']} node groups" if shape["topk_groups"] else "")
             + f", dispatch {shape['dispatch_dtype']}; bytes each rank sends")
-    return options, rows, [], [head, *MOE_TABLE.header(), *map(format_moe, rows)]
+    local = gpus_per_node or system.gpus_per_node
+    notes = [EFA_MOE_NOTE] if system.network_is_efa and any(ep > local for ep in eps) else []
+    return options, rows, notes, [head, *(f"# note: {n}" for n in notes), *MOE_TABLE.header(), *map(format_moe, rows)]
+
+
+# Why a MoE prediction across EFA nodes needs care: the numbers are in model-validation.md (UCCL-EP rows).
+EFA_MOE_NOTE = ("across EFA nodes the model times GPU-initiated RDMA, as DeepEP's kernels issue it on InfiniBand "
+                "(IBGDA), which EFA does not offer; UCCL-EP, which runs DeepEP's API on EFA through CPU proxies, "
+                "published times up to 77% off the model's in normal mode (both ways) and 16-60% slower at EP24-32 "
+                "in low-latency mode (benchmarks/results/model-validation.md)")
 
 
 def _write(doc: dict[str, Any], json_path: str | None, csv_path: str | None, save_system: str | None) -> None:

@@ -370,7 +370,7 @@ def validation_report(doc: Mapping[str, Any]) -> str:
 
 def network_kind(system: System) -> str:
     """``"EFA"`` for a system whose NICs are AWS EFA, ``"InfiniBand/RoCE"`` for any other network."""
-    return "EFA" if system.nic is not None and system.nic.name.startswith("efa") else "InfiniBand/RoCE"
+    return "EFA" if system.network_is_efa else "InfiniBand/RoCE"
 
 
 def _latency_by_network(latency: Sequence[Evaluation], variants: Mapping[str, Any]) -> str:

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from benchmarks import common as cm
+from benchmarks import predict as predict_cli
 from benchmarks.cli import main
 from benchmarks.output import load_run
 from benchmarks.report import predicted_beside, run_shape
@@ -224,6 +225,18 @@ def test_moe_dispatch_and_combine_over_ep_sizes(tmp_path):
                          topk_groups=2)
     assert_same_row(row, direct.as_dict())
     assert row["nodes"] == 2 and row["network_bytes"] > 0
+    assert json.loads((tmp_path / "g.json").read_text())["notes"] == []  # InfiniBand: no EFA caveat
+
+
+def test_moe_across_efa_nodes_says_what_the_model_assumes(tmp_path):
+    # EFA has no GPU-initiated RDMA: the published CPU-proxy engine (UCCL-EP) is the one to compare with
+    res = invoke("predict", "--system", "p5en", "--op", "moe_dispatch", "--ep", "8,16", "--json", tmp_path / "e.json")
+    notes = json.loads((tmp_path / "e.json").read_text())["notes"]
+    assert notes == [predict_cli.EFA_MOE_NOTE] and f"# note: {notes[0]}" in res.output
+    assert "IBGDA" in notes[0] and "UCCL-EP" in notes[0]
+    # one EFA node: nothing crosses the network, so no caveat
+    invoke("predict", "--system", "p5en", "--op", "moe_dispatch", "--ep", "8", "--json", tmp_path / "one.json")
+    assert json.loads((tmp_path / "one.json").read_text())["notes"] == []
 
 
 # ---- systems --------------------------------------------------------------------------------------

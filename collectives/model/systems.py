@@ -178,6 +178,11 @@ class System:
             return 0.0
         return self.nic.bandwidth_gbps * self.nics_per_node / self.gpus_per_node
 
+    @property
+    def network_is_efa(self) -> bool:
+        """Whether the node's NICs are AWS EFA (a Link named ``efa...``): no GPU-initiated RDMA (IBGDA)."""
+        return self.nic is not None and self.nic.name.startswith("efa")
+
     def nic_bandwidth_per_node(self) -> float:
         """GB/s of all the node's NICs together (0.0 without a NIC)."""
         return self.nic.bandwidth_gbps * self.nics_per_node if self.nic is not None else 0.0
