@@ -287,11 +287,11 @@ MISS_READINGS: dict[str, str] = {
                         "one NIC per GPU for point-to-point traffic (true for NCCL and NVSHMEM), so it is too slow.",
     "ucclep-p6-b200-ep8": _UCCL_B200, "ucclep-p6-b200-ep16": _UCCL_B200,
     "ucclep-ll-": "UCCL-EP's low-latency time grows with the number of remote peers, not with the bytes: from EP16 to "
-                  "EP32 (8 -> 24 remote ranks) p5en's dispatch goes 226 -> 465 us while its network bytes grow 1.5x, "
-                  "about 10-16 us more per remote peer on both platforms, and p6-b200 is no faster than p5en though "
-                  "the model gives it twice the NIC per GPU (228 vs 226 us at EP16; UCCL-EP drives both of a p5en "
-                  "GPU's 200G cards, so both have 400 Gb/s). Its CPU proxies post the writes peer by peer; the model "
-                  "has no per-peer proxy cost, so it is too fast as the peers grow.",
+                  "EP32 (8 -> 24 remote ranks) p5en's dispatch goes 226 -> 465 us while its network bytes grow 1.5x. "
+                  "Against the model at 400 Gb/s per GPU on both platforms (UCCL-EP drives both of a p5en GPU's 200G "
+                  "cards: p5en and p6-b200 take 226 and 228 us at EP16), every row is 8-19 us longer per remote peer, "
+                  "as if CPU proxies posted the writes peer by peer; the model has no per-peer proxy cost, so it is "
+                  "too fast as the peers grow.",
     "ucclep-ll-p5en-ep16-combine": "UCCL-EP drives both 200G EFA cards of a p5en GPU (p5en and p6-b200, 400 Gb/s per "
                                    "GPU each, take the same time at EP16: 226 vs 228 us dispatch); the model gives p5en's "
                                    "point-to-point traffic one card, so its 7.3 MB of combine over the network come out "

@@ -43,8 +43,9 @@ DeepEP's normal kernels reach ~80-85% of the H800's NVLink maximum on the bytes 
 move, so normal-mode times on NVLink come out 14-23% short (network-bound ones 3-8%); the fixed
 kernel overhead is pplx's, DeepEP's LL dispatch comes out up to 13% long. Nothing here knows CPU-
 proxy NICs (UCCL-EP on EFA), whose achieved rate varies with the peer count (25-40 GB/s per GPU on
-p5en), not with the link: those points miss by up to ~75%; UCCL-EP's low-latency kernels take about
-10-16 us more per remote peer, so at EP24 and EP32 they come out 16-60% fast.
+p5en), not with the link: those points miss by up to ~75%; UCCL-EP's low-latency kernels take
+8-19 us per remote peer more than the model at 400 Gb/s per GPU, so at EP24 and EP32 the model
+comes out 16-60% fast.
 """
 
 from __future__ import annotations
