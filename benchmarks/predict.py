@@ -466,8 +466,7 @@ def _moe_run(system: "System", ops: list[str], eps: list[int], gpus_per_node: in
             f"{shape['experts']} experts"
             + (f" within {shape['topk_groups']} node groups" if shape["topk_groups"] else "")
             + f", dispatch {shape['dispatch_dtype']}; bytes each rank sends")
-    local = gpus_per_node or system.gpus_per_node
-    notes = [EFA_MOE_NOTE] if system.network_is_efa and any(ep > local for ep in eps) else []
+    notes = [EFA_MOE_NOTE] if system.network_is_efa and any(r["nodes"] > 1 for r in rows) else []
     return options, rows, notes, [head, *(f"# note: {n}" for n in notes), *MOE_TABLE.header(), *map(format_moe, rows)]
 
 

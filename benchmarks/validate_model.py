@@ -253,8 +253,8 @@ _EFA_64K = ("Between 8 B and 64 KiB 2x p5's time roughly doubles (69 -> 135 us o
             "112 at 32; 109 at 128 KiB). A candidate cause, unchecked (it depends on how NCCL splits the message over "
             "channels and steps): aws-ofi-nccl sends a message eagerly only up to OFI_NCCL_EAGER_MAX_SIZE, "
             "8 KiB (include/nccl_ofi_param.h, 1.7.3 to today); a larger one waits for the receiver's control message "
-            "(send() in src/nccl_ofi_rdma.c, .cpp today), one more network crossing, which NCCL's latency model, and so ours, does "
-            "not count. p4de, Simple-only, grows less (164 -> 227 us).")
+            "(send() in src/nccl_ofi_rdma.c, .cpp today), one more network crossing, which NCCL's latency model, and "
+            "so ours, does not count. p4de, Simple-only, grows less (164 -> 227 us).")
 _UCCL_B200 = ("On NVLink5 UCCL-EP's normal kernels (DeepEP V1's design) reach 280-426 GB/s, far below NVLink5's "
               "18 x 40.1 GB/s that the model divides by: the kernels are bound by the SMs they use, not by the link "
               "(DeepEP V2 needs 64 SMs to reach 726 GB/s on SM100, its README).")
@@ -292,10 +292,10 @@ MISS_READINGS: dict[str, str] = {
                   "cards: p5en and p6-b200 take 226 and 228 us at EP16), every row is 8-19 us longer per remote peer, "
                   "as if CPU proxies posted the writes peer by peer; the model has no per-peer proxy cost, so it is "
                   "too fast as the peers grow.",
-    "ucclep-ll-p5en-ep16-combine": "UCCL-EP drives both 200G EFA cards of a p5en GPU (p5en and p6-b200, 400 Gb/s per "
-                                   "GPU each, take the same time at EP16: 226 vs 228 us dispatch); the model gives p5en's "
-                                   "point-to-point traffic one card, so its 7.3 MB of combine over the network come out "
-                                   "slow, where 8 remote peers do not yet add much proxy cost.",
+    "ucclep-ll-p5en-ep16-combine": "UCCL-EP drives both 200G EFA cards of a p5en GPU (p5en and p6-b200, 400 Gb/s "
+                                   "per GPU each, take the same time at EP16: 226 vs 228 us dispatch); the model "
+                                   "gives p5en's point-to-point traffic one card, so its 7.3 MB of combine over the "
+                                   "network come out slow, where 8 remote peers do not yet add much proxy cost.",
 }
 
 

@@ -485,8 +485,9 @@ def _calibrated_candidates(system: System, op: str, size: int, n: int) -> list[C
     compete at a size outside some of their spans, with which term, is :func:`candidate_terms`' rule (per
     transport: those whose span holds it, the chord across a gap where the transport changed path,
     else the nearest). An algorithm fitted piecewise (several terms, collectives.model.calibrate)
-    predicts with :func:`~collectives.model.segments.fitted_segment` (through ``candidate_terms``); a size in the gap between two of its segments is inside its
-    span, so the algorithm stays in the running. Negative fitted coefficients count as 0.
+    predicts with :func:`~collectives.model.segments.fitted_segment` (through ``candidate_terms``); a
+    size in the gap between two of its segments is inside its span, so the algorithm stays in the
+    running. Negative fitted coefficients count as 0.
     """
     terms = [t for t in system.calibration.get(op, ()) if int(t.get("ranks", -1)) == n]
     if not terms:

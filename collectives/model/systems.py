@@ -282,8 +282,9 @@ NDR_400G = Link("ndr-400g", 47.0, NET_HOP_US)
 # Latency: aws-ofi-nccl reports a per-platform network latency to NCCL (aws/aws-ofi-nccl
 # src/platform-aws.cpp, platform table `.latency`: 75 us on p4d/p4de and p5/p5e, 35 us on p5en and
 # p6-b200, the latter set "based on empirical search", aws-ofi-nccl 2496e7de), which NCCL adds per
-# network hop as graph->latencyInter (NVIDIA/nccl src/graph/search.cc, tuning.cc). Taken literally it makes 2x p5 8-byte all_reduce 175 us (69 measured): it is a selection
-# weight. The model keeps its ratio between platforms and FITS one scale on one published point,
+# network hop as graph->latencyInter (NVIDIA/nccl src/graph/search.cc, tuning.cc). Taken literally
+# it makes 2x p5 8-byte all_reduce 175 us (69 measured): it is a selection weight. The model keeps
+# its ratio between platforms and FITS one scale on one published point,
 # 2x p5.48xlarge all_reduce of 8 B = 69.12 us (aws-samples/awsome-distributed-training
 # micro-benchmarks/nccl-tests/README.md), which NCCL runs as tree/LL (p5's EFA reports in-order
 # 128-byte writes, aws-ofi-nccl ece41f0c): 6.8 + 2 x (7 x 0.6 + (5.0 + x)) = 69.12 -> x = 21.96 us per
