@@ -53,7 +53,7 @@ MOE_TABLE = Table(
      Column("ranks/tok", 9, ".3f"), Column("nodes/tok", 9, ".3f"), Column("bottleneck", 10, align="<", gap=2)])
 SYSTEMS_TABLE = Table(
     [Column("system", 12, align="<", gap=2), Column("GPUs/node", 9), Column("arch", 5, align="<", gap=2),
-     Column("intra link", 10, align="<"), Column("GB/s", 7, ".1f"), Column("NIC", 9, align="<", gap=2),
+     Column("intra link", 12, align="<"), Column("GB/s", 7, ".1f"), Column("NIC", 9, align="<", gap=2),
      Column("GB/s x NICs", 11, align="<"), Column("NVLS", 4, align="<", gap=2),
      Column("description", align="<", gap=2)])
 
