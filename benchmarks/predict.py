@@ -470,11 +470,12 @@ def _moe_run(system: "System", ops: list[str], eps: list[int], gpus_per_node: in
     return options, rows, notes, [head, *(f"# note: {n}" for n in notes), *MOE_TABLE.header(), *map(format_moe, rows)]
 
 
-# Why a MoE prediction across EFA nodes needs care: the numbers are in model-validation.md (UCCL-EP rows).
-EFA_MOE_NOTE = ("across EFA nodes the model times GPU-initiated RDMA, as DeepEP's kernels issue it on InfiniBand "
-                "(IBGDA), which EFA does not offer; UCCL-EP, which runs DeepEP's API on EFA through CPU proxies, "
-                "published times up to 77% off the model's in normal mode (both ways) and 16-60% slower at EP24-32 "
-                "in low-latency mode (benchmarks/results/model-validation.md)")
+# What a MoE prediction across EFA nodes assumes; the numbers are in model-validation.md (UCCL-EP rows).
+EFA_MOE_NOTE = ("across EFA nodes the model times DeepEP's API as UCCL-EP runs it there: EFA offers no GPU-initiated "
+                "RDMA (IBGDA), so CPU proxies post the writes, over every EFA card of the node, at 12.4 us per "
+                "remote rank (collectives.model.moe.EFA_PROXY_PER_PEER_US, fitted on UCCL-EP's p5en low-latency "
+                "table; its p6-b200 table comes out within 21%); UCCL-EP's published normal-mode times across nodes "
+                "are up to 79% slower than the model's (benchmarks/results/model-validation.md)")
 
 
 def _write(doc: dict[str, Any], json_path: str | None, csv_path: str | None, save_system: str | None) -> None:

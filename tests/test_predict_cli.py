@@ -21,7 +21,7 @@ from benchmarks.output import load_run
 from benchmarks.report import predicted_beside, run_shape
 from collectives import model
 from collectives.model.calibrate import calibrate
-from collectives.model.moe import predict_moe
+from collectives.model.moe import EFA_PROXY_PER_PEER_US, predict_moe
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "benchmarks" / "results" / "cpu-compare-mpiexec.json"
@@ -234,6 +234,7 @@ def test_moe_across_efa_nodes_says_what_the_model_assumes(tmp_path):
     notes = json.loads((tmp_path / "e.json").read_text())["notes"]
     assert notes == [predict_cli.EFA_MOE_NOTE] and f"# note: {notes[0]}" in res.output
     assert "IBGDA" in notes[0] and "UCCL-EP" in notes[0]
+    assert f"at {EFA_PROXY_PER_PEER_US:g} us per remote rank" in notes[0]  # the note states the model's constant
     # one EFA node: nothing crosses the network, so no caveat
     invoke("predict", "--system", "p5en", "--op", "moe_dispatch", "--ep", "8", "--json", tmp_path / "one.json")
     assert json.loads((tmp_path / "one.json").read_text())["notes"] == []
