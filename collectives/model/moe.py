@@ -93,7 +93,10 @@ KERNEL_FIXED_US = EP_KERNEL_OVERHEAD_US - NVLINK_HOP_US
 # 16 / 24 remote ranks, while its network bytes grow 1.5x). Fitted, least squares on the relative
 # error, on the six points of UCCL-EP's p5en low-latency table (README, "Low-latency kernels with pure
 # RDMA": dispatch and combine at EP16, 24, 32) with every other term of this model in place; those
-# points are in sample, the p6-b200 table is the check (benchmarks/results/model-validation.md).
+# points are in sample, the p6-b200 table is the check (benchmarks/results/model-validation.md). The
+# form of the term (a cost per remote rank) was read off both tables before the fit, so p6-b200
+# checks the constant and the every-card bandwidth (1x 400G per GPU there, 2x 200G on p5en), not
+# the choice of the term.
 # tests/test_model_moe.py re-derives it from benchmarks/results/published-points.json.
 EFA_PROXY_PER_PEER_US = 12.4
 
