@@ -36,7 +36,8 @@ LOCAL = "local"  # --system local: the machine a `moecomm bench --json` run was 
 _COLLECTIVE_ONLY = {"minbytes": "-b", "maxbytes": "-e", "stepfactor": "-f", "stepbytes": "-i", "dtype": "-d",
                     "nodes": "--nodes", "plot_path": "--plot", "algorithms": "--algorithms", "protocols": "--protocols"}
 _MOE_ONLY = {"tokens": "--tokens", "hidden": "--hidden", "topk": "--topk", "experts": "--experts", "ep": "--ep",
-             "dispatch_dtype": "--dispatch-dtype", "mode": "--mode", "topk_groups": "--topk-groups"}
+             "dispatch_dtype": "--dispatch-dtype", "mode": "--mode", "topk_groups": "--topk-groups",
+             "engine": "--engine"}
 
 COLLECTIVE_TABLE = Table(
     [Column("op", 14), Column("nodes", 5), Column("ranks", 6), Column("size", 12, unit="(B)"),
@@ -198,7 +199,7 @@ def moe_rows(system: "System", ops: Sequence[str], eps: Sequence[int], *, gpus_p
     Args:
         system: the machine; ops: of :data:`MOE_OPS`; eps: expert-parallel sizes (ranks);
         gpus_per_node: ranks per node (None: the system's);
-        shape: tokens, hidden, topk, experts, topk_groups, dispatch_dtype, mode
+        shape: tokens, hidden, topk, experts, topk_groups, dispatch_dtype, mode, engine
             (:func:`collectives.model.predict_moe`).
 
     Returns:
@@ -340,6 +341,10 @@ def _check_kind(ctx: click.Context, moe: bool) -> None:
               help="MoE: what dispatch sends (combine sends bf16).")
 @click.option("--mode", type=click.Choice(["normal", "low_latency"]), default="normal", show_default=True,
               help="MoE: DeepEP's normal (throughput) or low-latency kernels.")
+@click.option("--engine", type=click.Choice(["deepep", "pplx-garden", "uccl-ep"]), default="deepep",
+              show_default=True,
+              help="MoE: the engine's cost per remote rank: none for deepep (GPU-initiated on InfiniBand) and "
+                   "pplx-garden; uccl-ep: UCCL-EP's CPU proxies (DeepEP's API on EFA).")
 @click.option("--algorithms", default=None, metavar="LIST",
               help="Consider only these algorithms, comma-separated (ring, tree, nvls, nvls_tree, one_shot, two_shot, "
                    "hierarchical, pairwise), or nccl: what NCCL itself runs, to compare with nccl-tests "
@@ -356,7 +361,7 @@ def predict(ctx: click.Context, system_name: str | None, system_file: str | None
             save_system: str | None, list_systems: bool, ops: str, nodes: str, gpus_per_node: int | None,
             minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, dtype: str, tokens: int,
             hidden: int, topk: int, experts: int, topk_groups: int | None, ep: str, dispatch_dtype: str, mode: str,
-            algorithms: str | None, protocols: str | None, json_path: str | None, csv_path: str | None,
+            engine: str, algorithms: str | None, protocols: str | None, json_path: str | None, csv_path: str | None,
             plot_path: str | None) -> None:
     """Predict collective or MoE all-to-all performance on a machine from the analytical model.
 
@@ -389,7 +394,7 @@ def predict(ctx: click.Context, system_name: str | None, system_file: str | None
                                  "with --system-file", param_hint="--gpus-per-node")
     if moe:
         shape = dict(tokens=tokens, hidden=hidden, topk=topk, experts=experts, topk_groups=topk_groups,
-                     dispatch_dtype=dispatch_dtype, mode=mode)
+                     dispatch_dtype=dispatch_dtype, mode=mode, engine=engine)
         options, rows, notes, lines = _moe_run(system, moe, _int_list(ep, "--ep"), gpus_per_node, shape)
     else:
         try:
@@ -465,17 +470,20 @@ def _moe_run(system: "System", ops: list[str], eps: list[int], gpus_per_node: in
             f"{shape['tokens']} tokens per rank, hidden {shape['hidden']}, top-{shape['topk']} of "
             f"{shape['experts']} experts"
             + (f" within {shape['topk_groups']} node groups" if shape["topk_groups"] else "")
-            + f", dispatch {shape['dispatch_dtype']}; bytes each rank sends")
+            + f", dispatch {shape['dispatch_dtype']}, engine {shape['engine']}; bytes each rank sends")
     notes = [EFA_MOE_NOTE] if system.network_is_efa and any(r["nodes"] > 1 for r in rows) else []
     return options, rows, notes, [head, *(f"# note: {n}" for n in notes), *MOE_TABLE.header(), *map(format_moe, rows)]
 
 
-# What a MoE prediction across EFA nodes assumes; the numbers are in model-validation.md (UCCL-EP rows).
-EFA_MOE_NOTE = ("across EFA nodes the model times DeepEP's API as UCCL-EP runs it there: EFA offers no GPU-initiated "
-                "RDMA (IBGDA), so CPU proxies post the writes, over every EFA card of the node, at 12.4 us per "
-                "remote rank (collectives.model.moe.EFA_PROXY_PER_PEER_US, fitted on UCCL-EP's p5en low-latency "
-                "table; its p6-b200 table comes out within 21%); UCCL-EP's published normal-mode times across nodes "
-                "are up to 79% slower than the model's (benchmarks/results/model-validation.md)")
+# What a MoE prediction across EFA nodes assumes; the numbers are in model-validation.md (UCCL-EP and
+# pplx-garden rows).
+EFA_MOE_NOTE = ("across EFA nodes there is no GPU-initiated RDMA: engines post the writes from CPU proxies, over "
+                "every EFA card of the node. --engine deepep (the default) and pplx-garden add no cost per remote "
+                "rank: pplx-garden's published p5en times come out within 29% at EP16-64; --engine uccl-ep adds "
+                "UCCL-EP's 12.4 us per remote rank (collectives.model.moe.UCCL_EP_PROXY_PER_PEER_US, fitted on its "
+                "p5en low-latency table; its p6-b200 table comes out within 21%), and UCCL-EP's published "
+                "normal-mode times across nodes are up to 79% slower than the model's "
+                "(benchmarks/results/model-validation.md)")
 
 
 def _write(doc: dict[str, Any], json_path: str | None, csv_path: str | None, save_system: str | None) -> None:

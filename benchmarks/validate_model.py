@@ -200,8 +200,10 @@ def evaluate(point: Mapping[str, Any], variants: Mapping[str, Any]) -> Evaluatio
                        experts=point["experts"], ep=point["ep"], dispatch_dtype=point["dispatch_dtype"],
                        mode=point["mode"], gpus_per_node=point["gpus_per_node"],
                        topk_groups=point.get("group_limit"),
-                       nvlink_in_low_latency=point.get("nvlink_in_low_latency", True))
-    detail = f"{pred.bottleneck}; net {pred.network_bytes / 1e6:.1f} MB, nvl {pred.nvlink_bytes / 1e6:.1f} MB"
+                       nvlink_in_low_latency=point.get("nvlink_in_low_latency", True),
+                       engine=point.get("engine", "deepep"))
+    engine = "" if pred.engine == "deepep" else f" ({pred.engine})"
+    detail = f"{pred.bottleneck}{engine}; net {pred.network_bytes / 1e6:.1f} MB, nvl {pred.nvlink_bytes / 1e6:.1f} MB"
     if point["metric"] == "time_us":
         return Evaluation(point, point["measured"], pred.time_us, "us", detail)
     measured_us = deepep_bytes(point) / (point["measured"] * 1e3)  # GB/s = 1e3 bytes/us
@@ -295,6 +297,16 @@ MISS_READINGS: dict[str, str] = {
                                 "network per GPU and predicts p6-b200's rate (-6% there). Something of p5en's two "
                                 "200G cards per GPU slows UCCL-EP's combine; its dispatch (50-54 GB/s) is not slowed.",
     "ucclep-p6-b200-ep8": _UCCL_B200,
+    "pplxgarden-efa-ep16-dispatch": "pplx-garden on EFA takes nearly as long at EP16 as at EP32 (214.8 vs 229.1 us) "
+                                    "with two thirds of the network bytes, and twice its own ConnectX-7 time at "
+                                    "EP16 (110.2 us, which the model meets within 21%): a floor of EFA's that the "
+                                    "model's fixed cost (pplx-kernels' 41.6 us plus the EFA hop) does not have; its "
+                                    "combine at EP16 (241.5 us) comes out within 6%.",
+    "pplxgarden-deepep-cx7-ep8-dispatch": "DeepEP's low-latency dispatch on one H100 node takes 42.6 us for 128 tokens, "
+                                          "about the model's fixed kernel cost alone (41.6 us, pplx-kernels' 1-token "
+                                          "row): DeepEP's kernel costs less to start than pplx-kernels' did. Its "
+                                          "combine (72.0 us) comes out within 6%, and its EP8 dispatch on H800's "
+                                          "slower NVLink (77 us) within 7%.",
 }
 
 

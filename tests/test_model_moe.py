@@ -12,9 +12,9 @@ import torch
 
 from benchmarks import validate_model as vm
 from collectives.model.moe import (
-    EFA_PROXY_PER_PEER_US,
     EP_KERNEL_OVERHEAD_US,
     KERNEL_FIXED_US,
+    UCCL_EP_PROXY_PER_PEER_US,
     expected_distinct,
     predict_moe,
     routing_expectation,
@@ -193,45 +193,49 @@ def _predict_point(p: dict, system, **kw):
                        gpus_per_node=p["gpus_per_node"], nvlink_in_low_latency=p["nvlink_in_low_latency"], **kw)
 
 
-def test_efa_proxy_cost_is_the_fit_on_p5en_and_holds_on_p6_b200() -> None:
-    # The constant is the least-squares fit (relative error) of c in time = model(c=0) + c * remote
+def test_uccl_ep_proxy_cost_is_the_fit_on_p5en_and_holds_on_p6_b200() -> None:
+    # The constant is the least-squares fit (relative error) of c in time = model(deepep) + c * remote
     # ranks on UCCL-EP's six p5en low-latency points, with every other term of the model in place.
     xs, ys = [], []
     for p, system in _uccl_ll_points("p5en"):
-        assert p["in_sample"] and "EFA_PROXY_PER_PEER_US" in p["calibrates"], p["id"]
-        base = _predict_point(p, system, proxy_per_peer_us=0.0)
+        assert p["engine"] == "uccl-ep" and p["in_sample"] and "UCCL_EP_PROXY_PER_PEER_US" in p["calibrates"], p["id"]
+        base = _predict_point(p, system, engine="deepep")
         remote_ranks = p["ep"] - p["gpus_per_node"]
         xs.append(remote_ranks / p["measured"])
         ys.append((p["measured"] - base.time_us) / p["measured"])
     fitted = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-    assert EFA_PROXY_PER_PEER_US == pytest.approx(round(fitted, 1)), fitted
+    assert UCCL_EP_PROXY_PER_PEER_US == pytest.approx(round(fitted, 1)), fitted
     # Out of sample: p6-b200's table (1x 400G EFA per GPU, against p5en's 2x 200G) within 25%.
     for p, system in _uccl_ll_points("p6-b200"):
         assert not p["in_sample"]
-        assert _predict_point(p, system).time_us == pytest.approx(p["measured"], rel=0.25), p["id"]
+        assert _predict_point(p, system, engine="uccl-ep").time_us == pytest.approx(p["measured"], rel=0.25), p["id"]
 
 
-def test_efa_runs_through_cpu_proxies_over_every_card() -> None:
+def test_efa_drives_every_card_and_engines_differ_per_remote_rank() -> None:
     p5en = get_system("p5en")
     assert p5en.network_is_efa and not H800.network_is_efa
     shape = dict(tokens=128, hidden=7168, topk=8, experts=256, ep=16, mode="low_latency")
-    ll = predict_moe(p5en, "moe_dispatch", **shape)
-    # 8 ranks on the other node, each written to through the proxies; the network part over both
-    # 200G cards of the GPU (2 x 23.5 GB/s), later than the NVLink part here.
-    assert ll.proxy_us == pytest.approx(8 * EFA_PROXY_PER_PEER_US) and ll.bottleneck == "proxy"
-    by_hand = KERNEL_FIXED_US + p5en.nic.latency_us + ll.proxy_us + ll.network_bytes / (2 * 23.5e3)
-    assert ll.time_us == pytest.approx(by_hand)
-    no_proxy = predict_moe(p5en, "moe_dispatch", proxy_per_peer_us=0.0, **shape)
-    assert ll.time_us - no_proxy.time_us == pytest.approx(8 * EFA_PROXY_PER_PEER_US) and no_proxy.proxy_us == 0
+    deepep = predict_moe(p5en, "moe_dispatch", **shape)
+    # the network part over both 200G cards of the GPU (2 x 23.5 GB/s), later than the NVLink part
+    by_hand = KERNEL_FIXED_US + p5en.nic.latency_us + deepep.network_bytes / (2 * 23.5e3)
+    assert deepep.time_us == pytest.approx(by_hand) and deepep.proxy_us == 0 and deepep.engine == "deepep"
+    # UCCL-EP: 8 ranks on the other node, each written to through its proxies
+    uccl = predict_moe(p5en, "moe_dispatch", engine="uccl-ep", **shape)
+    assert uccl.proxy_us == pytest.approx(8 * UCCL_EP_PROXY_PER_PEER_US) and uccl.bottleneck == "proxy"
+    assert uccl.time_us - deepep.time_us == pytest.approx(8 * UCCL_EP_PROXY_PER_PEER_US)
     # normal mode writes to the same-index GPU of each other node: 3 of them at EP32
-    normal = predict_moe(p5en, "moe_combine", **{**shape, "mode": "normal", "ep": 32, "tokens": 4096})
-    assert normal.proxy_us == pytest.approx(3 * EFA_PROXY_PER_PEER_US)
-    # one node: nothing crosses the network, so no proxy; InfiniBand: GPU-initiated, no proxy
-    assert predict_moe(p5en, "moe_dispatch", **{**shape, "ep": 8}).proxy_us == 0
-    assert predict_moe(H800, "moe_dispatch", **shape).proxy_us == 0
+    normal = predict_moe(p5en, "moe_combine", engine="uccl-ep", **{**shape, "mode": "normal", "ep": 32, "tokens": 4096})
+    assert normal.proxy_us == pytest.approx(3 * UCCL_EP_PROXY_PER_PEER_US)
+    # one node: nothing crosses the network, so no proxy cost
+    assert predict_moe(p5en, "moe_dispatch", engine="uccl-ep", **{**shape, "ep": 8}).proxy_us == 0
     # NIC loopback (no NVLink in LL): every other rank goes through the proxies
-    loop = predict_moe(p5en, "moe_dispatch", nvlink_in_low_latency=False, **shape)
-    assert loop.proxy_us == pytest.approx(15 * EFA_PROXY_PER_PEER_US)
+    loop = predict_moe(p5en, "moe_dispatch", engine="uccl-ep", nvlink_in_low_latency=False, **shape)
+    assert loop.proxy_us == pytest.approx(15 * UCCL_EP_PROXY_PER_PEER_US)
+    # on InfiniBand a GPU drives one NIC, however many the node has: h800-8 has one per GPU anyway,
+    # so give it two per GPU and the time must not change
+    doubled = System(**{**H800.__dict__, "name": "h800-16nic", "nics_per_node": 16})
+    assert predict_moe(doubled, "moe_dispatch", **shape).time_us == pytest.approx(
+        predict_moe(H800, "moe_dispatch", **shape).time_us)
 
 
 def test_node_aware_dedup_and_modes() -> None:
@@ -277,9 +281,9 @@ def test_bad_input_raises() -> None:
     for bad in (dict(experts=250), dict(topk=300), dict(tokens=-1), dict(ep=12), dict(topk_groups=3), dict(hidden=0)):
         with pytest.raises(ValueError):
             predict_moe(H800, "moe_dispatch", **{**shape, **bad})
-    for bad in (-1.0, float("nan"), "12", True):
-        with pytest.raises(ValueError, match="proxy_per_peer_us"):
-            predict_moe(H800, "moe_dispatch", **shape, proxy_per_peer_us=bad)
+    for bad in ("nccl", "UCCL-EP", None):
+        with pytest.raises(ValueError, match="engine must be one of"):
+            predict_moe(H800, "moe_dispatch", **shape, engine=bad)
     single = System(name="box", description="one node, no NIC", gpus_per_node=8, arch="sm90",
                     intra=Link("nvlink4", 160.0, NVLINK_HOP_US), nic=None, nics_per_node=0, nvls=False)
     with pytest.raises(ValueError, match="no NIC"):

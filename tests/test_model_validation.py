@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import validate_model as vm
 from collectives.model import get_system
+from collectives.model.moe import ENGINES
 from collectives.model.systems import efa_latency_us
 
 KINDS = {"collective": "busbw_gbps", "latency": "time_us"}
@@ -46,6 +47,7 @@ def test_every_point_has_a_source_and_a_usable_shape(doc):
                 f"{where}: a multi-node point in sample without naming what it calibrates")
         else:
             assert p["kind"] == "moe", where
+            assert p.get("engine", "deepep") in ENGINES, f"{where}: engine {p.get('engine')!r}"
             # MoE points are out of sample unless one names the constant fitted on it
             assert not (p["in_sample"] and not p.get("calibrates")), f"{where}: in sample without naming what it fits"
             assert p["experts"] % p["ep"] == 0 and p["ep"] % p["gpus_per_node"] == 0, where

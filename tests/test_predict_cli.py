@@ -21,7 +21,7 @@ from benchmarks.output import load_run
 from benchmarks.report import predicted_beside, run_shape
 from collectives import model
 from collectives.model.calibrate import calibrate
-from collectives.model.moe import EFA_PROXY_PER_PEER_US, predict_moe
+from collectives.model.moe import UCCL_EP_PROXY_PER_PEER_US, predict_moe
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "benchmarks" / "results" / "cpu-compare-mpiexec.json"
@@ -229,12 +229,19 @@ def test_moe_dispatch_and_combine_over_ep_sizes(tmp_path):
 
 
 def test_moe_across_efa_nodes_says_what_the_model_assumes(tmp_path):
-    # EFA has no GPU-initiated RDMA: the published CPU-proxy engine (UCCL-EP) is the one to compare with
+    # EFA has no GPU-initiated RDMA: the note says what the model assumes there and what each engine measured
     res = invoke("predict", "--system", "p5en", "--op", "moe_dispatch", "--ep", "8,16", "--json", tmp_path / "e.json")
     notes = json.loads((tmp_path / "e.json").read_text())["notes"]
     assert notes == [predict_cli.EFA_MOE_NOTE] and f"# note: {notes[0]}" in res.output
-    assert "IBGDA" in notes[0] and "UCCL-EP" in notes[0]
-    assert f"at {EFA_PROXY_PER_PEER_US:g} us per remote rank" in notes[0]  # the note states the model's constant
+    assert "GPU-initiated" in notes[0] and "UCCL-EP" in notes[0] and "pplx-garden" in notes[0]
+    assert f"UCCL-EP's {UCCL_EP_PROXY_PER_PEER_US:g} us per remote rank" in notes[0]  # the model's constant
+    # --engine picks the per-remote-rank cost; the rows say which engine they are
+    invoke("predict", "--system", "p5en", "--op", "moe_dispatch", "--ep", "16", "--mode", "low_latency",
+           "--engine", "uccl-ep", "--json", tmp_path / "u.json")
+    (uccl,) = json.loads((tmp_path / "u.json").read_text())["rows"]
+    (deepep,) = [r for r in json.loads((tmp_path / "e.json").read_text())["rows"] if r["ep"] == 16]
+    assert uccl["engine"] == "uccl-ep" and deepep["engine"] == "deepep" and deepep["proxy_us"] == 0
+    assert uccl["proxy_us"] == pytest.approx(8 * UCCL_EP_PROXY_PER_PEER_US)
     # one EFA node: nothing crosses the network, so no caveat
     invoke("predict", "--system", "p5en", "--op", "moe_dispatch", "--ep", "8", "--json", tmp_path / "one.json")
     assert json.loads((tmp_path / "one.json").read_text())["notes"] == []

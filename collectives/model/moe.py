@@ -3,8 +3,8 @@
 The model counts the bytes one rank sends over each link under uniform-random routing and
 divides by that link's bandwidth; the slowest link sets the time, plus a fixed latency term::
 
-    time = overhead + hop latencies (+ CPU-proxy cost on EFA) + max(nvlink_bytes / intra bandwidth,
-                                                                     network_bytes / NIC bandwidth)
+    time = overhead + hop latencies (+ the engine's per-peer cost) + max(nvlink_bytes / intra bandwidth,
+                                                                         network_bytes / NIC bandwidth)
 
 Routing expectation (derived, see :func:`expected_distinct`): a token picks ``topk`` distinct
 experts out of ``experts``, uniformly and without replacement (``torch.topk`` over i.i.d.
@@ -39,23 +39,27 @@ tokens x hidden; ``test_internode.py``: tokens x destination nodes; ``test_low_l
 tokens x selections x message bytes). ``nvlink_bytes`` and ``network_bytes`` are the bytes that really
 cross each link.
 
-AWS EFA offers no GPU-initiated RDMA (IBGDA), so DeepEP's API runs there on CPU proxies: UCCL-EP
-(uccl-project/uccl ``ep/``), whose kernels hand each RDMA write to proxy threads that post it. On a
-system whose network is EFA (``System.network_is_efa``) the model follows that engine in two ways:
+AWS EFA offers no GPU-initiated RDMA (IBGDA): engines post the writes from CPU proxies there, and
+drive every card of the node (UCCL-EP's README tests p5en "with each GPU connected to two 200 Gb/s
+EFA RDMA network cards" and reports 50-54 GB/s of RDMA per GPU in normal mode, more than one card's
+25; pplx-garden's TransferEngine "transparently manag[es] multiple NICs per GPU"). So on a system
+whose network is EFA (``System.network_is_efa``) the network part moves over all of the node's cards.
 
-* the network part moves over every card of the node, not one per GPU: UCCL-EP's README tests
-  p5en "with each GPU connected to two 200 Gb/s EFA RDMA network cards" and reports 50-54 GB/s of
-  RDMA per GPU in normal mode, more than one card's 25;
-* each remote rank the GPU writes to over the network adds :data:`EFA_PROXY_PER_PEER_US` (LL mode:
-  every rank on another node; normal mode: the same-index GPU of every other node).
+Engines (:data:`ENGINES`, ``engine=``) differ in a cost per remote rank written to over the network
+(LL mode: every rank on another node; normal mode: the same-index GPU of every other node):
+``"deepep"`` (the default: DeepEP's GPU-initiated kernels on InfiniBand) and ``"pplx-garden"``
+(Perplexity's TransferEngine kernels, on ConnectX-7 and on EFA) have none: pplx-garden's published
+p5en decode times come out within 29% of this model from EP16 to EP64. ``"uccl-ep"`` (DeepEP's API
+on CPU proxies, the drop-in on EFA) pays :data:`UCCL_EP_PROXY_PER_PEER_US` per remote rank.
 
-Where it misses (checked against DeepEP's, pplx-kernels' and UCCL-EP's published tables):
-DeepEP's normal kernels reach ~80-85% of the H800's NVLink maximum on the bytes that really
+Where it misses (checked against DeepEP's, pplx-kernels', pplx-garden's and UCCL-EP's published
+tables): DeepEP's normal kernels reach ~80-85% of the H800's NVLink maximum on the bytes that really
 move, so normal-mode times on NVLink come out 14-23% short (network-bound ones 3-8%); the fixed
-kernel overhead is pplx's, DeepEP's LL dispatch comes out up to 13% long. UCCL-EP's normal-mode
-times on EFA do not follow the bytes (p5en's combine at EP16 takes 6.4 ms, 18 GB/s, against 4.9 ms
-at EP32), and on one node its kernels stay far below NVLink5 on B200: those points miss by up to
-~80% (benchmarks/results/model-validation.md).
+kernel overhead is pplx-kernels', so DeepEP's LL dispatch comes out up to 13% long on H800 and 40%
+long at EP8 on an H100 node (42.6 us: DeepEP's kernel starts faster). UCCL-EP's normal-mode times
+on EFA do not follow the bytes (p5en's combine at EP16 takes 6.4 ms, 18 GB/s, against 4.9 ms at
+EP32), and on one node its kernels stay far below NVLink5 on B200: those points miss by up to ~80%
+(benchmarks/results/model-validation.md).
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ LL_DISPATCH_HEADER_BYTES = 16
 # (System links carry NCCL's per-hop latencies, systems.py).
 EP_KERNEL_OVERHEAD_US = 41.6
 KERNEL_FIXED_US = EP_KERNEL_OVERHEAD_US - NVLINK_HOP_US
-# CPU-proxy cost per remote rank on EFA (UCCL-EP), us. UCCL-EP's low-latency times grow with the
+# UCCL-EP's CPU-proxy cost per remote rank, us. UCCL-EP's low-latency times grow with the
 # ranks on other nodes, not with the bytes (p5en dispatch: 226 / 386 / 465 us at EP16 / 24 / 32, 8 /
 # 16 / 24 remote ranks, while its network bytes grow 1.5x). Fitted, least squares on the relative
 # error, on the six points of UCCL-EP's p5en low-latency table (README, "Low-latency kernels with pure
@@ -98,7 +102,11 @@ KERNEL_FIXED_US = EP_KERNEL_OVERHEAD_US - NVLINK_HOP_US
 # checks the constant and the every-card bandwidth (1x 400G per GPU there, 2x 200G on p5en), not
 # the choice of the term.
 # tests/test_model_moe.py re-derives it from benchmarks/results/published-points.json.
-EFA_PROXY_PER_PEER_US = 12.4
+UCCL_EP_PROXY_PER_PEER_US = 12.4
+# The cost per remote rank written to over the network, us, of each engine the model knows.
+# pplx-garden's proxy posts its writes in ~0.5 us per inter-node peer on EFA (28 us at EP64, third-party
+# notes on arXiv 2510.27656's Table 9): small beside its times, so none is charged.
+ENGINES: dict[str, float] = {"deepep": 0.0, "pplx-garden": 0.0, "uccl-ep": UCCL_EP_PROXY_PER_PEER_US}
 
 
 @dataclass(frozen=True)
@@ -107,7 +115,7 @@ class MoEPrediction:
 
     Bytes are per rank, sent (by symmetry of uniform routing also received). ``algbw`` is GB/s
     in DeepEP's convention (module docstring): ``logical_bytes / time``. ``proxy_us``: the part of
-    ``latency_us`` that CPU proxies add on EFA (0 elsewhere).
+    ``latency_us`` that the engine's per-remote-rank cost adds (0 for ``"deepep"``).
     """
 
     op: str
@@ -133,6 +141,7 @@ class MoEPrediction:
     topk_groups: int | None
     system: str
     proxy_us: float = 0.0
+    engine: str = "deepep"
 
     def as_dict(self) -> dict[str, Any]:
         """The prediction as a JSON-ready row (every field)."""
@@ -330,7 +339,7 @@ def token_bytes(op: str, dispatch_dtype: str, hidden: int, *, mode: str = "norma
 def predict_moe(system: System, op: str, *, tokens: int, hidden: int, topk: int, experts: int, ep: int,
                 dispatch_dtype: str = "fp8", mode: str = "normal", gpus_per_node: int | None = None,
                 topk_groups: int | None = None, nvlink_in_low_latency: bool = True,
-                proxy_per_peer_us: float | None = None) -> MoEPrediction:
+                engine: str = "deepep") -> MoEPrediction:
     """Predict one rank's expert-parallel dispatch or combine (module docstring has the model).
 
     Args:
@@ -347,13 +356,13 @@ def predict_moe(system: System, op: str, *, tokens: int, hidden: int, topk: int,
         topk_groups: group-limited routing, node groups per token (``None``: unlimited).
         nvlink_in_low_latency: low_latency mode sends same-node messages over NVLink (True) or
             through the NIC (False).
-        proxy_per_peer_us: CPU-proxy cost per remote rank written to over the network, us
-            (default: :data:`EFA_PROXY_PER_PEER_US` on an EFA network, else 0: GPU-initiated RDMA).
+        engine: a key of :data:`ENGINES`: ``"deepep"`` or ``"pplx-garden"`` (no cost per remote rank)
+            or ``"uccl-ep"`` (UCCL-EP's CPU proxies, :data:`UCCL_EP_PROXY_PER_PEER_US` per remote rank).
 
     Returns:
         A :class:`MoEPrediction`: per-rank ``time_us``, ``nvlink_bytes``, ``network_bytes``,
         the routing expectations, the bottleneck ("nvlink", "pcie", "network", "latency", or
-        "proxy" where the CPU proxies' per-rank cost is most of the latency).
+        "proxy" where the engine's per-remote-rank cost is most of the latency).
 
     Raises:
         ValueError: an unknown op/mode/dtype, inconsistent shapes, or several nodes on a
@@ -371,12 +380,9 @@ def predict_moe(system: System, op: str, *, tokens: int, hidden: int, topk: int,
                  topk_groups=topk_groups)
     nodes = ep // local
     loopback = mode == "low_latency" and not nvlink_in_low_latency
-    proxied = system.network_is_efa  # no IBGDA on EFA: CPU proxies post the writes (module docstring)
-    if proxy_per_peer_us is None:
-        proxy_per_peer_us = EFA_PROXY_PER_PEER_US if proxied else 0.0
-    elif not isinstance(proxy_per_peer_us, (int, float)) or isinstance(proxy_per_peer_us, bool) \
-            or not proxy_per_peer_us >= 0:
-        raise ValueError(f"predict_moe: proxy_per_peer_us must be a number >= 0, got {proxy_per_peer_us!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"predict_moe: engine must be one of {tuple(ENGINES)}, got {engine!r}")
+    proxy_per_peer_us = ENGINES[engine]
     if (nodes > 1 or loopback) and system.nic is None:
         raise ValueError(f"predict_moe: system {system.name!r} has no NIC, so ep={ep} over {nodes} node(s) "
                          f"of {local} GPUs{' (or NIC loopback)' if loopback else ''} cannot be modelled")
@@ -414,9 +420,10 @@ def predict_moe(system: System, op: str, *, tokens: int, hidden: int, topk: int,
     network_bytes = tokens * network_copies * copy_bytes
     nvlink_us = nvlink_bytes / (system.intra.bandwidth_gbps * 1e3)  # GB/s = 1e3 bytes/us
     # GPU-initiated point-to-point traffic drives one NIC per GPU (NVSHMEM binds one NIC per PE;
-    # NCCL's p2p likewise, NVIDIA/nccl-tests#267); UCCL-EP's proxies on EFA drive every card
+    # NCCL's p2p likewise, NVIDIA/nccl-tests#267); the proxy engines on EFA drive every card
     # (module docstring), so there a p5en GPU's second EFA card counts.
-    network_gbps = system.nic_bandwidth_per_gpu() if proxied else system.all_to_all_nic_bandwidth_per_gpu()
+    every_card = system.network_is_efa
+    network_gbps = system.nic_bandwidth_per_gpu() if every_card else system.all_to_all_nic_bandwidth_per_gpu()
     network_us = network_bytes / (network_gbps * 1e3) if network_bytes else 0.0
     proxy_us = proxy_per_peer_us * network_peers if network_bytes else 0.0
     nvlink_latency = system.intra.latency_us if nvlink_bytes else 0.0
@@ -437,7 +444,7 @@ def predict_moe(system: System, op: str, *, tokens: int, hidden: int, topk: int,
     time_us = latency + transfer
     bottleneck = "latency" if latency >= transfer else slower
     if bottleneck == "latency" and 2 * proxy_us > latency:
-        bottleneck = "proxy"  # most of the fixed part is the CPU proxies' work (EFA)
+        bottleneck = "proxy"  # most of the fixed part is the engine's per-remote-rank work
     logical_bytes = tokens * logical_copies * copy_bytes
     return MoEPrediction(
         op=op, mode=mode, tokens=tokens, hidden=hidden, topk=topk, experts=experts, ep=ep, gpus_per_node=local,
@@ -445,4 +452,5 @@ def predict_moe(system: System, op: str, *, tokens: int, hidden: int, topk: int,
         network_bytes=network_bytes, expected_ranks_per_token=routing.ranks_per_token,
         expected_nodes_per_token=routing.nodes_per_token, bottleneck=bottleneck,
         algbw=logical_bytes / (time_us * 1e3), logical_bytes=logical_bytes, messages=tokens * messages,
-        latency_us=latency, topk_groups=topk_groups, system=system.name, proxy_us=proxy_us)
+        latency_us=latency, topk_groups=topk_groups, system=system.name, proxy_us=proxy_us,
+        engine=engine)
