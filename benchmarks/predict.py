@@ -481,7 +481,7 @@ EFA_MOE_NOTE = ("across EFA nodes there is no GPU-initiated RDMA: engines post t
                 "every EFA card of the node. --engine deepep (the default) and pplx-garden add no cost per remote "
                 "rank: pplx-garden's published p5en times come out within 29% at EP16-64; --engine uccl-ep adds "
                 "UCCL-EP's 12.4 us per remote rank (collectives.model.moe.UCCL_EP_PROXY_PER_PEER_US, fitted on its "
-                "p5en low-latency table; its p6-b200 table comes out within 21%), and UCCL-EP's published "
+                "p5en low-latency table; its p6-b200 table comes out within 22%), and UCCL-EP's published "
                 "normal-mode times across nodes are up to 79% slower than the model's "
                 "(benchmarks/results/model-validation.md)")
 

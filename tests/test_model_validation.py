@@ -131,3 +131,17 @@ def test_latency_points_are_grouped_by_network(doc):
     line = vm._latency_by_network([hit, miss], doc["systems"])
     assert "EFA 0/1 within 25%, MAPE 40.0% (nodes: 2)" in line
     assert "InfiniBand/RoCE 1/1 within 25%, MAPE 10.0% (nodes: 4)" in line
+
+
+def test_predict_efa_note_quotes_the_validation(doc):
+    # moecomm predict's EFA note states three figures of the published points; a model change that
+    # moves them must update the note (benchmarks/predict.py EFA_MOE_NOTE).
+    from benchmarks.predict import EFA_MOE_NOTE
+
+    errors = {p["id"]: vm.evaluate(p, doc["systems"]).error_pct for p in doc["points"]}
+    pplx_efa = max(abs(e) for i, e in errors.items() if i.startswith("pplxgarden-efa-") and "-ep8-" not in i)
+    uccl_ll = max(abs(e) for i, e in errors.items() if i.startswith("ucclep-ll-p6-b200-"))
+    uccl_normal = -min(e for i, e in errors.items() if i.startswith("ucclep-p") and "-ep8-" not in i)
+    assert f"within {math.ceil(pplx_efa)}% at EP16-64" in EFA_MOE_NOTE, pplx_efa
+    assert f"p6-b200 table comes out within {math.ceil(uccl_ll)}%" in EFA_MOE_NOTE, uccl_ll
+    assert f"up to {round(uccl_normal)}% slower" in EFA_MOE_NOTE, uccl_normal
