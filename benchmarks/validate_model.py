@@ -251,21 +251,26 @@ _EFA = ("EFA: the extra per-hop latency is aws-ofi-nccl's figure for the platfor
         "generations need not be the plugin's.")
 _EFA_64K = ("Between 8 B and 64 KiB 2x p5's time roughly doubles (69 -> 135 us out-of-place, 104 in-place) while the "
             "model adds a few us of LL transfer: over EFA a 64 KiB all_reduce is not yet latency-bound in the model's "
-            "sense (per-message costs of the aws-ofi-nccl path). The step comes past 8 KiB (81 us at 8 KiB, 94 at 16, "
-            "112 at 32; 109 at 128 KiB). A candidate cause, unchecked (it depends on how NCCL splits the message over "
-            "channels and steps): aws-ofi-nccl sends a message eagerly only up to OFI_NCCL_EAGER_MAX_SIZE, "
-            "8 KiB (include/nccl_ofi_param.h, 1.7.3 to today); a larger one waits for the receiver's control message "
-            "(send() in src/nccl_ofi_rdma.c, .cpp today), one more network crossing, which NCCL's latency model, and "
-            "so ours, does not count. p4de, Simple-only, grows less (164 -> 227 us).")
+            "sense. It grows from 4 KiB on (72 us at 2 KiB, 79 at 4, 81 at 8, 94 at 16, 112 at 32; 109 at 128 KiB). Checked "
+            "against the sources, it is not message size: NCCL gives tree/LL one channel per 4 KiB (enqueue.cc: "
+            "channels drop while bytes < channels x 512 threads x NCCL_LL_THREAD_THRESHOLD 8 B, v2.27.7 as today), so "
+            "from 4 to 64 KiB every channel still sends 4 KiB of data, 8 KiB on the wire, which aws-ofi-nccl sends "
+            "eagerly (size <= OFI_NCCL_EAGER_MAX_SIZE 8192, src/nccl_ofi_rdma.cpp v1.16.3, the README's Dockerfile "
+            "default; the table does not name its stack). What grows is the number of channels: 1 at 4 KiB, 16 at "
+            "64 KiB (where the communicator has 16), so 16 concurrent messages per hop: a per-message cost of the EFA path that NCCL's latency model, and so ours, does not "
+            "have. The run's own spread is large here: its in-place time at 64 KiB is 30% below the out-of-place one. "
+            "p4de, Simple-only, grows less (164 -> 227 us).")
 _UCCL_B200 = ("On NVLink5 UCCL-EP's normal kernels (DeepEP V1's design) reach 280-426 GB/s, far below NVLink5's "
               "18 x 40.1 GB/s that the model divides by: the kernels are bound by the SMs they use, not by the link "
               "(DeepEP V2 needs 64 SMs to reach 726 GB/s on SM100, its README).")
 _UCCL_EP16 = ("At EP16 (2 nodes) half of a token's node copies are for its own node, which the model lets skip "
-              "the network (DeepEP copies them locally), so its rate per logical RDMA byte rises to 83-88 GB/s against "
-              "59-61 at EP32. UCCL-EP's figures do not rise: 50-54 GB/s dispatch at every EP on both platforms "
-              "(combine on p6-b200: 60 GB/s at EP16, 57 at EP32), as if the own node's copies went through the same "
-              "proxy pipeline. DeepEP's own EP16 rows are the model's largest normal-mode misses on InfiniBand too "
-              "(-21%, -23%).")
+              "the network, so its rate per logical RDMA byte rises to 83-88 GB/s against 59-61 at EP32. UCCL-EP's "
+              "figures do not rise: 50-54 GB/s dispatch at every EP on both platforms (combine on p6-b200: 60 GB/s at "
+              "EP16, 57 at EP32). Not because its own node's copies go through the proxy: UCCL-EP copies them locally "
+              "as DeepEP does (ep/src/internode.cu at da914a2: proxy writes only for dst_rdma_rank != rdma_rank, a local fence "
+              "and atomic otherwise). Some stage that handles every token x destination node, own node included, "
+              "bounds EP16; DeepEP's own table shows it too (43 GB/s at EP16 against 58 at EP32 and 51 at EP64; the "
+              "model's largest normal-mode misses on InfiniBand, -21% and -23%).")
 MISS_READINGS: dict[str, str] = {
     "gtc25-dgx": "The model's all_to_all runs at N/(N-1) x one NIC per GPU (NVIDIA's rule, nccl-tests#130); "
                  "NVIDIA's slide shows 1.0 x the NIC at 4 nodes (48 GB/s on 400G, 24 on 200G): NCCL's "

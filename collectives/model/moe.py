@@ -18,8 +18,8 @@ Two kernels:
   NVLink. Several nodes: node-aware de-duplication -- a token crosses the network once per
   destination node, landing on the GPU with the same local index (rail-optimised, one NIC per
   GPU), which forwards it over NVLink to the destination ranks of its node. Tokens for the own
-  node skip the network (DeepEP copies them locally: ``dst_rdma_rank == rdma_rank``), tokens
-  for the own rank move no bytes. Network and NVLink stages are pipelined, so the slower one
+  node skip the network (DeepEP copies them locally: ``dst_rdma_rank == rdma_rank``; so does
+  UCCL-EP, ``uccl:ep/src/internode.cu``), tokens for the own rank move no bytes. Network and NVLink stages are pipelined, so the slower one
   bounds the time.
 * ``low_latency`` (DeepEP's LL kernels, ``internode_ll.cu``; pplx-kernels works the same way):
   no de-duplication at all -- each of a token's ``topk`` selections is its own message to the
