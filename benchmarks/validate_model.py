@@ -260,8 +260,9 @@ _EFA_64K = ("Between 8 B and 64 KiB 2x p5's time roughly doubles (69 -> 135 us o
             "64 KiB (where the communicator has 16), so 16 concurrent messages per hop: a per-message cost of the EFA path that NCCL's latency model, and so ours, does not "
             "have. The run's own spread is large here: its in-place time at 64 KiB is 30% below the out-of-place one. "
             "p4de, Simple-only, grows less (164 -> 227 us).")
-_UCCL_B200 = ("On NVLink5 UCCL-EP's normal kernels (DeepEP V1's design) reach 280-426 GB/s, far below NVLink5's "
-              "18 x 40.1 GB/s that the model divides by: the kernels are bound by the SMs they use, not by the link "
+_UCCL_B200 = ("On NVLink5 UCCL-EP's normal kernels (DeepEP V1's design) reach 280-426 GB/s, far below the 85% of "
+              "NVLink5's 18 x 40.1 GB/s that the model divides by (the efficiency fitted on H800, which holds on "
+              "H200): the kernels are bound by the SMs they use, not by the link "
               "(DeepEP V2 needs 64 SMs to reach 726 GB/s on SM100, its README).")
 _UCCL_EP16 = ("At EP16 (2 nodes) half of a token's node copies are for its own node, which the model lets skip "
               "the network, so its rate per logical RDMA byte rises to 83-88 GB/s against 59-61 at EP32. UCCL-EP's "
@@ -269,8 +270,8 @@ _UCCL_EP16 = ("At EP16 (2 nodes) half of a token's node copies are for its own n
               "EP16, 57 at EP32). Not because its own node's copies go through the proxy: UCCL-EP copies them locally "
               "as DeepEP does (ep/src/internode.cu at da914a2: proxy writes only for dst_rdma_rank != rdma_rank, a local fence "
               "and atomic otherwise). Some stage that handles every token x destination node, own node included, "
-              "bounds EP16; DeepEP's own table shows it too (43 GB/s at EP16 against 58 at EP32 and 51 at EP64; the "
-              "model's largest normal-mode misses on InfiniBand, -21% and -23%).")
+              "bounds EP16; DeepEP's own table shows it too (43 GB/s at EP16 against 58 at EP32 and 51 at EP64), "
+              "where the model, NVLink-bound on H800, comes out 8-10% short.")
 MISS_READINGS: dict[str, str] = {
     "gtc25-dgx": "The model's all_to_all runs at N/(N-1) x one NIC per GPU (NVIDIA's rule, nccl-tests#130); "
                  "NVIDIA's slide shows 1.0 x the NIC at 4 nodes (48 GB/s on 400G, 24 on 200G): NCCL's "
