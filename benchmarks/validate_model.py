@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from collectives.model import (NCCL_ALGORITHMS, System, bus_factor, get_system, predict_collective,
-                               predict_moe)
+from collectives.model import (NCCL_ALGORITHMS, MoEPrediction, System, bus_factor, get_system,
+                               predict_collective, predict_moe)
 from collectives.model.systems import efa_latency_us
 
 from ._model_report import RESULTS, fmt, table, verdict
@@ -182,6 +182,17 @@ def _collective_time(system: System, point: Mapping[str, Any]) -> tuple[float | 
     return pred.time_us, f"{pred.algorithm}/{pred.protocol}{forced}, {pred.bottleneck}"
 
 
+def moe_prediction(point: Mapping[str, Any], system: System, **overrides: Any) -> MoEPrediction:
+    """The model's prediction for a published MoE point on ``system``; ``overrides`` replace
+    :func:`~collectives.model.predict_moe` arguments (e.g. ``engine="deepep"``)."""
+    kwargs = dict(tokens=point["tokens"], hidden=point["hidden"], topk=point["topk"], experts=point["experts"],
+                  ep=point["ep"], dispatch_dtype=point["dispatch_dtype"], mode=point["mode"],
+                  gpus_per_node=point["gpus_per_node"], topk_groups=point.get("group_limit"),
+                  nvlink_in_low_latency=point.get("nvlink_in_low_latency", True),
+                  engine=point.get("engine", "deepep"))
+    return predict_moe(system, point["op"], **{**kwargs, **overrides})
+
+
 def evaluate(point: Mapping[str, Any], variants: Mapping[str, Any]) -> Evaluation:
     """Predict one published point.
 
@@ -196,12 +207,7 @@ def evaluate(point: Mapping[str, Any], variants: Mapping[str, Any]) -> Evaluatio
         ranks = point["nodes"] * point["gpus_per_node"]
         busbw = None if time_us is None else point["size"] / time_us / 1e3 * bus_factor(point["op"], ranks)
         return Evaluation(point, point["measured"], busbw, "GB/s", detail)
-    pred = predict_moe(system, point["op"], tokens=point["tokens"], hidden=point["hidden"], topk=point["topk"],
-                       experts=point["experts"], ep=point["ep"], dispatch_dtype=point["dispatch_dtype"],
-                       mode=point["mode"], gpus_per_node=point["gpus_per_node"],
-                       topk_groups=point.get("group_limit"),
-                       nvlink_in_low_latency=point.get("nvlink_in_low_latency", True),
-                       engine=point.get("engine", "deepep"))
+    pred = moe_prediction(point, system)
     engine = "" if pred.engine == "deepep" else f" ({pred.engine})"
     detail = f"{pred.bottleneck}{engine}; net {pred.network_bytes / 1e6:.1f} MB, nvl {pred.nvlink_bytes / 1e6:.1f} MB"
     if point["metric"] == "time_us":
@@ -249,29 +255,30 @@ def _rows(evaluations: Sequence[Evaluation]) -> list[list[str]]:
 _EFA = ("EFA: the extra per-hop latency is aws-ofi-nccl's figure for the platform (75 us p4de/p5, 35 us p5en/"
         "p6-b200) times one scale fitted on the 2x p5 8-byte point (69.12 us); the real ratio between EFA "
         "generations need not be the plugin's.")
-_EFA_64K = ("Between 8 B and 64 KiB 2x p5's time roughly doubles (69 -> 135 us out-of-place, 104 in-place) while the "
-            "model adds a few us of LL transfer: over EFA a 64 KiB all_reduce is not yet latency-bound in the model's "
-            "sense. It grows from 4 KiB on (72 us at 2 KiB, 79 at 4, 81 at 8, 94 at 16, 112 at 32; 109 at 128 KiB). Checked "
-            "against the sources, it is not message size: NCCL gives tree/LL one channel per 4 KiB (enqueue.cc: "
-            "channels drop while bytes < channels x 512 threads x NCCL_LL_THREAD_THRESHOLD 8 B, v2.27.7 as today), so "
-            "from 4 to 64 KiB every channel still sends 4 KiB of data, 8 KiB on the wire, which aws-ofi-nccl sends "
-            "eagerly (size <= OFI_NCCL_EAGER_MAX_SIZE 8192, src/nccl_ofi_rdma.cpp v1.16.3, the README's Dockerfile "
-            "default; the table does not name its stack). What grows is the number of channels: 1 at 4 KiB, 16 at "
-            "64 KiB (where the communicator has 16), so 16 concurrent messages per hop: a per-message cost of the EFA path that NCCL's latency model, and so ours, does not "
-            "have. The run's own spread is large here: its in-place time at 64 KiB is 30% below the out-of-place one. "
-            "p4de, Simple-only, grows less (164 -> 227 us).")
+_EFA_64K = ("Between 8 B and 64 KiB 2x p5's time roughly doubles (69 -> 135 us out-of-place, 104 in-place) while "
+            "the model adds a few us of LL transfer: over EFA a 64 KiB all_reduce is not yet latency-bound in the "
+            "model's sense. It grows from 4 KiB on (72 us at 2 KiB, 79 at 4, 81 at 8, 94 at 16, 112 at 32; 109 at "
+            "128 KiB). Checked against the sources, it is not message size: NCCL gives tree/LL one channel per 4 "
+            "KiB (enqueue.cc: channels drop while bytes < channels x 512 threads x NCCL_LL_THREAD_THRESHOLD 8 B, "
+            "v2.27.7 as today), so from 4 to 64 KiB every channel still sends 4 KiB of data, 8 KiB on the wire, "
+            "which aws-ofi-nccl sends eagerly (size <= OFI_NCCL_EAGER_MAX_SIZE 8192, src/nccl_ofi_rdma.cpp v1.16.3,"
+            " the README's Dockerfile default; the table does not name its stack). What grows is the number of "
+            "channels: 1 at 4 KiB, 16 at 64 KiB (where the communicator has 16), so 16 concurrent messages per hop:"
+            " a per-message cost of the EFA path that NCCL's latency model, and so ours, does not have. The run's "
+            "own spread is large here: its in-place time at 64 KiB is 30% below the out-of-place one. p4de, "
+            "Simple-only, grows less (164 -> 227 us).")
 _UCCL_B200 = ("On NVLink5 UCCL-EP's normal kernels (DeepEP V1's design) reach 280-426 GB/s, far below the 85% of "
               "NVLink5's 18 x 40.1 GB/s that the model divides by (the efficiency fitted on H800, which holds on "
               "H200): the kernels are bound by the SMs they use, not by the link "
               "(DeepEP V2 needs 64 SMs to reach 726 GB/s on SM100, its README).")
-_UCCL_EP16 = ("At EP16 (2 nodes) half of a token's node copies are for its own node, which the model lets skip "
-              "the network, so its rate per logical RDMA byte rises to 83-88 GB/s against 59-61 at EP32. UCCL-EP's "
-              "figures do not rise: 50-54 GB/s dispatch at every EP on both platforms (combine on p6-b200: 60 GB/s at "
-              "EP16, 57 at EP32). Not because its own node's copies go through the proxy: UCCL-EP copies them locally "
-              "as DeepEP does (ep/src/internode.cu at da914a2: proxy writes only for dst_rdma_rank != rdma_rank, a local fence "
-              "and atomic otherwise). Some stage that handles every token x destination node, own node included, "
-              "bounds EP16; DeepEP's own table shows it too (43 GB/s at EP16 against 58 at EP32 and 51 at EP64), "
-              "where the model, NVLink-bound on H800, comes out 8-10% short.")
+_UCCL_EP16 = ("At EP16 (2 nodes) half of a token's node copies are for its own node, which the model lets skip the "
+              "network, so its rate per logical RDMA byte rises to 83-88 GB/s against 59-61 at EP32. UCCL-EP's "
+              "figures do not rise: 50-54 GB/s dispatch at every EP on both platforms (combine on p6-b200: 60 GB/s "
+              "at EP16, 57 at EP32). Not because its own node's copies go through the proxy: UCCL-EP copies them "
+              "locally as DeepEP does (ep/src/internode.cu at da914a2: proxy writes only for dst_rdma_rank != "
+              "rdma_rank, a local fence and atomic otherwise). Some stage that handles every token x destination "
+              "node, own node included, bounds EP16; DeepEP's own table shows it too (43 GB/s at EP16 against 58 at"
+              " EP32 and 51 at EP64), where the model, NVLink-bound on H800, comes out 8-10% short.")
 MISS_READINGS: dict[str, str] = {
     "gtc25-dgx": "The model's all_to_all runs at N/(N-1) x one NIC per GPU (NVIDIA's rule, nccl-tests#130); "
                  "NVIDIA's slide shows 1.0 x the NIC at 4 nodes (48 GB/s on 400G, 24 on 200G): NCCL's "

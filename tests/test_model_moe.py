@@ -188,19 +188,13 @@ def _uccl_ll_points(platform: str) -> list[tuple[dict, object]]:
     return [(p, vm.build_system(p["system"], doc["systems"])) for p in points]
 
 
-def _predict_point(p: dict, system, **kw):
-    return predict_moe(system, p["op"], tokens=p["tokens"], hidden=p["hidden"], topk=p["topk"], experts=p["experts"],
-                       ep=p["ep"], dispatch_dtype=p["dispatch_dtype"], mode=p["mode"],
-                       gpus_per_node=p["gpus_per_node"], nvlink_in_low_latency=p["nvlink_in_low_latency"], **kw)
-
-
 def test_uccl_ep_proxy_cost_is_the_fit_on_p5en_and_holds_on_p6_b200() -> None:
     # The constant is the least-squares fit (relative error) of c in time = model(deepep) + c * remote
     # ranks on UCCL-EP's six p5en low-latency points, with every other term of the model in place.
     xs, ys = [], []
     for p, system in _uccl_ll_points("p5en"):
         assert p["engine"] == "uccl-ep" and p["in_sample"] and "UCCL_EP_PROXY_PER_PEER_US" in p["calibrates"], p["id"]
-        base = _predict_point(p, system, engine="deepep")
+        base = vm.moe_prediction(p, system, engine="deepep")
         remote_ranks = p["ep"] - p["gpus_per_node"]
         xs.append(remote_ranks / p["measured"])
         ys.append((p["measured"] - base.time_us) / p["measured"])
@@ -209,35 +203,28 @@ def test_uccl_ep_proxy_cost_is_the_fit_on_p5en_and_holds_on_p6_b200() -> None:
     # Out of sample: p6-b200's table (1x 400G EFA per GPU, against p5en's 2x 200G) within 25%.
     for p, system in _uccl_ll_points("p6-b200"):
         assert not p["in_sample"]
-        assert _predict_point(p, system, engine="uccl-ep").time_us == pytest.approx(p["measured"], rel=0.25), p["id"]
+        assert vm.moe_prediction(p, system, engine="uccl-ep").time_us == pytest.approx(p["measured"], rel=0.25), p["id"]
 
 
-def _normal_nvlink_bound(point_id: str) -> tuple[float, float, float]:
-    """(measured us, the model's fixed part us, its NVLink transfer us at the full link rate) of a
-    normal-mode point that the model finds NVLink-bound (published-points.json)."""
-    doc = vm.load_points()
+def _normal_nvlink_bound(doc: dict, point_id: str) -> tuple[dict, float, float, float]:
+    """(the point, its measured us, the model's fixed part us, its NVLink transfer us at the full link
+    rate) of a normal-mode published point that the model finds NVLink-bound."""
     p = next(q for q in doc["points"] if q["id"] == point_id)
     system = vm.build_system(p["system"], doc["systems"])
-    pred = predict_moe(system, p["op"], tokens=p["tokens"], hidden=p["hidden"], topk=p["topk"],
-                       experts=p["experts"], ep=p["ep"], dispatch_dtype=p["dispatch_dtype"], mode="normal",
-                       gpus_per_node=p["gpus_per_node"], topk_groups=p.get("group_limit"),
-                       engine=p.get("engine", "deepep"))
-    assert pred.bottleneck == "nvlink", (point_id, pred.bottleneck)
+    pred = vm.moe_prediction(p, system)
+    assert p["mode"] == "normal" and pred.bottleneck == "nvlink", (point_id, pred.bottleneck)
     full_rate_us = pred.nvlink_bytes / (system.intra.bandwidth_gbps * 1e3)
-    measured = vm.evaluate(p, doc["systems"]).measured
-    return measured, pred.latency_us, full_rate_us
+    return p, vm.evaluate(p, doc["systems"]).measured, pred.latency_us, full_rate_us
 
 
 def test_normal_kernel_intra_efficiency_is_the_fit_on_deepep_one_node() -> None:
     # time = fixed + transfer / eff: least squares on the relative error in x = 1 / eff over DeepEP's
     # two single-node (EP8, H800) points, every other term in place.
     doc = vm.load_points()
-    fit_ids = ("deepep-v1-normal-ep8-dispatch", "deepep-v1-normal-ep8-combine")
     a, b = [], []
-    for point_id in fit_ids:
-        p = next(q for q in doc["points"] if q["id"] == point_id)
+    for point_id in ("deepep-v1-normal-ep8-dispatch", "deepep-v1-normal-ep8-combine"):
+        p, measured, fixed, transfer = _normal_nvlink_bound(doc, point_id)
         assert p["in_sample"] and "NORMAL_KERNEL_INTRA_EFFICIENCY" in p["calibrates"], point_id
-        measured, fixed, transfer = _normal_nvlink_bound(point_id)
         a.append(transfer / measured)
         b.append((fixed - measured) / measured)
     fitted = 1.0 / (-sum(x * y for x, y in zip(a, b)) / sum(x * x for x in a))
@@ -246,14 +233,13 @@ def test_normal_kernel_intra_efficiency_is_the_fit_on_deepep_one_node() -> None:
     # (H200, 18 NVLinks) come closer than at the full link rate, and within 25%.
     for point_id in ("deepep-v1-normal-ep16-dispatch", "deepep-v1-normal-ep16-combine",
                      "ucclep-p5en-ep8-dispatch", "ucclep-p5en-ep8-combine"):
-        assert not next(q for q in doc["points"] if q["id"] == point_id)["in_sample"]
-        measured, fixed, transfer = _normal_nvlink_bound(point_id)
+        p, measured, fixed, transfer = _normal_nvlink_bound(doc, point_id)
+        assert not p["in_sample"], point_id
         with_eff = fixed + transfer / NORMAL_KERNEL_INTRA_EFFICIENCY
         assert abs(with_eff / measured - 1) < abs((fixed + transfer) / measured - 1), point_id
         assert with_eff == pytest.approx(measured, rel=0.25), point_id
         # and the model's own prediction is that time
-        e = vm.evaluate(next(q for q in doc["points"] if q["id"] == point_id), doc["systems"])
-        assert e.predicted == pytest.approx(with_eff), point_id
+        assert vm.evaluate(p, doc["systems"]).predicted == pytest.approx(with_eff), point_id
 
 
 def test_efa_drives_every_card_and_engines_differ_per_remote_rank() -> None:

@@ -21,7 +21,7 @@ from benchmarks.output import load_run
 from benchmarks.report import predicted_beside, run_shape
 from collectives import model
 from collectives.model.calibrate import calibrate
-from collectives.model.moe import UCCL_EP_PROXY_PER_PEER_US, predict_moe
+from collectives.model.moe import DISPATCH_DTYPES, ENGINES, MODES, UCCL_EP_PROXY_PER_PEER_US, predict_moe
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "benchmarks" / "results" / "cpu-compare-mpiexec.json"
@@ -226,6 +226,14 @@ def test_moe_dispatch_and_combine_over_ep_sizes(tmp_path):
     assert_same_row(row, direct.as_dict())
     assert row["nodes"] == 2 and row["network_bytes"] > 0
     assert json.loads((tmp_path / "g.json").read_text())["notes"] == []  # InfiniBand: no EFA caveat
+
+
+def test_moe_choices_are_the_models():
+    # The CLI spells its MoE choices out (importing the model pulls in torch, which `moecomm --help`
+    # should not wait for); they must stay the model's own.
+    choices = {o.name: list(o.type.choices) for o in predict_cli.predict.params if o.name in ("engine", "mode",
+                                                                                            "dispatch_dtype")}
+    assert choices == {"engine": list(ENGINES), "mode": list(MODES), "dispatch_dtype": list(DISPATCH_DTYPES)}
 
 
 def test_moe_across_efa_nodes_says_what_the_model_assumes(tmp_path):

@@ -21,8 +21,8 @@ Two kernels:
   destination node, landing on the GPU with the same local index (rail-optimised, one NIC per
   GPU), which forwards it over NVLink to the destination ranks of its node. Tokens for the own
   node skip the network (DeepEP copies them locally: ``dst_rdma_rank == rdma_rank``; so does
-  UCCL-EP, ``uccl:ep/src/internode.cu``), tokens for the own rank move no bytes. Network and NVLink stages are pipelined, so the slower one
-  bounds the time.
+  UCCL-EP, ``uccl:ep/src/internode.cu``), tokens for the own rank move no bytes. Network and
+  NVLink stages are pipelined, so the slower one bounds the time.
 * ``low_latency`` (DeepEP's LL kernels, ``internode_ll.cu``; pplx-kernels works the same way):
   no de-duplication at all -- each of a token's ``topk`` selections is its own message to the
   expert's rank (two experts on one rank: two messages), over NVLink to same-node ranks
@@ -56,13 +56,13 @@ on CPU proxies, the drop-in on EFA) pays :data:`UCCL_EP_PROXY_PER_PEER_US` per r
 
 Where it misses (checked against DeepEP's, pplx-kernels', pplx-garden's and UCCL-EP's published
 tables): normal-mode kernels move the bytes that really cross the intra-node link at
-:data:`NORMAL_KERNEL_INTRA_EFFICIENCY` of its rate, fitted on DeepEP's one-node table (H800); with it
-DeepEP's two-node times on H800 come out 8-10% short and UCCL-EP's one-node times on H200 3-7% short
-(network-bound ones 3-8%). The fixed kernel overhead is pplx-kernels', so DeepEP's LL dispatch comes out up to 13% long on H800 and 40%
-long at EP8 on an H100 node (42.6 us: DeepEP's kernel starts faster). UCCL-EP's normal-mode times
-on EFA do not follow the bytes (p5en's combine at EP16 takes 6.4 ms, 18 GB/s, against 4.9 ms at
-EP32), and on one node its kernels stay far below NVLink5 on B200: those points miss by up to ~80%
-(benchmarks/results/model-validation.md).
+:data:`NORMAL_KERNEL_INTRA_EFFICIENCY` of its rate, fitted on DeepEP's one-node table (H800); with
+it DeepEP's two-node times on H800 come out 8-10% short and UCCL-EP's one-node times on H200 3-7%
+short (network-bound ones 3-8%). The fixed kernel overhead is pplx-kernels', so DeepEP's LL dispatch
+comes out up to 13% long on H800 and 40% long at EP8 on an H100 node (42.6 us: DeepEP's kernel
+starts faster). UCCL-EP's normal-mode times on EFA do not follow the bytes (p5en's combine at EP16
+takes 6.4 ms, 18 GB/s, against 4.9 ms at EP32), and on one node its kernels stay far below NVLink5
+on B200: those points miss by up to ~80% (benchmarks/results/model-validation.md).
 """
 
 from __future__ import annotations
