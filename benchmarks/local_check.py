@@ -272,7 +272,8 @@ def _repeatability(run1: dict, repeats: Mapping[str, dict], ranges: tuple[str, .
              "table), compared at the sizes both measured: |difference| % mean / max (signed mean). A model "
              "fitted on one run cannot predict another run more closely than the machine repeats its own "
              "measurements. This 2-vCPU VM switches between a faster and a slower state minutes apart (up to 2x at "
-             "every size; benchmarks/results/local-check-slow-calibration.txt).", ""]
+             "every size; benchmarks/results/local-check-slow-calibration.txt); pinning the ranks to cores does not "
+             "remove the spread (benchmarks/results/local-check-pinning/).", ""]
             + table(["repeat", "op", *ranges], rows) + [""])
 
 
