@@ -153,13 +153,19 @@ def choose_transport(opcode: OpCode, device: str, single_node: bool, available: 
                 f"transport {forced!r} was requested but is not available in this communicator "
                 f"(available: {sorted(available)}); shm needs all ranks on one node, mpi needs an mpirun launch, "
                 "ipc needs one node and CUDA (or MOECOMM_IPC_EMULATE=1 and triton for CPU tensors)")
-        return forced, "forced by transport=/MOECOMM_TRANSPORT"
+        if device != "cpu" or "cpu" in available[forced].devices:
+            return forced, "forced by transport=/MOECOMM_TRANSPORT"
+        # A GPU transport forced for the device tensors cannot take host tensors (such as the count
+        # exchanges of MoE's layout and of agreement checks): they go to the host chain below.
+        forced_note = f"; {forced!r} is forced but moves only {'/'.join(available[forced].devices)} tensors"
+    else:
+        forced_note = ""
     hier = available.get("hierarchical")
     hier_min = HIERARCHICAL_MIN_BYTES.get(opcode)
     if device == "cpu" and not single_node and hier is not None and hier_min is not None and nbytes is not None \
             and nbytes >= hier_min:
         return "hierarchical", (f"host tensors on {hier.num_nodes} nodes x {hier.local_size} ranks, {nbytes} B >= "
-                                f"{hier_min} B (selection.HIERARCHICAL_MIN_BYTES)")
+                                f"{hier_min} B (selection.HIERARCHICAL_MIN_BYTES){forced_note}")
     ipc = available.get("ipc")
     if device == "cuda" and single_node and nbytes is not None and ipc is not None and device in ipc.devices:
         limit = ipc_max_bytes(opcode, ipc.size, arch)
@@ -173,7 +179,7 @@ def choose_transport(opcode: OpCode, device: str, single_node: bool, available: 
             if device == "cpu" and not single_node and hier_min is not None and nbytes is not None:
                 reason += (f"; not hierarchical: {nbytes} B < {hier_min} B (selection.HIERARCHICAL_MIN_BYTES)"
                            if hier is not None else "; not hierarchical: needs equal ranks (>1) on every node")
-            return name, reason
+            return name, reason + forced_note
     raise RuntimeError(
         f"no transport can serve {device} tensors here (available: {sorted(available)}); "
         "launch with mpiexec (mpi) or torchrun (gloo: torch.distributed with gloo) for multi-node runs")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import collectives
 from collectives.selection import IPC_MAX_BYTES, choose_transport, ipc_max_bytes
 from ipc_harness import run_ranks
 from transports.base import OpCode, ReduceOp, Signature
@@ -122,3 +123,39 @@ def test_first_call_agreement_over_the_rendezvous_names_the_difference():
     results = run_ranks(_mismatched_sizes_with_host_agreement, 2, timeout=30.0)
     assert len(results) == 2 and all(r[0] == "ok" and "shape differs (rank 0: (5), rank 1: (6))" in r[1][0]
                                      and r[1][1] for r in results), results
+
+
+def test_host_tensors_leave_a_forced_gpu_transport_for_the_host_chain():
+    # transport="nccl"/"ipc" on GPUs forces the device tensors; host tensors (MoE's count exchange,
+    # agreement checks) cannot go to a GPU transport and take the host chain, whatever is forced
+    avail = {"ipc": _Fake(("cuda",), 2), "nccl": _Fake(("cuda",), 2), "shm": _Fake(("cpu",), 2)}
+    for forced in ("ipc", "nccl"):
+        for op in (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.ALL_TO_ALL, OpCode.BROADCAST):
+            name, reason = choose_transport(op, "cpu", True, avail, forced, nbytes=64)
+            assert name == "shm" and f"{forced!r} is forced" in reason, (forced, op, name, reason)
+            assert choose_transport(op, "cuda", True, avail, forced, nbytes=64)[0] == forced
+    # across nodes the host chain is mpi > gloo; a host transport forced still stages CUDA tensors
+    multi = {"nccl": _Fake(("cuda",), 2), "mpi": _Fake(("cpu",), 2)}
+    assert choose_transport(OpCode.ALL_REDUCE, "cpu", False, multi, "nccl", nbytes=8)[0] == "mpi"
+    assert choose_transport(OpCode.ALL_REDUCE, "cuda", True, avail, "shm", nbytes=8)[0] == "shm"
+    with pytest.raises(RuntimeError, match="no transport can serve cpu"):
+        choose_transport(OpCode.ALL_REDUCE, "cpu", True, {"nccl": _Fake(("cuda",), 2)}, "nccl", nbytes=8)
+
+
+def _host_calls_under_forced_gpu_ipc(comm):
+    comm.transports["ipc"].devices = ("cuda",)  # the emulated transport as it is on a GPU
+    comm._forget_calls()
+    x = torch.arange(5, dtype=torch.float64) * (comm.rank + 1.5)
+    plan = comm.plan("all_reduce", x)
+    counts = [comm.rank + 1 + d for d in range(comm.size)]
+    a2a = comm.all_to_all(torch.full((sum(counts), 2), float(comm.rank)), send_counts=counts)
+    return plan.transport, plan.staged_through_host, comm.all_reduce(x).tolist(), a2a[:, 0].tolist()
+
+
+def test_a_communicator_forced_onto_gpu_ipc_serves_host_tensors_through_shm():
+    res = collectives.launch(_host_calls_under_forced_gpu_ipc, 2, transport="ipc", timeout=60.0,
+                             options={"ipc_emulate": 1})
+    for r, (name, staged, total, got) in enumerate(res):
+        assert (name, staged) == ("shm", False)
+        assert total == [i * (1.5 + 2.5) for i in range(5)]
+        assert got == [float(src) for src in range(2) for _ in range(src + 1 + r)]
