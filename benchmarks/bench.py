@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -55,6 +56,9 @@ def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
         out(f"# moecomm bench: {comm.size} ranks, dtype {','.join(opts['dtypes'])}, iters {opts['iters']}, "
             f"warmup {opts['warmup']}{f', cycles {cycles}' if cycles > 1 else ''}, check {opts['check']}, "
             f"device {device}, launch {comm.topology.launch}")
+        if opts.get("cuda_graph", 0):
+            out(f"# mode: CUDA graphs, {opts['cuda_graph']} calls captured per graph; time = replay time / "
+                f"{opts['cuda_graph']}, out-of-place only; #wrong checks the result after the timed replays")
         out("# " + str(comm.topology).replace("\n", "\n# "))
         out("# peers: " + "; ".join(p.describe() for p in peers))
         printed_notes = []
@@ -69,7 +73,7 @@ def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
         rows = sw.run_sweep({p.name: p for p in peers}, opts["ops"], opts["dtypes"], opts["sizes"],
                             iters=opts["iters"], warmup=opts["warmup"], check=opts["check"], seed=opts["seed"],
                             redops=opts["redops"], root=opts["root"], stats=comm, on_start=on_start,
-                            cycles=cycles,
+                            cycles=cycles, graph_calls=opts.get("cuda_graph", 0),
                             on_notes=on_notes, on_row=lambda r: out(format_row(r)))
         bar.finish()
     finally:
@@ -167,6 +171,19 @@ def _fits(opts: dict[str, Any]) -> Callable[[int], None]:
     return check
 
 
+def _graph_device(device: str) -> str:
+    """The device of a ``--cuda-graph`` sweep ("cuda"), or a usage error: graphs need CUDA tensors."""
+    if device == "cpu":
+        raise click.BadParameter("CUDA graphs capture CUDA tensors; use --device cuda (or auto) with it",
+                                 param_hint="--cuda-graph")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise click.UsageError("--cuda-graph captures CUDA graphs and needs a CUDA GPU; torch.cuda.is_available() "
+                               "is False here (run without --cuda-graph to time eager calls)")
+    return "cuda"
+
+
 @click.command()
 @click.option("-b", "--minbytes", type=BYTES, default="8", show_default=True, help="Smallest size (B, K, M, G).")
 @click.option("-e", "--maxbytes", type=BYTES, default="32M", show_default=True, help="Largest size.")
@@ -204,6 +221,9 @@ def _fits(opts: dict[str, Any]) -> Callable[[int], None]:
                    "time) and print each op's busbw as a % of it [default: on with --compare].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the tensors live; auto: cuda when every local rank has a GPU.")
+@click.option("-G", "--cuda-graph", "cuda_graph", type=NONNEGATIVE, default=0, show_default=True, metavar="N",
+              help="Capture N calls of each op into one CUDA graph per size and time its replays (nccl-tests' "
+                   "-G), for every peer alike; out-of-place only. Needs a GPU (0: eager calls).")
 @click.option("--nprocs", type=COUNT, default=2, show_default=True,
               help="Local ranks to launch (ignored under mpirun/torchrun).")
 @click.option("--timeout", type=SECONDS, default=120.0, show_default=True, help="Communicator timeout in seconds.")
@@ -217,8 +237,9 @@ def _fits(opts: dict[str, Any]) -> Callable[[int], None]:
 @click.option("--seed", type=NONNEGATIVE, default=1, show_default=True, help="Seed of the random inputs.")
 def bench(minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, ops: str, redop: str, dtype: str,
           root: int, iters: int, warmup: int, cycles: int, check: int, no_check: bool, transport: str | None, compare: bool,
-          peers: str | None, memcpy: bool | None, device: str, nprocs: int, timeout: float, json_path: str | None, csv_path: str | None,
-          plot_path: str | None, no_save: bool, quiet: bool, seed: int) -> None:
+          peers: str | None, memcpy: bool | None, device: str, cuda_graph: int, nprocs: int, timeout: float,
+          json_path: str | None, csv_path: str | None, plot_path: str | None, no_save: bool, quiet: bool,
+          seed: int) -> None:
     """Bandwidth sweep in nccl-tests' format: out-of-place and in-place time/algbw/busbw/#wrong, p50/p99.
 
     Self-launches --nprocs local ranks, or uses the job's ranks under mpirun/mpiexec/torchrun.
@@ -226,8 +247,10 @@ def bench(minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, 
     """
     opts = _sweep_options(minbytes, maxbytes, stepfactor, stepbytes, ops, redop, dtype, transport, compare, peers,
                           memcpy)
+    if cuda_graph:
+        device = _graph_device(device)
     opts.update(root=root, iters=iters, warmup=warmup, cycles=cycles, check=0 if no_check else check, seed=seed,
-                quiet=quiet, device=device, timeout=timeout)
+                quiet=quiet, device=device, timeout=timeout, cuda_graph=cuda_graph)
     if not no_save:
         json_path = json_path or DEFAULT_JSON
         plot_path = plot_path or DEFAULT_PLOT

@@ -278,6 +278,10 @@ class Row:
     nranks: int = 0
     device: str = "cpu"
     memcpy_busbw: float = 0.0  # the memcpy reference's busbw at this size in the same run (0: none measured)
+    # "eager": each call launched and timed on its own; "graph": timed as replays of a CUDA graph of
+    # ``graph_calls`` calls (nccl-tests' -G), time per call = replay time / graph_calls, out-of-place only
+    mode: str = "eager"
+    graph_calls: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The row as a plain dict (what JSON and CSV files hold)."""

@@ -93,6 +93,14 @@ class Peer:
         """What the peer runs for ``op`` on ``x`` (the table's peer/algorithm column)."""
         return op
 
+    def graph_support(self, op: str) -> str | None:
+        """Whether ``op`` can be captured in a CUDA graph (``bench --cuda-graph``).
+
+        Returns:
+            None if it can, else why not (the same answer on every rank).
+        """
+        return None if self.device.startswith("cuda") else "CUDA graphs need CUDA tensors"
+
     def sync(self) -> None:
         """Wait for the device (CUDA peers), so timings cover the work."""
         if self.device.startswith("cuda"):
@@ -168,6 +176,11 @@ class MoecommPeer(Peer):
     def algorithm(self, op: str, x: torch.Tensor) -> str:
         plan = self.comm.plan(op, x.to(self.device))
         return f"{plan.transport}:{plan.algorithm}" if self._show_transport else plan.algorithm
+
+    def graph_support(self, op: str) -> str | None:
+        if op == "all_to_all":  # Communicator.all_to_all without recv_counts sizes its output on the host
+            return "its all_to_all exchanges counts and sizes the output on the host each call"
+        return super().graph_support(op)
 
     def _call(self, op, src, dst, redop, root):
         c = self.comm

@@ -30,6 +30,10 @@ Beyond nccl-tests:
 - ``cycles`` > 1 makes the whole sweep that many times and pools each row's timed calls of every
   cycle, so a row's samples are spread over the run instead of taken in one burst (on a shared
   or virtual machine a slow phase of a few milliseconds can otherwise move one row by 2x);
+- ``graph_calls`` N > 0 (``bench --cuda-graph N``, nccl-tests' ``-G N``): each step's calls are
+  captured N at a time into one CUDA graph and the graph's replays are timed (time per call =
+  replay time / N); out-of-place only, the result checked after the timed replays. This is how
+  inference engines issue small collectives, and how custom all-reduces are compared;
 - with a reference peer (:class:`peers.MemcpyPeer`), each size starts with one ``memcpy`` row:
   every rank copies ``size`` bytes (uint8) locally at the same time, timed like the ops, checked
   bitwise, busbw = algbw (bus factor 1), out-of-place only; every row of that size carries its
@@ -157,6 +161,48 @@ def time_each(bound: Bound, iters: int, warmup: int, barrier: Callable[[], None]
     return times
 
 
+def time_graph(bound: Bound, calls: int, iters: int, warmup: int, barrier: Callable[[], None],
+               device: str) -> list[float]:
+    """Seconds per call of each timed replay of a CUDA graph that holds ``calls`` calls of ``bound``.
+
+    The calls are warmed up eagerly on a side stream first (a transport's lazy per-signature setup
+    must not be captured), then captured into one graph on every rank at once; ``warmup`` untimed
+    replays precede the timed ones, and the ranks start the timed replays together.
+
+    Args:
+        bound: an out-of-place variant on CUDA buffers (:meth:`peers.Peer.bind`).
+        calls: calls per graph; iters: timed replays; warmup: untimed replays (and eager calls).
+        barrier: the ranks' barrier; device: the buffers' CUDA device.
+
+    Returns:
+        ``iters`` durations in seconds, each a replay's time divided by ``calls``.
+    """
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 1)):
+            bound.call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    bound.sync()
+    barrier()
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a library's helper threads (NCCL's watchdog) may query their events meanwhile
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(calls):
+            bound.call()
+    for _ in range(warmup):
+        graph.replay()
+    bound.sync()
+    barrier()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        graph.replay()
+        bound.sync()
+        times.append((time.perf_counter() - t0) / calls)
+    return times
+
+
 def _check(bound: Bound, checks: int, op: str, count: int, n: int, rank: int, dtype: torch.dtype, seed: int,
            redop: str, root: int) -> int:
     """Max wrong elements over ``checks`` checked calls on this rank (-1: not checked)."""
@@ -181,7 +227,7 @@ class Timing(NamedTuple):
 
 
 def time_step(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: int, *, iters: int, warmup: int,
-              checks: int, seed: int, root: int = 0) -> Timing:
+              checks: int, seed: int, root: int = 0, graph_calls: int = 0) -> Timing:
     """Check, then time, out-of-place and in-place ``op`` through ``peer`` on this rank (one cycle of
     one step of a sweep; :func:`summarise` makes the row).
 
@@ -194,10 +240,17 @@ def time_step(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: in
         count: elements per rank (:func:`common.counts_for`).
         iters, warmup: timed and untimed calls per variant; checks: checked calls per variant.
         seed: seed of the inputs; root: broadcast's root.
+        graph_calls: > 0: time replays of a CUDA graph of this many calls (:func:`time_graph`),
+            out-of-place only, and check the result the replays left (when ``checks`` > 0).
     """
     dtype = DTYPES[dtype_name]
     n, rank = stats.size, stats.rank
     x = _inputs(op, count, n, rank, dtype, seed)
+    if graph_calls > 0:
+        bound = peer.bind(op, x, count, redop, root, in_place=False)
+        times_g = time_graph(bound, graph_calls, iters, warmup, stats.barrier, peer.device)
+        wrong_g = count_wrong(op, bound.result(), count, n, rank, dtype, seed, redop, root) if checks > 0 else -1
+        return Timing((times_g, []), (wrong_g, -1), peer.algorithm(op, x))
     times, wrong = [], []
     for in_place in (False, True):
         if in_place and not has_in_place(op):  # the memcpy reference: out-of-place only
@@ -214,7 +267,7 @@ def time_step(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: in
 
 
 def summarise(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: int, timings: Sequence[Timing],
-              root: int = 0) -> Row:
+              root: int = 0, graph_calls: int = 0) -> Row:
     """The row of one step from its timings on this rank (one per cycle), pooled over cycles and
     combined across ranks. Collective over the ranks of ``stats``.
 
@@ -243,7 +296,8 @@ def summarise(peer: Peer, stats, op: str, dtype_name: str, redop: str, count: in
                time_us=t_oop * 1e6, algbw=bw_oop, busbw=bw_oop * factor, wrong=int(tot[2]) if wrong[0] >= 0 else -1,
                p50_us=p50, p99_us=p99,
                ip_time_us=t_ip * 1e6, ip_algbw=bw_ip, ip_busbw=bw_ip * factor,
-               ip_wrong=int(tot[3]) if wrong[1] >= 0 else -1, ip_p50_us=ip_p50, ip_p99_us=ip_p99)
+               ip_wrong=int(tot[3]) if wrong[1] >= 0 else -1, ip_p50_us=ip_p50, ip_p99_us=ip_p99,
+               mode="graph" if graph_calls > 0 else "eager", graph_calls=graph_calls)
 
 
 class Step(NamedTuple):
@@ -278,7 +332,7 @@ def too_small(ops: Iterable[str], dtype_names: Sequence[str], byte_sizes: Sequen
 
 
 def plan_sweep(peers: Sequence[Peer], ops: Iterable[str], dtype_names: Sequence[str], redops: Sequence[str],
-               byte_sizes: Sequence[int], n: int) -> tuple[list[Step], list[str]]:
+               byte_sizes: Sequence[int], n: int, graph: bool = False) -> tuple[list[Step], list[str]]:
     """The measurements a sweep will make, in order, and notes on what each peer skips and why.
 
     Order: size, op, dtype, redop, peer (innermost), so every peer measures a size back to back.
@@ -290,6 +344,7 @@ def plan_sweep(peers: Sequence[Peer], ops: Iterable[str], dtype_names: Sequence[
         peers: the libraries measured.
         ops, dtype_names, redops, byte_sizes: what to measure.
         n: number of ranks.
+        graph: the steps run under CUDA graphs: leave out what a peer cannot capture (a note says why).
 
     Returns:
         (steps, notes); the same on every rank.
@@ -299,7 +354,8 @@ def plan_sweep(peers: Sequence[Peer], ops: Iterable[str], dtype_names: Sequence[
     peers = [p for p in peers if not p.reference_op]
     steps, notes = [], {}
     for size in byte_sizes:
-        steps += [Step(size, p.reference_op, "uint8", "none", size, p) for p in references]
+        steps += [Step(size, p.reference_op, "uint8", "none", size, p) for p in references
+                  if not (graph and p.graph_support(p.reference_op))]
         for op in ops:
             for dname in dtype_names:
                 count = counts_for(op, size, n, itemsize(dname))
@@ -310,7 +366,7 @@ def plan_sweep(peers: Sequence[Peer], ops: Iterable[str], dtype_names: Sequence[
                         notes.setdefault(f"all peers skip avg for {dname}: avg needs a floating dtype", None)
                         continue
                     for peer in peers:
-                        why = peer.supports(op, dname, redop)
+                        why = peer.supports(op, dname, redop) or (peer.graph_support(op) if graph else None)
                         if why:
                             notes.setdefault(f"{peer.name} skips {op} {dname}"
                                              f"{' ' + redop if op in REDUCING else ''}: {why}", None)
@@ -323,7 +379,8 @@ def run_sweep(comms: Mapping[str, Any], ops: Iterable[str], dtype_name: str | Se
               byte_sizes: Sequence[int], *, iters: int = 20, warmup: int = 5, check: bool | int = True,
               seed: int = 1, on_row: Callable[[Row], None] | None = None, redops: Sequence[str] = ("sum",),
               root: int = 0, stats=None, on_start: Callable[[int, int, Step], None] | None = None,
-              on_notes: Callable[[list[str]], None] | None = None, cycles: int = 1) -> list[Row]:
+              on_notes: Callable[[list[str]], None] | None = None, cycles: int = 1,
+              graph_calls: int = 0) -> list[Row]:
     """Sweep sizes x ops x dtypes x redops, each measured through every entry of ``comms`` back to
     back, so machine drift hits all alike. Collective over every entry's ranks.
 
@@ -340,6 +397,8 @@ def run_sweep(comms: Mapping[str, Any], ops: Iterable[str], dtype_name: str | Se
         on_row: called with each row once its last cycle is measured; on_start(i, total, step)
             before each measurement (``total`` counts every cycle's); on_notes(notes) once, with
             what the peers skip.
+        graph_calls: > 0: every step timed as replays of a CUDA graph of this many calls
+            (:func:`time_graph`); what a peer cannot capture is left out with a note.
 
     Returns:
         The rows in measurement order, the same on every rank.
@@ -350,7 +409,7 @@ def run_sweep(comms: Mapping[str, Any], ops: Iterable[str], dtype_name: str | Se
     if stats is None:
         stats = next(p.comm for p in peers if isinstance(p, MoecommPeer))
     dnames = [dtype_name] if isinstance(dtype_name, str) else list(dtype_name)
-    steps, notes = plan_sweep(peers, ops, dnames, list(redops), byte_sizes, stats.size)
+    steps, notes = plan_sweep(peers, ops, dnames, list(redops), byte_sizes, stats.size, graph=graph_calls > 0)
     if on_notes is not None:
         on_notes(notes)
     rows: list[Row] = []
@@ -361,10 +420,12 @@ def run_sweep(comms: Mapping[str, Any], ops: Iterable[str], dtype_name: str | Se
             if on_start is not None:
                 on_start(cycle * len(steps) + i, cycles * len(steps), step)
             timings[i].append(time_step(step.peer, stats, step.op, step.dtype, step.redop, step.count, iters=iters,
-                                        warmup=warmup, checks=int(check), seed=seed, root=root))
+                                        warmup=warmup, checks=int(check), seed=seed, root=root,
+                                        graph_calls=graph_calls))
             if cycle < cycles - 1:
                 continue
-            row = summarise(step.peer, stats, step.op, step.dtype, step.redop, step.count, timings[i], root=root)
+            row = summarise(step.peer, stats, step.op, step.dtype, step.redop, step.count, timings[i], root=root,
+                            graph_calls=graph_calls)
             if row.op == MEMCPY:
                 memcpy_busbw[row.size] = row.busbw
             row.memcpy_busbw = memcpy_busbw.get(row.size, 0.0)

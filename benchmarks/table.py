@@ -109,11 +109,15 @@ def _wrong(w: int) -> str:
 
 def format_row(r: Row) -> str:
     """One line of :data:`SWEEP` for a row (#wrong -1 printed ``N/A``, as nccl-tests does; so are the
-    in-place cells of an op without an in-place variant, the memcpy reference)."""
-    in_place = [r.ip_time_us, r.ip_algbw, r.ip_busbw, _wrong(r.ip_wrong)] if has_in_place(r.op) else ["N/A"] * 4
+    in-place cells of an op without an in-place variant, the memcpy reference, and of CUDA-graph
+    rows, which time out-of-place only). A CUDA-graph row's last cell ends in ``[graph:N]`` (N calls
+    per graph; no space, so the line still splits into the header's columns)."""
+    measured = has_in_place(r.op) and r.mode == "eager"
+    in_place = [r.ip_time_us, r.ip_algbw, r.ip_busbw, _wrong(r.ip_wrong)] if measured else ["N/A"] * 4
+    mode = f"[graph:{r.graph_calls}]" if r.mode == "graph" else ""
     return SWEEP.line(r.op, r.size, r.count, r.dtype, r.redop, r.root,
                       r.time_us, r.algbw, r.busbw, _wrong(r.wrong), *in_place,
-                      r.p50_us, r.p99_us, f"{r.transport}/{r.algorithm}")
+                      r.p50_us, r.p99_us, f"{r.transport}/{r.algorithm}{mode}")
 
 
 def summary(rows: Sequence[Row]) -> list[str]:
@@ -126,7 +130,7 @@ def summary(rows: Sequence[Row]) -> list[str]:
     lines = []
     for name in dict.fromkeys(r.transport for r in rows):
         rs = [r for r in rows if r.transport == name]
-        bws = [r.busbw for r in rs] + [r.ip_busbw for r in rs if has_in_place(r.op)]
+        bws = [r.busbw for r in rs] + [r.ip_busbw for r in rs if has_in_place(r.op) and r.mode == "eager"]
         avg = float(np.mean(bws)) if bws else 0.0
         bad = sum(max(r.wrong, 0) + max(r.ip_wrong, 0) for r in rs)
         lines.append(f"# {name}: Out of bounds values : {bad} {'OK' if bad == 0 else 'FAILED'}")

@@ -137,6 +137,8 @@ BAD_BENCH = {
                       "--plot"),
     "zero step factor": (["-f", "0", *TINY], "-f"),
     "negative seed": (["--seed", "-1", *TINY], "--seed"),
+    "negative cuda graph": (["-G", "-1", *TINY], "--cuda-graph"),
+    "cuda graph of cpu tensors": (["--cuda-graph", "4", "--device", "cpu", *TINY], "--cuda-graph"),
 }
 
 
@@ -200,3 +202,42 @@ def test_verbose_bench_logs_every_rank_transport_decisions(tmp_path):
     for rank in (0, 1):
         assert any(line.startswith("DEBUG collectives:") and f"rank {rank}: all_reduce of" in line
                    and "-> shm/" in line for line in p.stderr.splitlines()), (rank, p.stderr)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU refusal")
+def test_bench_cuda_graph_without_a_gpu_is_refused_before_any_rank_starts():
+    _assert_usage_error(["bench", "--cuda-graph", "10", *TINY], "--cuda-graph")
+    _assert_usage_error(["bench", "-G", "10", "--device", "cuda", *TINY], "needs a CUDA GPU")
+
+
+def test_cuda_graph_sweeps_leave_out_what_a_peer_cannot_capture():
+    import torch
+
+    from benchmarks.common import Row
+    from benchmarks.peers import MemcpyPeer, MoecommPeer, Peer
+    from benchmarks.sweep import plan_sweep
+    from benchmarks.table import format_row
+
+    class Comm:
+        rank, size = 0, 2
+
+    gpu = [MoecommPeer(Comm(), "ipc", device="cuda:0"), MemcpyPeer(0, 2, "cuda:0")]
+    torch_nccl = Peer(0, 2)
+    torch_nccl.name, torch_nccl.device = "nccl", "cuda:0"
+    ops = ["all_reduce", "all_to_all"]
+    eager, _ = plan_sweep([*gpu, torch_nccl], ops, ["float32"], ["sum"], [64], 2)
+    graph, notes = plan_sweep([*gpu, torch_nccl], ops, ["float32"], ["sum"], [64], 2, graph=True)
+    assert ("all_to_all", "ipc") in {(s.op, s.peer.name) for s in eager}
+    assert {(s.op, s.peer.name) for s in graph} == {("memcpy", "memcpy"), ("all_reduce", "ipc"),
+                                                    ("all_reduce", "nccl"), ("all_to_all", "nccl")}
+    assert any("ipc skips all_to_all" in n and "host" in n for n in notes), notes
+    cpu, notes = plan_sweep([MoecommPeer(Comm(), "shm"), MemcpyPeer(0, 2)], ops, ["float32"], ["sum"], [64], 2,
+                            graph=True)
+    assert cpu == [] and any("CUDA graphs need CUDA tensors" in n for n in notes), notes
+    # a graph row: one more word-free suffix in the last cell, in-place cells N/A, the mode in the JSON
+    row = Row(op="all_reduce", transport="ipc", size=64, count=16, dtype="float32", redop="sum", time_us=9.5,
+              algbw=0.1, busbw=0.1, wrong=0, algorithm="one_shot", mode="graph", graph_calls=10)
+    fields = format_row(row).split()
+    assert len(fields) == len(COLUMNS) and fields[-1] == "ipc/one_shot[graph:10]" and fields[10:14] == ["N/A"] * 4
+    assert Row.from_dict(row.as_dict()) == row and row.as_dict()["mode"] == "graph"
+    assert Row.from_dict({k: v for k, v in row.as_dict().items() if k not in ("mode", "graph_calls")}).mode == "eager"
