@@ -41,6 +41,8 @@ from typing import Any
 import click
 import torch
 
+from transports.settings import TRANSPORT_CHOICES
+
 from .common import DTYPES as _ALL_DTYPES
 from .options import COUNT, NONNEGATIVE, SECONDS
 from .ranks import on_ranks
@@ -285,9 +287,12 @@ def _print_node_summary(stats: list[list[list[float]]], o: dict[str, Any]) -> No
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the tokens live; auto: cuda when every local rank has a GPU (the baseline is then "
                    "torch.distributed over NCCL, and every phase is timed after a device synchronisation).")
+@click.option("--transport", type=click.Choice(TRANSPORT_CHOICES), default="auto", show_default=True,
+              help="The communicator's transport for device tensors (auto: chosen per call; host tensors always "
+                   "take a host transport). ipc runs two ranks on one GPU where the NCCL refuses them (< 2.30).")
 def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, nprocs: int, iters: int, warmup: int,
               cpu_scale: bool, baseline: bool, compare_flat: bool, keep_freed_memory: bool, timeout: float,
-              device: str) -> None:
+              device: str, transport: str) -> None:
     """MoE dispatch / combine time and GB/s per rank (layout separately), with the torch.distributed baseline."""
     o = dict(tokens=tokens, hidden=hidden, top_k=top_k, experts=experts, dtype=dtype, iters=iters, warmup=warmup,
              baseline=baseline, compare_flat=compare_flat, cpu_scale=cpu_scale, tokens_full=tokens, hidden_full=hidden,
@@ -301,7 +306,7 @@ def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, np
         if experts % n:
             raise click.BadParameter(f"--experts {experts} is not divisible by {n} ranks", param_hint="--experts")
 
-    lead, stats = on_ranks(_bench_rank, nprocs, o, timeout=timeout, check_size=check_size)
+    lead, stats = on_ranks(_bench_rank, nprocs, o, timeout=timeout, check_size=check_size, transport=transport)
     if not lead:
         return
     o["nprocs_run"] = len(stats)

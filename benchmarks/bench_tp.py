@@ -19,6 +19,8 @@ import click
 import torch
 import torch.nn.functional as F
 
+from transports.settings import TRANSPORT_CHOICES
+
 from .common import DTYPES as _ALL_DTYPES
 from .common import format_size
 from .options import COUNT, NONNEGATIVE, SECONDS, comma_list
@@ -186,8 +188,11 @@ def _format(r: dict[str, Any], opts: dict[str, Any]) -> list[str]:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the block runs; auto: cuda when every local rank has a GPU (each phase and collective "
                    "is then timed after a device synchronisation).")
+@click.option("--transport", type=click.Choice(TRANSPORT_CHOICES), default="auto", show_default=True,
+              help="The communicator's transport for device tensors (auto: chosen per call; host tensors always "
+                   "take a host transport). ipc runs two ranks on one GPU where the NCCL refuses them (< 2.30).")
 def bench_tp(hidden: int, ffn: int, tokens: int, sizes: str, iters: int, warmup: int, dtype: str,
-             sequence_parallel: bool, check: bool, timeout: float, device: str) -> None:
+             sequence_parallel: bool, check: bool, timeout: float, device: str, transport: str) -> None:
     """Forward+backward time of the tensor-parallel MLP block (column -> GELU -> row) per TP size,
     with the time spent in collectives shown separately."""
     import collectives
@@ -225,7 +230,7 @@ def bench_tp(hidden: int, ffn: int, tokens: int, sizes: str, iters: int, warmup:
             click.echo(line)
 
     if mode in ("mpi", "torchrun"):
-        with collectives.init(timeout=timeout) as comm:
+        with collectives.init(transport, timeout=timeout) as comm:
             if comm.rank == 0:
                 header(comm.size)
             for t in tps:
@@ -242,6 +247,6 @@ def bench_tp(hidden: int, ffn: int, tokens: int, sizes: str, iters: int, warmup:
     for t in tps:
         if t > cpus:
             click.echo(f"# tp={t}: {t} ranks on {cpus} CPUs (oversubscribed): times include waiting for a CPU")
-        r = launch_logged(_bench_group, t, opts, timeout=timeout)[0]
+        r = launch_logged(_bench_group, t, opts, timeout=timeout, transport=transport)[0]
         for line in _format(r, opts):
             click.echo(line)

@@ -46,7 +46,7 @@ def _logged(comm, level: int, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def launch_logged(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float,
-                  options: dict[str, Any] | None = None) -> list[Any]:
+                  options: dict[str, Any] | None = None, transport: str = "auto") -> list[Any]:
     """``collectives.launch(fn, nprocs, *args)`` whose ranks log at the CLI's level.
 
     Args:
@@ -54,6 +54,7 @@ def launch_logged(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: floa
         nprocs: local ranks to start.
         timeout: the communicators' timeout in seconds.
         options: transport settings (``transports.settings`` option names), passed to launch.
+        transport: the communicators' ``transport=`` ("auto": chosen per call).
 
     Returns:
         Every rank's result, in rank order (a rank's exception is re-raised here).
@@ -61,11 +62,11 @@ def launch_logged(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: floa
     import collectives
 
     kw = {"options": options} if options else {}
-    return collectives.launch(_logged, nprocs, cli_log_level(), fn, *args, timeout=timeout, **kw)
+    return collectives.launch(_logged, nprocs, cli_log_level(), fn, *args, timeout=timeout, transport=transport, **kw)
 
 
 def on_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float,
-             check_size: Callable[[int], None] | None = None) -> tuple[bool, Any]:
+             check_size: Callable[[int], None] | None = None, transport: str = "auto") -> tuple[bool, Any]:
     """Run ``fn(comm, *args)`` on this job's ranks, or on ``nprocs`` self-launched local ranks.
 
     Args:
@@ -75,6 +76,7 @@ def on_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float,
         check_size: called with the number of ranks before ``fn`` runs (in this process when
             self-launching, on every rank otherwise); raises click errors for options that do
             not fit that many ranks.
+        transport: the communicator's ``transport=`` ("auto": chosen per call).
 
     Returns:
         (lead, result): ``lead`` is True in the process that reports (rank 0, or the launching
@@ -83,10 +85,10 @@ def on_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float,
     import collectives
 
     if collectives.detect_launch() in ("mpi", "torchrun"):
-        with collectives.init(timeout=timeout) as comm:
+        with collectives.init(transport, timeout=timeout) as comm:
             if check_size is not None:
                 check_size(comm.size)
             return comm.rank == 0, fn(comm, *args)
     if check_size is not None:
         check_size(nprocs)
-    return True, launch_logged(fn, nprocs, *args, timeout=timeout)[0]
+    return True, launch_logged(fn, nprocs, *args, timeout=timeout, transport=transport)[0]
