@@ -1,5 +1,6 @@
-"""``moecomm validate-gpu``: everything the project's GPU code needs checked, in one run that fits a
-30-minute GPU lease (issue 12).
+"""``moecomm validate-gpu``: everything the project's GPU code needs checked, in one run of about 25
+minutes (issue 12). ``--quick`` runs the 8-minute plan of :mod:`benchmarks.gpu_quick` instead, which
+fits one device call of a 15-minute lease (issue 38); both run through :mod:`benchmarks.gpu_steps`.
 
 The steps run in order, each with its own time budget, each recording its outcome without
 stopping the others:
@@ -28,45 +29,34 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import click
 
 from .gpu_checks import check_abort, check_collectives, check_graphs
+from .gpu_quick import QUICK_BUDGET_S, QUICK_BUDGETS, quick_paths, quick_plan, setup, stop_mps
+# re-exported: the exit codes, Outcome and the runners are part of this command's interface
+from .gpu_steps import (EXIT_FAILED, EXIT_INCOMPLETE, EXIT_NO_GPU, EXIT_OK, GPU_TEST_FILES,  # noqa: F401
+                        RESULT_PREFIX, ROOT, Outcome, Step, cli_argv, exit_code, run_command, run_plan,
+                        source_identity, write_record)
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_NO_GPU = 3
-EXIT_INCOMPLETE = 4
-
-TOTAL_BUDGET_S = 25 * 60  # the GPU lease is 30 minutes; leave room to start and to commit
+# The full run: about 25 minutes, for a lease longer than today's (15 minutes of device time a session,
+# a machine start included); within that lease run `validate-gpu --quick` (benchmarks/gpu_quick.py).
+TOTAL_BUDGET_S = 25 * 60
 NO_GPU_MESSAGE = (f"moecomm validate-gpu needs a CUDA GPU (torch.cuda.is_available() is False here); "
                   f"nothing was run (exit code {EXIT_NO_GPU}). `moecomm validate-gpu --dry-run` prints the plan.")
 
-# The test files whose GPU tests skip without one (skipif on torch.cuda / HAS_NCCL / GPUS).
-GPU_TEST_FILES = ("tests/test_nccl.py", "tests/test_device_binding.py", "tests/test_gpu_topology.py")
-# pytest skip reasons that mean "a GPU test did not run on this GPU machine" (two GPUs are not expected).
-_GPU_SKIP = re.compile(r"needs a CUDA GPU")
-RESULT_PREFIX = "# validate-gpu result: "
 MULTI_RANK_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}  # two ranks on one GPU (NCCL >= 2.30)
 
 
-def _cli(*args: str) -> list[str]:
-    """A ``moecomm`` command line as this interpreter runs it (no reliance on the entry point on PATH)."""
-    return [sys.executable, "-m", "benchmarks.cli", *args]
+_cli = cli_argv
 
 
 def gpu_slug(name: str) -> str:
@@ -79,33 +69,6 @@ def output_paths(gpu_name: str, date: str, results_dir: str | Path = RESULTS_DIR
     stem = str(Path(results_dir) / f"gpu-{gpu_slug(gpu_name)}-{date}")  # a str: a dot in date is no suffix
     return {"txt": Path(f"{stem}.txt"), "json": Path(f"{stem}.json"),
             "png": Path(f"{stem}.png"), "bench_json": Path(f"{stem}-bench.json")}
-
-
-@dataclass
-class Step:
-    """One planned step: a command (argv, run as a subprocess) or, for ``environment``, in-process."""
-
-    name: str
-    title: str
-    budget_s: int
-    argv: list[str] | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    skip: str | None = None  # why this step cannot run as planned (recorded, not run)
-
-
-@dataclass
-class Outcome:
-    """What one step did. status: pass, fail (wrong result or non-zero exit), timeout, error
-    (could not be started), skipped (could not run as planned)."""
-
-    name: str
-    status: str
-    seconds: float = 0.0
-    budget_s: int = 0
-    command: str | None = None
-    returncode: int | None = None
-    output: str = ""
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 def _has_option(command_name: str, option: str) -> bool:
@@ -170,10 +133,17 @@ def select_steps(steps: Sequence[Step], names: str) -> list[Step]:
     return [s for s in steps if s.name in wanted]
 
 
-def format_plan(steps: Sequence[Step], paths: dict[str, Path]) -> list[str]:
-    """The plan as printed by ``--dry-run``: every step, its budget, the exact command, the outputs."""
-    lines = [f"# moecomm validate-gpu plan: {len(steps)} steps, {sum(s.budget_s for s in steps)} s of "
-             f"{TOTAL_BUDGET_S} s budget"]
+def format_plan(steps: Sequence[Step], paths: dict[str, Path], *, budget: float = TOTAL_BUDGET_S,
+                setup: tuple[int, str] | None = None) -> list[str]:
+    """The plan as printed by ``--dry-run``: every step, its budget, the exact command, the outputs.
+
+    Args:
+        budget: the run's budget; setup: (budget, what it does) of an in-process step 0 before the steps.
+    """
+    total = sum(s.budget_s for s in steps) + (setup[0] if setup else 0)
+    lines = [f"# moecomm validate-gpu plan: {len(steps) + bool(setup)} steps, {total} s of {budget:.0f} s budget"]
+    if setup:
+        lines.append(f"0. setup ({setup[0]} s): {setup[1]}")
     for i, s in enumerate(steps, 1):
         lines.append(f"{i}. {s.name} ({s.budget_s} s): {s.title}")
         env = " ".join(f"{k}={v}" for k, v in s.env.items())
@@ -184,176 +154,11 @@ def format_plan(steps: Sequence[Step], paths: dict[str, Path]) -> list[str]:
         if s.skip:
             lines.append(f"   not run: {s.skip}")
     lines.append(f"{len(steps) + 1}. record: {paths['txt']}")
-    for key in ("json", "png", "bench_json"):
+    for key in [k for k in paths if k != "txt"]:
         lines.append(f"   {' ' * len(str(len(steps) + 1))}     {paths[key]}")
     lines.append(f"# exit codes: {EXIT_OK} all passed, {EXIT_FAILED} a step failed (wrong result, error, timeout), "
                  f"2 usage error, {EXIT_NO_GPU} no CUDA GPU, {EXIT_INCOMPLETE} nothing failed but a step could not run")
     return lines
-
-
-# ---- running the steps ---------------------------------------------------------------------------
-
-def run_command(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> tuple[int | None, str, float]:
-    """Run argv from the repository root in its own process group; kill the group at the timeout.
-
-    Returns:
-        (returncode or None on timeout, stdout+stderr, seconds).
-    """
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
-    full_env.update(env or {})
-    t0 = time.monotonic()
-    # a file, not a pipe: ranks the child started could hold a pipe open after it is killed
-    with tempfile.TemporaryFile(mode="w+") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = None
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the ranks too, also when the leader already exited
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-        out.seek(0)
-        text = out.read()
-    return rc, text, time.monotonic() - t0
-
-
-Runner = Callable[[list[str], float, dict[str, str]], tuple[int | None, str, float]]
-
-
-def _result_details(output: str) -> dict[str, Any]:
-    """The JSON a ``--check`` subprocess printed after :data:`RESULT_PREFIX`, if any."""
-    for line in reversed(output.splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            try:
-                return json.loads(line[len(RESULT_PREFIX):])
-            except ValueError:
-                return {}
-    return {}
-
-
-def run_step(step: Step, timeout_s: float, runner: Runner = run_command) -> Outcome:
-    """Run one step; never raises (an exception is the step's ``error`` outcome)."""
-    command = shlex.join(step.argv) if step.argv else None
-    if step.skip:
-        return Outcome(step.name, "skipped", budget_s=step.budget_s, command=command, output=step.skip)
-    try:
-        if step.name == "environment":
-            return _environment_step(step, timeout_s, runner)
-        rc, text, seconds = runner(step.argv or [], timeout_s, step.env)
-    except Exception as e:  # noqa: BLE001 - one step's failure must not stop the others
-        return Outcome(step.name, "error", budget_s=step.budget_s, command=command, output=f"{type(e).__name__}: {e}")
-    status = "timeout" if rc is None else "pass" if rc == 0 else "fail"
-    details = _result_details(text)
-    if step.name == "gpu-tests":
-        skipped = [ln for ln in text.splitlines() if ln.startswith("SKIPPED") and _GPU_SKIP.search(ln)]
-        details["gpu_tests_skipped"] = skipped
-        if status == "pass" and skipped:
-            status = "fail"  # a GPU test that skips on the GPU machine validated nothing
-    return Outcome(step.name, status, seconds, step.budget_s, command, rc, text, details)
-
-
-def _versions() -> dict[str, Any]:
-    """Versions of what the GPU code runs on; a missing package is recorded, not raised."""
-    import torch
-
-    info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
-                            "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
-    if torch.cuda.is_available():
-        info["device_count"] = torch.cuda.device_count()
-        info["device_name"] = torch.cuda.get_device_name(0)
-        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
-    for mod in ("cupy", "triton"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception as e:  # noqa: BLE001
-            info[mod] = f"unavailable: {type(e).__name__}: {e}"
-    try:
-        from transports.nccl import nccl_version
-
-        v = nccl_version()
-        info["nccl"] = ".".join(map(str, v)) if v else "unavailable (no GPU, cupy or libnccl)"
-        info["nccl_multi_rank_gpu_needs_env"] = bool(v and v >= (2, 30, 0))
-    except Exception as e:  # noqa: BLE001
-        info["nccl"] = f"unavailable: {type(e).__name__}: {e}"
-    return info
-
-
-def _environment_step(step: Step, timeout_s: float, runner: Runner) -> Outcome:
-    t0 = time.monotonic()
-    details: dict[str, Any] = _versions()
-    smi = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
-    try:
-        rc, text, _ = runner(smi, min(30.0, timeout_s), {})
-        details["nvidia_smi"] = text.strip() if rc == 0 else f"exit {rc}: {text.strip()[-500:]}"
-    except OSError as e:
-        details["nvidia_smi"] = f"unavailable: {e}"
-    rc, text, _ = runner(step.argv or [], max(1.0, timeout_s - (time.monotonic() - t0)), {})
-    try:
-        details["topo"] = json.loads(text[text.index("{"):]) if rc == 0 else None
-    except ValueError:
-        details["topo"] = None
-    status = "pass" if rc == 0 and details["topo"] is not None else "timeout" if rc is None else "fail"
-    summary = "\n".join(f"{k}: {v}" for k, v in details.items() if k != "topo")
-    return Outcome(step.name, status, time.monotonic() - t0, step.budget_s, shlex.join(step.argv or []), rc,
-                   summary + "\n" + text, details)
-
-
-def run_plan(steps: Sequence[Step], runner: Runner = run_command, total_s: float = TOTAL_BUDGET_S,
-             echo: Callable[[str], None] = click.echo) -> list[Outcome]:
-    """Every step in order, each killed at min(its budget, what is left of ``total_s``)."""
-    start = time.monotonic()
-    outcomes = []
-    for i, s in enumerate(steps, 1):
-        left = total_s - (time.monotonic() - start)
-        echo(f"# [{i}/{len(steps)}] {s.name}: {s.title} (budget {s.budget_s} s)")
-        if left < 5:
-            o = Outcome(s.name, "timeout", budget_s=s.budget_s, command=shlex.join(s.argv or []),
-                        output=f"not started: the run's {total_s:.0f} s were spent")
-        else:
-            o = run_step(s, min(s.budget_s, left), runner)
-        echo(f"#   -> {o.status.upper()} in {o.seconds:.1f} s" + (f" ({o.output})" if o.status == "skipped" else ""))
-        if o.status in ("fail", "timeout", "error"):
-            for line in o.output.strip().splitlines()[-15:]:
-                echo(f"#   | {line}")
-        outcomes.append(o)
-    return outcomes
-
-
-def exit_code(outcomes: Sequence[Outcome]) -> int:
-    """1 if any step failed, timed out or errored; else 4 if any was skipped; else 0."""
-    if any(o.status in ("fail", "timeout", "error") for o in outcomes):
-        return EXIT_FAILED
-    if any(o.status == "skipped" for o in outcomes):
-        return EXIT_INCOMPLETE
-    return EXIT_OK
-
-
-def write_record(outcomes: Sequence[Outcome], paths: dict[str, Path], gpu_name: str, date: str) -> int:
-    """Write the record's .txt (every step's status, command and full output) and .json.
-
-    Returns:
-        The run's exit code (:func:`exit_code`), also stored in the JSON.
-    """
-    code = exit_code(outcomes)
-    paths["txt"].parent.mkdir(parents=True, exist_ok=True)
-    env = next((o.details for o in outcomes if o.name == "environment"), {})
-    record = {"gpu": gpu_name, "date": date, "exit_code": code, "environment": env,
-              "files": {k: str(v) for k, v in paths.items() if k != "txt" and Path(v).exists()},
-              "steps": [{**asdict(o), "output": o.output[-20000:]} for o in outcomes]}
-    paths["json"].write_text(json.dumps(record, indent=1, default=str) + "\n")
-    lines = [f"# moecomm validate-gpu on {gpu_name}, {date}: exit code {code}", ""]
-    lines += [f"{o.name:<16} {o.status.upper():<8} {o.seconds:7.1f} s of {o.budget_s} s" for o in outcomes]
-    for o in outcomes:
-        lines += ["", f"== {o.name}: {o.status.upper()} (return code {o.returncode})"]
-        if o.command:
-            lines.append(f"$ {o.command}")
-        lines.append(o.output.rstrip())
-    paths["txt"].write_text("\n".join(lines) + "\n")
-    return code
 
 
 # ---- the command -----------------------------------------------------------------------------
@@ -365,6 +170,14 @@ def _gpu_name() -> str | None:
 
 
 @click.command("validate-gpu")
+@click.option("--quick", is_flag=True,
+              help="The 8-minute check that fits one device call of a 15-minute lease (setup with MPS and "
+                   "--nccl-lib, GPU tests with MoE and TP, 2-rank collectives, graphs, eager and CUDA-graph "
+                   "sweeps, bench-moe, bench-tp): benchmarks/gpu_quick.py.")
+@click.option("--nccl-lib", envvar="MOECOMM_NCCL_LIBRARY", default=None, metavar="PATH",
+              help="An NCCL library (>= 2.30 takes two ranks on one GPU; tools/gpu/build_nccl.sh builds one) "
+                   "that every step, its ranks and the torch baseline preload (LD_PRELOAD) "
+                   "[env: MOECOMM_NCCL_LIBRARY; default: the one torch and cupy load].")
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, budgets, exact commands, output files) and exit 0.")
 @click.option("--results-dir", type=click.Path(file_okay=False), default=str(RESULTS_DIR), show_default=True,
               help="Where the record goes.")
@@ -376,13 +189,14 @@ def _gpu_name() -> str | None:
 @click.option("--steps", "only", default=None, metavar="NAMES",
               help="Comma-separated step names to run, in plan order (to split the run over several GPU "
                    "calls, each under 10 minutes) [default: every step].")
-@click.option("--budget", type=click.FloatRange(min=10), default=TOTAL_BUDGET_S, show_default=True,
-              help="Seconds for the whole run; a step is killed at min(its budget, what is left).")
-def validate_gpu(dry_run: bool, results_dir: str, gpu_name: str | None, date: str | None, check: str | None,
-                 nprocs: int, only: str | None, budget: float) -> None:
-    """Validate the GPU code in one run of at most ~25 minutes: environment, GPU tests, CUDA graphs, the
-    collective sweep against torch.distributed NCCL, MoE and TP benchmarks; the record goes to
-    benchmarks/results/gpu-<gpu>-<date>.{txt,json,png}.
+@click.option("--budget", type=click.FloatRange(min=10), default=None,
+              help=f"Seconds for the whole run; a step is killed at min(its budget, what is left) "
+                   f"[default: {TOTAL_BUDGET_S}, with --quick {QUICK_BUDGET_S}].")
+def validate_gpu(quick: bool, nccl_lib: str | None, dry_run: bool, results_dir: str, gpu_name: str | None,
+                 date: str | None, check: str | None, nprocs: int, only: str | None, budget: float | None) -> None:
+    """Validate the GPU code: environment, GPU tests, 2-rank collectives, CUDA graphs, the collective
+    sweep against torch.distributed NCCL, MoE and TP benchmarks. The full run takes about 25 minutes;
+    --quick fits 8. The record goes to benchmarks/results/gpu-<gpu>-<date>[-quick].{txt,json,png}.
 
     Exit status: 0 all passed; 1 a step failed (wrong result, error or timeout); 2 usage error;
     3 no CUDA GPU (nothing run); 4 nothing failed but a step could not run.
@@ -393,22 +207,79 @@ def validate_gpu(dry_run: bool, results_dir: str, gpu_name: str | None, date: st
             click.echo(f"WRONG: {f}")
         click.echo(RESULT_PREFIX + json.dumps(result))
         sys.exit(EXIT_FAILED if result["failures"] else EXIT_OK)
+    if nccl_lib and not Path(nccl_lib).is_file():
+        raise click.BadParameter(f"{nccl_lib} is not a file", param_hint="--nccl-lib")
     if not dry_run:
         import torch
 
         if not torch.cuda.is_available():
             click.echo(NO_GPU_MESSAGE, err=True)
             sys.exit(EXIT_NO_GPU)
-    name = gpu_name or _gpu_name() or "unknown-gpu"
     day = date or _dt.date.today().isoformat()
+    if quick:
+        if date is None:  # two quick runs of a day, at different code, keep both records
+            day = f"{day}-{_source_tag(source_identity())}"
+        _run_quick(nccl_lib, dry_run, results_dir, gpu_name, day, only, QUICK_BUDGET_S if budget is None else budget)
+        return
+    name = gpu_name or _gpu_name() or "unknown-gpu"
     steps, paths = plan(name, day, results_dir)
+    if nccl_lib:
+        for s in steps:
+            s.env["LD_PRELOAD"] = str(Path(nccl_lib).resolve())
     if only:
         steps = select_steps(steps, only)
     for line in format_plan(steps, paths):
         click.echo(line)
     if dry_run:
         return
-    outcomes = run_plan(steps, total_s=budget)
-    code = write_record(outcomes, paths, name, day)
+    outcomes = run_plan(steps, total_s=TOTAL_BUDGET_S if budget is None else budget)
+    code = write_record(outcomes, paths, name, day, {"mode": "full"})
     click.echo(f"# wrote {paths['txt']} and {paths['json']}; exit code {code}")
+    sys.exit(code)
+
+
+def _source_tag(source: dict) -> str:
+    """``35a6dca``, ``35a6dca-dirty`` or ``unknown-code``: the code in the record's file names."""
+    commit = source.get("commit")
+    return f"{commit[:7]}{'-dirty' if source.get('dirty') else ''}" if commit else "unknown-code"
+
+
+def _run_quick(nccl_lib: str | None, dry_run: bool, results_dir: str, gpu_name: str | None, day: str,
+               only: str | None, budget: float) -> None:
+    """``validate-gpu --quick``: setup (MPS, the NCCL, the code), then :func:`gpu_quick.quick_plan`."""
+    t0 = time.monotonic()
+    if dry_run:
+        lib = str(Path(nccl_lib).resolve()) if nccl_lib else None
+        paths = quick_paths(gpu_slug(gpu_name or "unknown-gpu"), day, results_dir)
+        steps = quick_plan(paths, lib, multi_rank=lib is not None)
+        if only:
+            steps = select_steps(steps, only)
+        what = (f"in-process: start MPS (nvidia-cuda-mps-control -d, stopped at exit); load "
+                f"{lib or 'the NCCL torch and cupy load'} and read its version (this plan assumes that a given "
+                "--nccl-lib takes two ranks on one GPU and that the default NCCL does not); read the code's commit")
+        for line in format_plan(steps, paths, budget=QUICK_BUDGET_S, setup=(QUICK_BUDGETS["setup"], what)):
+            click.echo(line)
+        return
+    first, info, started = setup(nccl_lib)
+    try:
+        click.echo(f"# [setup] {first.status.upper()} in {first.seconds:.1f} s")
+        for line in first.output.splitlines():
+            click.echo(f"#   | {line}")
+        name = gpu_name or _gpu_name() or "unknown-gpu"
+        paths = quick_paths(gpu_slug(name), day, results_dir)
+        steps = quick_plan(paths, info["nccl_lib"], info["multi_rank"])
+        if only:
+            steps = select_steps(steps, only)
+        for line in format_plan(steps, paths, budget=budget, setup=(QUICK_BUDGETS["setup"], "done above")):
+            click.echo(line)
+        outcomes = [first, *run_plan(steps, total_s=budget - (time.monotonic() - t0))]
+    finally:
+        if started:
+            stop_mps()
+    wall = time.monotonic() - t0
+    meta = {"mode": "quick", "wall_s": round(wall, 1), "budget_s": budget, "source": info["source"],
+            "nccl": {k: info[k] for k in ("nccl_lib", "nccl_version", "multi_rank")}, "mps": info["mps"]}
+    code = write_record(outcomes, paths, name, day, meta)
+    click.echo(f"# quick check: {wall:.0f} s of {budget:.0f} s; wrote {paths['txt']} and {paths['json']}; "
+               f"exit code {code}")
     sys.exit(code)

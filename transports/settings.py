@@ -115,6 +115,11 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
        "1: the ipc transport serves CPU tensors on one node through POSIX shared memory and Triton's "
        "interpreter (TRITON_INTERPRET=1), so its kernels run without a GPU; 0: ipc serves CUDA tensors only",
        "transports.ipc", agree=True, minimum=0),
+    _s("MOECOMM_NCCL_LIBRARY", str, None,
+       "an NCCL library (a path) that `moecomm validate-gpu` preloads (LD_PRELOAD) into every step, rank and "
+       "torch baseline, e.g. NCCL >= 2.30 built by tools/gpu/build_nccl.sh, which takes two ranks on one GPU "
+       "(default: the one torch and cupy load)",
+       "benchmarks.gpu_validate"),
     _s("MOECOMM_NCCL_CHECK", str, "first",
        "when the nccl transport compares call signatures across ranks: the first call of each signature, "
        "or always (an extra host exchange per call)",
