@@ -47,28 +47,43 @@ def cli_argv(*args: str) -> list[str]:
 
 
 def source_identity(root: Path = ROOT, carried: Path | None = None) -> dict[str, Any]:
-    """Which code runs: the git commit and whether the tree differs from it, from git where the
-    checkout has its history, else from the file a device call carries (:data:`SOURCE_FILE`).
+    """Which code runs: the commit and whether the tree differs from it.
+
+    The file a device call carries (:data:`SOURCE_FILE`, written by tools/gpu/prepare.sh just before
+    the call) wins over git: the device machine's copy of the tree can hold a stale ``.git`` (seen on
+    2026-11-27: the session's first commit, while the tree was eight commits later), and git would
+    then name the wrong commit. Git answers where no such file is; its own view is kept beside.
 
     Returns:
-        {"commit": str | None, "dirty": bool | None, "from": "git" | path | "unknown", ...}.
+        {"commit": str | None, "dirty": bool | None, "from": path | "git" | "unknown", ...}.
     """
     carried = SOURCE_FILE if carried is None else carried
-    if (root / ".git").exists():
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                    timeout=20, check=True).stdout.strip()
-            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                    capture_output=True, text=True, timeout=20, check=True).stdout
-            return {"commit": commit, "dirty": bool(status.strip()), "from": "git"}
-        except (OSError, subprocess.SubprocessError):
-            pass
+    here = _git_identity(root)
     try:
-        info = json.loads(carried.read_text())
-        return {**info, "from": str(carried)}
+        info = {**json.loads(carried.read_text()), "from": str(carried)}
+        if here is not None and here["commit"] != info.get("commit"):
+            info["git_here"] = here  # a stale history in the copy; recorded, not believed
+        return info
     except (OSError, ValueError):
-        return {"commit": None, "dirty": None, "from": "unknown (no git history here and no "
-                f"{carried.name}: run tools/gpu/prepare.sh before the device call)"}
+        pass
+    if here is not None:
+        return here
+    return {"commit": None, "dirty": None, "from": "unknown (no git history here and no "
+            f"{carried.name}: run tools/gpu/prepare.sh before the device call)"}
+
+
+def _git_identity(root: Path) -> dict[str, Any] | None:
+    """{"commit", "dirty", "from": "git"} of the checkout at ``root``, or None without git history."""
+    if not (root / ".git").exists():
+        return None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=20, check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty": bool(status.strip()), "from": "git"}
 
 
 @dataclass

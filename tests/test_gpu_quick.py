@@ -155,14 +155,18 @@ def test_setup_loads_the_given_nccl_and_reads_its_version(monkeypatch, tmp_path)
     assert "cannot be used" in out.output and "refuses two ranks on one GPU" in out.output
 
 
-def test_the_code_that_ran_comes_from_git_or_from_the_carried_file(tmp_path):
-    here = gpu_steps.source_identity()
+def test_the_code_that_ran_comes_from_the_carried_file_else_from_git(tmp_path):
+    none = tmp_path / "none.json"
+    here = gpu_steps.source_identity(carried=none)
     assert here["from"] == "git" and len(here["commit"]) == 40
     carried = tmp_path / "commit.json"
     carried.write_text(json.dumps({"commit": "f" * 40, "dirty": False}))
-    got = gpu_steps.source_identity(tmp_path, carried)  # a tree without .git: what the device gets
-    assert got["commit"] == "f" * 40 and got["dirty"] is False and got["from"] == str(carried)
-    assert gpu_steps.source_identity(tmp_path, tmp_path / "none.json")["commit"] is None
+    got = gpu_steps.source_identity(tmp_path, carried)  # a tree without .git
+    assert got == {"commit": "f" * 40, "dirty": False, "from": str(carried)}
+    # a checkout whose history is stale (the device's copy on 2026-11-27): the carried file wins
+    got = gpu_steps.source_identity(ROOT, carried)
+    assert got["commit"] == "f" * 40 and got["git_here"]["commit"] == here["commit"]
+    assert gpu_steps.source_identity(tmp_path, none)["commit"] is None
 
 
 def test_mps_is_started_and_stopped_with_the_control_command(monkeypatch):

@@ -6,7 +6,7 @@
 # - writes .gpu-run/commit.json: the commit and whether the tree differs from it (the device machine
 #   gets the working tree without its git history; the record names the code from this file);
 # - given an NCCL source tree (>= 2.30, fetched beforehand: the device has no network), builds it
-#   once into .gpu-run/nccl (tools/gpu/build_nccl.sh; ~15-20 minutes on 2 cores) and puts the
+#   once into .gpu-run/nccl (tools/gpu/build_nccl.sh; 47 minutes on 2 cores) and puts the
 #   library at .gpu-run/lib/libnccl.so.2, which the quick check preloads into every rank.
 #
 # Then the device command is `bash tools/gpu/quick.sh`, carrying .gpu-run/lib and .gpu-run/commit.json
