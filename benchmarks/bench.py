@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Callable
 
 import click
 

@@ -9,6 +9,11 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+# NCCL takes several ranks on one GPU from 2.30 on, when every rank sets this variable ("Duplicate GPU
+# detected" before): the GPU checks and benchmarks put two ranks on the one lent GPU.
+MULTI_RANK_NCCL = (2, 30, 0)
+MULTI_RANK_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+
 
 def gpu_transports(nprocs: int) -> tuple[tuple[str, ...], str, list[str]]:
     """The GPU transports ``nprocs`` ranks sharing cuda:0 can be checked through here.
@@ -21,7 +26,7 @@ def gpu_transports(nprocs: int) -> tuple[tuple[str, ...], str, list[str]]:
     from transports.nccl import nccl_version
 
     version = nccl_version()
-    if nprocs > 1 and (version is None or version < (2, 30, 0)):
+    if nprocs > 1 and (version is None or version < MULTI_RANK_NCCL):
         have = ".".join(map(str, version)) if version else "none"
         return ("ipc",), "ipc", [f"nccl with {nprocs} ranks on one GPU: this machine's NCCL ({have}) is older "
                                   "than 2.30, which refuses ranks sharing a GPU"]

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .gpu_checks import MULTI_RANK_ENV, MULTI_RANK_NCCL
 from .gpu_steps import GPU_TEST_FILES, Outcome, Step, cli_argv, source_identity
 
 # Wall time of the whole quick check, setup included: 8 of the lease's 15 minutes, leaving a machine
@@ -50,7 +51,6 @@ SWEEP_ARGS = ("-b", "8", "-e", "64M", "-f", "8", "--ops", "all_reduce,all_gather
 # which a graph of 10 calls left as the whole small-message time: every library read 7-12 us per call
 # at <= 256 KiB (H200, 2026-11-27); 100 calls put that floor under 1 us.
 GRAPH_CALLS = 100
-MULTI_RANK_NCCL = (2, 30, 0)  # NCCL_MULTI_RANK_GPU_ENABLE: several ranks on one GPU
 
 
 def quick_paths(gpu_slug: str, date: str, results_dir: str | Path) -> dict[str, Path]:
@@ -69,7 +69,7 @@ def quick_plan(paths: dict[str, Path], nccl_lib: str | None, multi_rank: bool) -
         multi_rank: whether that NCCL takes two ranks on one GPU (>= 2.30): nccl, the torch baseline
             and moecomm's NCCL path run only then; else ipc alone.
     """
-    env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    env = dict(MULTI_RANK_ENV)
     if nccl_lib:
         env["LD_PRELOAD"] = nccl_lib
     b = QUICK_BUDGETS

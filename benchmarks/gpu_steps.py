@@ -194,9 +194,11 @@ def _versions() -> dict[str, Any]:
     try:
         from transports.nccl import nccl_version
 
+        from .gpu_checks import MULTI_RANK_NCCL
+
         v = nccl_version()
         info["nccl"] = ".".join(map(str, v)) if v else "unavailable (no GPU, cupy or libnccl)"
-        info["nccl_multi_rank_gpu_needs_env"] = bool(v and v >= (2, 30, 0))
+        info["nccl_multi_rank_gpu_needs_env"] = bool(v and v >= MULTI_RANK_NCCL)
     except Exception as e:  # noqa: BLE001
         info["nccl"] = f"unavailable: {type(e).__name__}: {e}"
     return info

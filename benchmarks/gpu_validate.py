@@ -38,7 +38,7 @@ from typing import Sequence
 
 import click
 
-from .gpu_checks import check_abort, check_collectives, check_graphs
+from .gpu_checks import MULTI_RANK_ENV, check_abort, check_collectives, check_graphs
 from .gpu_quick import QUICK_BUDGET_S, QUICK_BUDGETS, quick_paths, quick_plan, setup, stop_mps
 # re-exported: the exit codes, Outcome and the runners are part of this command's interface
 from .gpu_steps import (EXIT_FAILED, EXIT_INCOMPLETE, EXIT_NO_GPU, EXIT_OK, GPU_TEST_FILES,  # noqa: F401
@@ -52,11 +52,6 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 TOTAL_BUDGET_S = 25 * 60
 NO_GPU_MESSAGE = (f"moecomm validate-gpu needs a CUDA GPU (torch.cuda.is_available() is False here); "
                   f"nothing was run (exit code {EXIT_NO_GPU}). `moecomm validate-gpu --dry-run` prints the plan.")
-
-MULTI_RANK_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}  # two ranks on one GPU (NCCL >= 2.30)
-
-
-_cli = cli_argv
 
 
 def gpu_slug(name: str) -> str:
@@ -85,22 +80,22 @@ def plan(gpu_name: str, date: str, results_dir: str | Path = RESULTS_DIR) -> tup
     pytest_argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *GPU_TEST_FILES]
     steps = [
         Step("environment", "device, driver, CUDA, torch, cupy, NCCL, triton versions; moecomm topo --json", 60,
-             _cli("topo", "--json")),
+             cli_argv("topo", "--json")),
         Step("gpu-tests", "pytest on the GPU tests (NCCL_MULTI_RANK_GPU_ENABLE=1)", 240, pytest_argv,
              dict(MULTI_RANK_ENV)),
         Step("collectives-ws1", "every collective x dtype x op vs a CPU reference, 1 rank on cuda:0", 90,
-             _cli("validate-gpu", "--check", "collectives", "--nprocs", "1"), dict(MULTI_RANK_ENV)),
+             cli_argv("validate-gpu", "--check", "collectives", "--nprocs", "1"), dict(MULTI_RANK_ENV)),
         Step("collectives-ws2", "every collective x dtype x op vs a CPU reference, uneven all_to_all, split: "
-             "2 ranks on cuda:0", 180, _cli("validate-gpu", "--check", "collectives", "--nprocs", "2"),
+             "2 ranks on cuda:0", 180, cli_argv("validate-gpu", "--check", "collectives", "--nprocs", "2"),
              dict(MULTI_RANK_ENV)),
         Step("cuda-graphs", "all_reduce captured once, replayed 100x through nccl and ipc, 2 ranks on cuda:0", 120,
-             _cli("validate-gpu", "--check", "graphs", "--nprocs", "2"), dict(MULTI_RANK_ENV)),
+             cli_argv("validate-gpu", "--check", "graphs", "--nprocs", "2"), dict(MULTI_RANK_ENV)),
         Step("timeout-abort", "a rank that never calls: the other raises CollectiveTimeoutError naming it, "
              "through nccl and ipc, 2 ranks on cuda:0", 60,
-             _cli("validate-gpu", "--check", "abort", "--nprocs", "2"), dict(MULTI_RANK_ENV)),
+             cli_argv("validate-gpu", "--check", "abort", "--nprocs", "2"), dict(MULTI_RANK_ENV)),
         Step("bench-sweep", "moecomm bench --device cuda --compare, 8 B to 256 MiB, 2 ranks, against "
              "torch.distributed NCCL", 390,
-             _cli("bench", "--device", "cuda", "--compare", "--peers", "nccl", "-b", "8", "-e", "256M",
+             cli_argv("bench", "--device", "cuda", "--compare", "--peers", "nccl", "-b", "8", "-e", "256M",
                   "--nprocs", "2", "-q", "-J", str(paths["bench_json"]), "--plot", str(paths["png"])),
              dict(MULTI_RANK_ENV)),
     ]
@@ -116,8 +111,8 @@ def _device_step(name: str, title: str, budget_s: int, args: list[str]) -> Step:
     """A bench step on the GPU: with ``--device cuda`` where the command has that option, else
     recorded as skipped (it would measure CPU tensors and spend the lease on it)."""
     if _has_option(args[0], "--device"):
-        return Step(name, title, budget_s, _cli(*args, "--device", "cuda"), dict(MULTI_RANK_ENV))
-    return Step(name, title, budget_s, _cli(*args), dict(MULTI_RANK_ENV),
+        return Step(name, title, budget_s, cli_argv(*args, "--device", "cuda"), dict(MULTI_RANK_ENV))
+    return Step(name, title, budget_s, cli_argv(*args), dict(MULTI_RANK_ENV),
                 skip=f"`moecomm {args[0]}` has no --device option yet: it would measure CPU tensors")
 
 
