@@ -157,3 +157,15 @@ def test_node_summary_ratios(capsys):
     # without a flat row (one node) nothing is printed
     _print_node_summary([[row[0]] for row in stats], {"nodes": 1, "nprocs_run": 4, "top_k": 8, "experts": 64})
     assert capsys.readouterr().out == ""
+
+
+def test_bench_moe_transport_reaches_the_communicator():
+    res = CliRunner().invoke(main, ["bench-moe", "--tokens", "16", "--hidden", "8", "--experts", "4", "-k", "2",
+                                    "--nprocs", "2", "--iters", "1", "--warmup", "0", "--dtype", "float32",
+                                    "--transport", "shm", "--no-baseline"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    rows = [ln.split() for ln in res.output.splitlines() if ln.split() and ln.split()[0] in ("0", "1")]
+    assert sorted(r[0] for r in rows) == ["0", "1"] and all(r[-1] == "ok" for r in rows), res.output
+    res = CliRunner().invoke(main, ["bench-moe", "--tokens", "16", "--hidden", "8", "--experts", "4", "-k", "2",
+                                    "--nprocs", "2", "--transport", "mpi", "--no-baseline"])
+    assert res.exit_code != 0 and "'mpi'" in repr(res.exception) + res.output

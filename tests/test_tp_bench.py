@@ -28,3 +28,17 @@ def test_bench_tp_device_cuda_without_a_gpu_is_a_usage_error():
         pytest.skip("this machine has a GPU")
     res = CliRunner().invoke(main, ["bench-tp", "--sizes", "1", "--device", "cuda"])
     assert res.exit_code == 2 and "needs a CUDA GPU" in res.output, res.output
+
+
+def test_bench_tp_transport_reaches_the_communicator(monkeypatch):
+    # forced onto ipc (emulated over host shared memory here), the block still equals the dense one
+    monkeypatch.setenv("MOECOMM_IPC_EMULATE", "1")
+    res = CliRunner().invoke(main, ["bench-tp", "--hidden", "16", "--ffn", "32", "--tokens", "8", "--sizes", "2",
+                                    "-n", "1", "-w", "0", "--device", "cpu", "--transport", "ipc"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    rows = [ln.split() for ln in res.output.splitlines() if ln.split() and ln.split()[0] == "2"]
+    assert len(rows) == 1 and float(rows[0][-1]) < 1e-5, res.output
+    # a transport this launch cannot have (mpi needs mpiexec) is refused by the communicator
+    monkeypatch.delenv("MOECOMM_IPC_EMULATE")
+    res = CliRunner().invoke(main, ["bench-tp", "--sizes", "2", "--device", "cpu", "--transport", "mpi"])
+    assert res.exit_code != 0 and "'mpi'" in repr(res.exception) + res.output
