@@ -256,6 +256,41 @@ def test_closed_or_stalled_peer(how):
         assert 1.4 < waited < 4.0, waited
 
 
+def _closed_after_finishing(group):
+    """Rank 0 completes a barrier and closes while rank 2 has not yet signalled rank 1.
+
+    Rank 0's side of the barrier is written by hand (a real rank 0 is done once rank 2's flag to
+    it lands, which can be before rank 2's flag to rank 1: rank 2 writes its peers in turn).
+    """
+    from transports.ipc import IPCTransport
+    from transports.kernels import layout as L
+
+    t = IPCTransport(group, buffer_bytes=BUF)
+    sig = Signature.of(OpCode.BARRIER)
+    me, n = group.rank, group.size
+    try:
+        if me == 0:
+            r = t._regions
+            e0 = r.read(0, L.EPOCH, t.programs)
+            for p in range(t.programs):
+                r.write(0, L.DIGEST + p, sig.value)
+                for peer in range(1, n):
+                    r.write(peer, L.FLAGS + p * L.MAX_RANKS + 0, int(e0[p]) + 2)
+                r.write(0, L.EPOCH + p, int(e0[p]) + 2)
+            return "closed"
+        if me == 2:
+            time.sleep(1.0)  # several watchdog periods after rank 0's close
+        t.barrier(sig)
+        return "passed"
+    finally:
+        t.close()
+
+
+def test_a_peer_that_finished_the_call_and_closed_is_no_failure():
+    results = run_ranks(_closed_after_finishing, 3, timeout=20.0)
+    assert [r for r in results] == [("ok", "closed"), ("ok", "passed"), ("ok", "passed")], results
+
+
 def _mismatch(group):
     from transports.ipc import IPCTransport
 

@@ -260,14 +260,14 @@ class IPCTransport(Transport):
                             state = int(self._regions.read(r, L.STATE, 1)[0])
                         except Exception:  # noqa: BLE001 - then the pid says enough
                             state = L.STATE_RUNNING
-                        if dead and state != L.STATE_CLOSED:
-                            reason = (PeerFailedError, f"rank {self._ranks[r]} (pid {self._pids[r]}) died",
+                        if state == L.STATE_ABORTED:
+                            reason = (PeerFailedError, f"rank {self._ranks[r]} aborted after a failure",
                                       [self._ranks[r]])
                             break
-                        if state in (L.STATE_ABORTED, L.STATE_CLOSED):
-                            why = "aborted after a failure" if state == L.STATE_ABORTED else "closed its communicator"
+                        if (dead or state == L.STATE_CLOSED) and not self._finished_this_call(r):
+                            why = "closed its communicator" if state == L.STATE_CLOSED else \
+                                f"(pid {self._pids[r]}) died"
                             reason = (PeerFailedError, f"rank {self._ranks[r]} {why}", [self._ranks[r]])
-                        if reason:
                             break
                     if reason is None and time.monotonic() >= deadline:
                         reason = (CollectiveTimeoutError, f"timed out after {self.timeout:.1f}s", [])
@@ -277,6 +277,20 @@ class IPCTransport(Transport):
                 except Exception:  # noqa: BLE001 - the provider is closing; nothing to watch
                     log.debug("ipc watchdog stopped", exc_info=True)
                     return
+
+    def _finished_this_call(self, r: int) -> bool:
+        """Whether peer ``r``, closed or exited, passed a barrier of the running launch that we have
+        not: it then left after the launch's last barrier, having read all it needs from us, and a
+        peer we still wait for is another rank (that rank's arrival, death or the timeout decide).
+
+        A peer that closed before it joined the launch is behind or level with us on every program.
+        """
+        try:
+            theirs = self._regions.read(r, L.EPOCH, self.programs)
+            ours = self._regions.read(self.rank, L.EPOCH, self.programs)
+        except Exception:  # noqa: BLE001 - its memory is gone: treat it as not there
+            return False
+        return bool((theirs > ours).any())
 
     def _fail(self, cls: type, message: str, missing: list[int]) -> None:
         self._broken = message
