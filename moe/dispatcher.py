@@ -74,6 +74,12 @@ log = logging.getLogger("moe")
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two float tensors of one shape and dtype hold the same values, NaN equal to NaN (``torch.equal``
+    says NaN != NaN, which rejected NaN router weights passed alike to dispatch and combine)."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 class _DispatchAllToAll(torch.autograd.Function):
     """Forward: send token rows to their experts' ranks and expand them into (token, expert) pairs.
     Backward: sum each received row's pair gradients, send them back (reverse all-to-all), sum per token."""
@@ -196,7 +202,7 @@ class ExpertDispatcher:
 
     def __init__(self, comm: CommunicatorLike, num_experts: int, *, capacity_factor: float | None = None,
                  node_aware: bool | None = None):
-        from .internode import node_placement
+        from .internode import node_of_ranks, node_placement
 
         check_communicator(comm, "ExpertDispatcher")
         err = None
@@ -223,8 +229,9 @@ class ExpertDispatcher:
         self.num_local_experts = num_experts // comm.size
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.first_local_expert = comm.rank * self.num_local_experts
-        # the node of each rank (None: one node): for the traffic counters of either path
-        self._node_of = None if placement is None else placement[0]
+        # the node of each rank (None: one node): for the traffic counters of either path, from the topology
+        # itself (placement is None for nodes of unequal rank counts, which still have a node boundary)
+        self._node_of = node_of_ranks(comm)
         self.node_aware = placement is not None and node_aware is not False
         self._path = None
         if self.node_aware:
@@ -510,7 +517,7 @@ class ExpertDispatcher:
                    + (f"{tuple(weights.shape)} {weights.dtype}" if isinstance(weights, torch.Tensor)
                       else type(weights).__name__))
         elif lay.weights is not None and _tensor_id(weights) != lay.weights_id and not (
-                weights.dtype == lay.weights.dtype and torch.equal(weights.detach(), lay.weights)):
+                weights.dtype == lay.weights.dtype and _same_values(weights.detach(), lay.weights)):
             err = ("weights differ from the weights given to dispatch, which travelled with "
                    "the tokens; pass the same weights (or none to dispatch without a capacity factor)")
         if err is not None:  # the peers are already in combine's all-to-all

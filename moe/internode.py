@@ -57,6 +57,20 @@ def node_placement(comm: CommunicatorLike) -> tuple[list[int], list[int]] | None
     return node_of, local_of
 
 
+def node_of_ranks(comm: CommunicatorLike) -> list[int] | None:
+    """The node (index in ``comm.topology.nodes``) of each rank of ``comm`` when it spans several nodes, of any
+    sizes, else None (one node, or no topology). For the traffic counters, which need the real node boundary
+    also where the node-aware path does not apply (nodes with unequal rank counts)."""
+    nodes = getattr(getattr(comm, "topology", None), "nodes", None)
+    if not nodes or len(nodes) < 2:
+        return None
+    node_of = [0] * comm.size
+    for g, ranks in enumerate(nodes):
+        for r in ranks:
+            node_of[r] = g
+    return node_of
+
+
 def node_rows(owner: torch.Tensor, node_of: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                         torch.Tensor]:
     """The rail rows of a dispatch: one per (token, destination node) with at least one kept slot there.

@@ -233,3 +233,48 @@ def test_one_dtype_code_table():
     assert moe.dispatcher.dtype_name is transports.base.dtype_name
     assert not any(isinstance(v, dict) and torch.float32 in v for m in (moe.dispatcher, moe.layer, moe.router)
                    for v in vars(m).values()), "a second dtype table in moe"
+
+
+def _unequal_nodes_body(comm) -> list[list[int]]:
+    """3 ranks as 2 "nodes" of unequal size ((0, 1), (2,)): the flat path's traffic counters (issue #37 item 9)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "jobs"))
+    from moe_internode_job import FakeNodes
+
+    nodes = ((0, 1), (2,))
+    c = FakeNodes(comm, nodes)
+    disp = ExpertDispatcher(c, 6)
+    assert not disp.node_aware
+    x = torch.randn(4, H)
+    e = torch.tensor([[0, 5], [2, 4], [1, 3], [4, 5]])       # experts 0-1 on rank 0, 2-3 on rank 1, 4-5 on rank 2
+    t = disp.get_dispatch_layout(x, e).traffic
+    return [t.internode_bytes, t.intranode_bytes, t.flat_internode_bytes]
+
+
+def test_traffic_counts_cross_node_bytes_with_unequal_nodes():
+    """Nodes of 2 and 1 ranks take the flat path; its counters must still see the node boundary (issue #37)."""
+    got = collectives.launch(_unequal_nodes_body, 3, timeout=60)
+    row = H * 4
+    # rows per destination rank (one per (token, rank)): every rank sends the same tokens to ranks 0: 2, 1: 2, 2: 3
+    assert got[0] == [3 * row, 2 * row, 3 * row], got        # rank 1 is on node 0 with rank 0; rank 2 is not
+    assert got[1] == [3 * row, 2 * row, 3 * row], got
+    assert got[2] == [4 * row, 0, 4 * row], got               # rank 2 is alone on node 1
+
+
+def _nan_weights_body(comm) -> bool:
+    disp = ExpertDispatcher(comm, 4)
+    x = torch.randn(5, H)
+    e = torch.randint(0, 4, (5, 2), generator=torch.Generator().manual_seed(comm.rank))
+    w = torch.rand(5, 2)
+    w[1, 0] = float("nan")
+    recv, _, h = disp.dispatch(x, e, weights=w)
+    y = disp.combine(recv, h, w.clone())        # the same values, NaN included, in another tensor
+    torch.testing.assert_close(y, x * w.sum(-1, keepdim=True), equal_nan=True)
+    return bool(y[1].isnan().all())
+
+
+def test_combine_accepts_the_same_nan_weights():
+    """NaN weights given to dispatch and again (copied) to combine are the same weights (issue #37 item 9)."""
+    assert collectives.launch(_nan_weights_body, 2, timeout=60) == [True, True]
