@@ -44,6 +44,7 @@ from .gpu_quick import QUICK_BUDGET_S, QUICK_BUDGETS, quick_paths, quick_plan, s
 from .gpu_steps import (EXIT_FAILED, EXIT_INCOMPLETE, EXIT_NO_GPU, EXIT_OK, GPU_TEST_FILES,  # noqa: F401
                         RESULT_PREFIX, ROOT, Outcome, Step, cli_argv, exit_code, run_command, run_plan,
                         source_identity, write_record)
+from .options import FiniteFloat
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 
@@ -137,10 +138,18 @@ def format_plan(steps: Sequence[Step], paths: dict[str, Path], *, budget: float 
     """
     total = sum(s.budget_s for s in steps) + (setup[0] if setup else 0)
     lines = [f"# moecomm validate-gpu plan: {len(steps) + bool(setup)} steps, {total} s of {budget:.0f} s budget"]
+    if total > budget:
+        lines.append("# the steps' budgets add up to more than the run's: a step is killed at min(its budget, what "
+                     "is left), and one is not started with under 5 s left")
     if setup:
         lines.append(f"0. setup ({setup[0]} s): {setup[1]}")
+    before = setup[0] if setup else 0  # seconds the steps before may take (their whole budgets)
     for i, s in enumerate(steps, 1):
-        lines.append(f"{i}. {s.name} ({s.budget_s} s): {s.title}")
+        left = budget - before
+        cut = ("" if left >= s.budget_s else f"; {left:.0f} s if the steps before use all of theirs" if left >= 5
+               else "; not started if the steps before use all of theirs")
+        lines.append(f"{i}. {s.name} ({s.budget_s} s{cut}): {s.title}")
+        before += s.budget_s
         env = " ".join(f"{k}={v}" for k, v in s.env.items())
         if s.name == "environment":
             lines.append("   in-process: torch/cupy/triton versions, transports.nccl.nccl_version(), "
@@ -184,7 +193,7 @@ def _gpu_name() -> str | None:
 @click.option("--steps", "only", default=None, metavar="NAMES",
               help="Comma-separated step names to run, in plan order (to split the run over several GPU "
                    "calls, each under 10 minutes) [default: every step].")
-@click.option("--budget", type=click.FloatRange(min=10), default=None,
+@click.option("--budget", type=FiniteFloat(10, min_open=False), default=None,
               help=f"Seconds for the whole run; a step is killed at min(its budget, what is left) "
                    f"[default: {TOTAL_BUDGET_S}, with --quick {QUICK_BUDGET_S}].")
 def validate_gpu(quick: bool, nccl_lib: str | None, dry_run: bool, results_dir: str, gpu_name: str | None,
@@ -223,11 +232,12 @@ def validate_gpu(quick: bool, nccl_lib: str | None, dry_run: bool, results_dir: 
             s.env["LD_PRELOAD"] = str(Path(nccl_lib).resolve())
     if only:
         steps = select_steps(steps, only)
-    for line in format_plan(steps, paths):
+    budget = TOTAL_BUDGET_S if budget is None else budget
+    for line in format_plan(steps, paths, budget=budget):
         click.echo(line)
     if dry_run:
         return
-    outcomes = run_plan(steps, total_s=TOTAL_BUDGET_S if budget is None else budget)
+    outcomes = run_plan(steps, total_s=budget)
     code = write_record(outcomes, paths, name, day, {"mode": "full"})
     click.echo(f"# wrote {paths['txt']} and {paths['json']}; exit code {code}")
     sys.exit(code)
@@ -252,7 +262,7 @@ def _run_quick(nccl_lib: str | None, dry_run: bool, results_dir: str, gpu_name: 
         what = (f"in-process: start MPS (nvidia-cuda-mps-control -d, stopped at exit); load "
                 f"{lib or 'the NCCL torch and cupy load'} and read its version (this plan assumes that a given "
                 "--nccl-lib takes two ranks on one GPU and that the default NCCL does not); read the code's commit")
-        for line in format_plan(steps, paths, budget=QUICK_BUDGET_S, setup=(QUICK_BUDGETS["setup"], what)):
+        for line in format_plan(steps, paths, budget=budget, setup=(QUICK_BUDGETS["setup"], what)):
             click.echo(line)
         return
     first, info, started = setup(nccl_lib)

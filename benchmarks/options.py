@@ -6,6 +6,7 @@ starts, never a traceback from deep inside a run or an empty table.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,25 @@ class Seconds(click.ParamType):
             return check_timeout(seconds, source="the timeout")
         except ValueError as e:
             self.fail(str(e), param, ctx)
+
+
+class FiniteFloat(click.ParamType):
+    """A finite number above ``min`` (or at least ``min`` with ``min_open=False``): click's FloatRange lets
+    nan and inf through, which a learning rate or a time budget must not be."""
+
+    name = "number"
+
+    def __init__(self, min: float = 0.0, *, min_open: bool = True):
+        self.min, self.min_open = min, min_open
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number) or number < self.min or (self.min_open and number == self.min):
+            self.fail(f"{value!r}: give a finite number {'>' if self.min_open else '>='} {self.min:g}", param, ctx)
+        return number
 
 
 class FigurePath(click.ParamType):

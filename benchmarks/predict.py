@@ -283,6 +283,9 @@ def predicted_series(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, l
 # ---- the command ---------------------------------------------------------------------------------
 def _int_list(text: str, hint: str) -> list[int]:
     """``"1,2,4"`` -> [1, 2, 4] (each >= 1, no repeats), or a usage error naming the option."""
+    if "," in text and not all(t.strip() for t in text.split(",")):
+        raise click.BadParameter(f"{text!r} has an empty entry; give counts >= 1 separated by commas, e.g. 1,2,4",
+                                 param_hint=hint)
     try:
         values = [int(t) for t in comma_list(text)]
     except ValueError:

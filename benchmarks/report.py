@@ -298,8 +298,8 @@ def report(files: tuple[str, ...], plot_path: str | None, labels: str | None, ti
 
     try:
         runs = [load_run(f) for f in files]
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+    except ValueError as e:  # not a run (corrupt JSON, another file): the argument is wrong
+        raise click.BadParameter(str(e), param_hint="FILES") from None
     names = [s.strip() for s in labels.split(",")] if labels else _labels(files)
     if len(names) != len(runs) or not all(names):
         raise click.BadParameter(f"{len(names)} labels ({labels!r}) for {len(runs)} files; give one non-empty "

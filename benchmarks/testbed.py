@@ -30,6 +30,7 @@ import atexit
 import ipaddress
 import json
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -103,6 +104,39 @@ def parse_rate(rate: str | int | float) -> int:
     return int(value)
 
 
+def check_name(tag: str) -> str:
+    """``tag`` if it can name a testbed (``mtb`` plus up to 6 lower-case letters or digits), else ValueError."""
+    if not (isinstance(tag, str) and tag.startswith(FAMILY) and tag.isascii() and tag.isalnum() and tag.islower()
+            and len(tag) <= 9):
+        raise ValueError(f"testbed: name must be {FAMILY!r} plus up to 6 lower-case letters or digits, "
+                         f"got {tag!r} (interface names have 15 characters at most)")
+    return tag
+
+
+def check_delay(delay_ms: float) -> float:
+    """``delay_ms`` if it is a one-way delay netem can add (finite, >= 0), else ValueError."""
+    try:
+        ok = math.isfinite(delay_ms) and delay_ms >= 0
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"testbed: the delay must be a finite number of ms >= 0, got {delay_ms!r}")
+    return delay_ms
+
+
+def parse_subnet(cidr: str, nodes: int) -> ipaddress.IPv4Network:
+    """``cidr`` as an IPv4 range with room for ``nodes`` addresses, else ValueError saying what is wrong."""
+    try:
+        net = ipaddress.ip_network(cidr, strict=False)
+    except ValueError:
+        raise ValueError(f"testbed: bad subnet {cidr!r}; give an IPv4 range such as 10.77.0.0/24") from None
+    if net.version != 4:
+        raise ValueError(f"testbed: the subnet must be an IPv4 range such as 10.77.0.0/24, got {cidr!r}")
+    if net.num_addresses - 2 < nodes:
+        raise ValueError(f"testbed: {net} has room for {max(net.num_addresses - 2, 0)} node(s), not {nodes}")
+    return net
+
+
 def _host_networks() -> list[ipaddress.IPv4Network]:
     """Every IPv4 network this machine routes or has an address in (to keep the testbed's range clear)."""
     nets = []
@@ -136,9 +170,7 @@ def choose_subnet(wanted: str | None, nodes: int) -> ipaddress.IPv4Network:
     """
     taken = _host_networks()
     for cidr in ([wanted] if wanted else DEFAULT_SUBNETS):
-        net = ipaddress.ip_network(cidr, strict=False)
-        if net.num_addresses - 2 < nodes:
-            raise ValueError(f"testbed: {net} has room for {net.num_addresses - 2} node(s), not {nodes}")
+        net = parse_subnet(cidr, nodes)
         clash = [str(t) for t in taken if t.overlaps(net) and t.prefixlen > 0]
         if not clash:
             return net
@@ -201,14 +233,11 @@ class Testbed:
                  shm_bytes: int = 1 << 30, pin_cpus: bool = True):
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= 99:
             raise ValueError(f"testbed: nodes must be an int in 1..99, got {nodes!r}")
-        self.tag = name if name is not None else FAMILY + secrets.token_hex(2)
-        if not (self.tag.startswith(FAMILY) and self.tag.isalnum() and self.tag.islower() and len(self.tag) <= 9):
-            raise ValueError(f"testbed: name must be {FAMILY!r} plus up to 6 lower-case letters or digits, "
-                             f"got {self.tag!r} (interface names have 15 characters at most)")
+        self.tag = check_name(name) if name is not None else FAMILY + secrets.token_hex(2)
         self.rate_bps = parse_rate(rate) if rate is not None else None
-        if delay_ms is not None and not delay_ms >= 0:
-            raise ValueError(f"testbed: delay_ms must be >= 0, got {delay_ms!r}")
-        self.delay_ms = delay_ms
+        self.delay_ms = check_delay(delay_ms) if delay_ms is not None else None
+        if subnet is not None:
+            parse_subnet(subnet, nodes)  # a bad range fails here, before anything is made
         self.size = nodes
         self.subnet_wanted = subnet
         self.persistent = persistent
