@@ -14,9 +14,9 @@ from click.testing import CliRunner
 
 from benchmarks import bench_ddp as bd
 from benchmarks import gpu_validate as gv
+from benchmarks import testbed as tbm
 from benchmarks import testbed_cli
 from benchmarks.cli import main
-from benchmarks import testbed as tbm
 
 UP = "mtbr3up"  # a testbed the fake says is up, with 2 nodes
 
@@ -140,7 +140,7 @@ def test_bench_ddp_never_prints_a_negative_overhead():
     times = {"local": 2.0e-3, "moecomm": 1.9e-3, "gloo": 2.5e-3}  # moecomm's mean below local's: noise
     r = {"times": {n: {"mean": t, "p50": t, "min": t} for n, t in times.items()}, "max_param_diff": 0.0,
          "buckets": 3, "threads": 1, "ranks": 2, "params": 1000}
-    o = dict(width=10, depth=2, batch=3, bucket_mb=1.0, iters=2, reps=2, warmup=1)
+    o = {"width": 10, "depth": 2, "batch": 3, "bucket_mb": 1.0, "iters": 2, "reps": 2, "warmup": 1}
     runner = CliRunner()
     with runner.isolation() as (out, _err, *_):
         assert bd._report(r, o)
@@ -174,7 +174,7 @@ def test_validate_gpu_dry_run_honours_the_budget(monkeypatch, tmp_path, quick):
     assert res.exit_code == 0, res.output
     assert re.search(r"plan: \d+ steps, \d+ s of 100 s budget", res.output), res.output
     # the step that would run past the 100 s says so (here the second: every first step is under 100 s)
-    assert re.search(r"^2\. \S+ \(\d+ s; .*if the steps before", res.output, flags=re.M), res.output
+    assert re.search(r"^2\. \S+ \(\d+ s; .*if the steps before", res.output, flags=re.MULTILINE), res.output
 
 
 # ---- moecomm predict --------------------------------------------------------------------------------
