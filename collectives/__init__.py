@@ -15,13 +15,14 @@ from typing import Any, Mapping
 from transports.base import CollectiveTimeoutError, CommunicatorBrokenError, PeerFailedError, Rendezvous
 from transports.settings import check_timeout, parse_options
 
+from ._p2p import P2POp, P2PWork
 from .communicator import Communicator
 from .launcher import RankFailedError, RemoteTraceback, launch
 from .rendezvous import detect_launch
 from .selection import Plan
 from .topology import Topology, local_facts
 
-__all__ = ["init", "launch", "Communicator", "Topology", "Plan", "CollectiveTimeoutError", "PeerFailedError",
+__all__ = ["init", "launch", "Communicator", "P2POp", "P2PWork", "Topology", "Plan", "CollectiveTimeoutError", "PeerFailedError",
            "CommunicatorBrokenError", "RankFailedError", "RemoteTraceback", "detect_launch"]
 
 log = logging.getLogger("collectives")

@@ -28,6 +28,7 @@ from transports.settings import resolve as resolve_settings
 from ._arrays import Array, as_int, as_tensor, device_of
 from ._all_to_all import all_to_all_checked, all_to_all_hot
 from ._calls import CallPaths
+from ._p2p import PointToPoint
 from ._creation import create_transports
 from ._device import resolve_device
 from ._shared import SharedState, live
@@ -48,7 +49,7 @@ def _close_all() -> None:
             pass
 
 
-class Communicator(CallPaths):
+class Communicator(CallPaths, PointToPoint):
     """A group of ranks and the collectives between them.
 
     Create one with :func:`collectives.init` (or receive one from :func:`collectives.launch`);

@@ -124,6 +124,7 @@ class SingleCopyPaths:
             self.single_copy_status = "not needed (one rank)"
         else:
             refused, writes_refused = _cma.probe(group)
+            self.cma_readable = refused is None  # point-to-point reads its peers' tensors (transports/_p2p_shm.py)
             if refused:
                 self.single_copy_status = f"unavailable: {refused}; large messages are staged"
                 log.info("shm single copy unavailable, staging large messages: %s", refused)

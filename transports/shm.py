@@ -43,6 +43,8 @@ from ._native import load_shmfast
 from ._host import as_numpy, copy_bytes, group_settings, reduce_into
 from ._segment import create_and_map
 from ._shm_latency import CompiledLatencyPaths
+from ._p2p_shm import area_bytes as p2p_area_bytes
+from ._p2p_shm import attach as attach_p2p
 from ._path_choice import size_class
 from ._shm_single_copy import STAGED_PATH, SingleCopyPaths
 from ._shm_sync import _META0, _STATE, _STATE_CLOSED, RoundSync
@@ -124,7 +126,7 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         self._choice0 = self._wait0 + 1  # two parities of the path rank 0 chose for a timed call
         self._ctrl_words = _align(self._choice0 + 2, 16)  # 128-byte aligned blocks
         ctrl_bytes = _align(n * self._ctrl_words * 8, 4096)
-        total = ctrl_bytes + n * 2 * self.slot_bytes
+        total = ctrl_bytes + n * 2 * self.slot_bytes + p2p_area_bytes(n)  # + point-to-point (_p2p_shm.py)
         self._map, self.segment_name = create_and_map(group, total)
         self._ctrl = np.frombuffer(self._map, dtype=np.int64, count=n * self._ctrl_words).reshape(n, self._ctrl_words)
         self._q = memoryview(self._map)[: n * self._ctrl_words * 8].cast("q")  # fast scalar access
@@ -166,6 +168,7 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
             ONE_SHOT_UNBOUNDED if n == 1 else ONE_SHOT_MAX_BYTES_DEFAULT)
         self._setup_single_copy(group, settings["shm_single_copy"])
         self._setup_native(group, ctrl_bytes, settings["shm_native"] != "off", settings["shm_sleep"] == "futex")
+        attach_p2p(self, ctrl_bytes + n * 2 * self.slot_bytes)
         log.debug("shm transport up: segment %s, %d ranks, slot %d B, oversubscribed=%s, single copy: %s",
                   self.segment_name, n, self.slot_bytes, oversubscribed, self.single_copy_status)
 
@@ -567,6 +570,8 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
         except (ValueError, TypeError):
             pass
         self._broken = self._broken or "closed"
+        if getattr(self, "p2p", None) is not None:
+            self.p2p.close()  # drops its views of the mapping
         self._g = self._sleeper = None  # they hold addresses into the mapping
         self._q.release()
         self._ctrl = self._slots = None  # drop views so the mapping can close

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from ._collectives import Collectives
 from ._mpi import free_mpi_communicator
-from ._ops import SourceWork, completed
-from ._p2p import StoreMailbox
+from ._ops import completed
+from ._p2p import P2PTorchWork
 
 log = logging.getLogger("collectives")
 
@@ -39,7 +39,7 @@ class MoecommProcessGroup(Collectives, dist.ProcessGroup):
 
     Args:
         comm: the Communicator of this group's ranks.
-        store: the store torch handed in (point-to-point messages go through it).
+        store: the store torch handed in (unused here: the communicator met its peers through it).
         prefix: store key prefix of this group's incarnation.
         global_ranks: [size] world rank of each group rank.
         mpi_comm: the group's MPI communicator under mpiexec (freed at shutdown), else None.
@@ -50,7 +50,6 @@ class MoecommProcessGroup(Collectives, dist.ProcessGroup):
         self.comm = comm
         self._mpi_comm = mpi_comm
         self._global_ranks = list(global_ranks)
-        self._mailbox = StoreMailbox(store, f"{prefix}/p2p", comm.rank, global_ranks, comm.timeout)
         self._moecomm_group_name = ""
         self._moecomm_group_desc = ""
 
@@ -111,34 +110,34 @@ class MoecommProcessGroup(Collectives, dist.ProcessGroup):
         free_mpi_communicator(self._mpi_comm)
         self._mpi_comm = None
 
-    # ---- point to point (through the store, see _p2p) ------------------------------------------
+    # ---- point to point (the communicator's isend/irecv, see _p2p) -----------------------------
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:
-        """Leave ``tensors[0]`` for group rank ``dstRank`` (returns once it is stored).
+        """Post ``tensors[0]`` for group rank ``dstRank`` (never blocks; the Work's ``wait()`` completes it).
 
         Returns:
-            A finished Work; its future holds ``tensors``.
+            A :class:`P2PTorchWork`; its future holds ``tensors``.
         """
-        self._mailbox.send(self._one(tensors, "send"), dstRank, tag)
-        return completed(list(tensors))
+        t = self._one(tensors, "send")
+        return P2PTorchWork(self.comm.isend(_wire_p2p(t), dstRank, tag), list(tensors))
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
-        """Receive the next message from group rank ``srcRank`` with ``tag`` into ``tensors[0]``.
+        """Post a receive of the next message from group rank ``srcRank`` with ``tag`` into ``tensors[0]``.
 
         Returns:
-            A finished Work; its future holds ``tensors``.
+            A :class:`P2PTorchWork` (never blocks at creation); its future holds ``tensors``.
         """
         t = self._one(tensors, "recv")
-        self._mailbox.recv(t, srcRank, tag)
-        return completed(list(tensors), [t])
+        return P2PTorchWork(self.comm.irecv(_wire_p2p(t), srcRank, tag), list(tensors))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
-        """Receive the next message with ``tag`` from any rank into ``tensors[0]``.
+        """Receive the next message with ``tag`` from any rank into ``tensors[0]`` (over shm; the mpi
+        and gloo channels raise NotImplementedError).
 
         Returns:
-            A finished Work whose ``_source_rank()`` is the sender's group rank.
+            A :class:`P2PTorchWork` whose ``_source_rank()`` is the sender's group rank.
         """
         t = self._one(tensors, "recv")
-        return SourceWork(list(tensors), self._mailbox.recv_any(t, tag))
+        return P2PTorchWork(self.comm.irecv(_wire_p2p(t), None, tag), list(tensors))
 
     # ---- coalescing (calls already run one by one, in order) ---------------------------------
     def start_coalescing(self, device: torch.device) -> None:
@@ -147,3 +146,8 @@ class MoecommProcessGroup(Collectives, dist.ProcessGroup):
     def end_coalescing(self, device: torch.device) -> dist.Work:
         """Returns: a finished Work (every call of the block has already run)."""
         return completed([])
+
+
+def _wire_p2p(t: torch.Tensor) -> torch.Tensor:
+    """``t`` outside autograd (received tensors are written in place)."""
+    return t.detach() if t.requires_grad else t

@@ -1,110 +1,67 @@
-"""Point-to-point send/recv of the moecomm process group, through the group's rendezvous store.
+"""Point-to-point calls of the moecomm process group: torch's Work objects over the Communicator's
+``isend``/``irecv`` (collectives/_p2p.py), so messages travel over the transports' own channels
+(shm, mpi, gloo, NCCL), never through the rendezvous store.
 
-The Communicator has collectives only, so ``dist.send``/``dist.recv`` carry each message as one
-store value (a small JSON header with dtype and shape, then the raw bytes). That is correct,
-bounded by the timeout and fine for control messages and small tensors; bulk pipeline traffic
-belongs in collectives (or a transport with point-to-point calls). Messages between two ranks
-with one tag are matched in the order they were sent, as MPI and gloo do.
+A Work is returned as soon as the operation is posted (it never blocks at creation), so
+``dist.batch_isend_irecv`` with every rank's receives listed before its sends (pipeline
+parallelism's pattern) does not deadlock; ``wait()`` drives the operation to completion, bounded by
+the group's timeout. Errors are the Communicator's: a dtype or shape that differs between sender and
+receiver raises ValueError on both ranks, a silent peer CollectiveTimeoutError naming it, a dead
+one PeerFailedError.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
-import time
-from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from transports.base import CollectiveTimeoutError
 
-
-class StoreMailbox:
-    """Messages between the ranks of one group, as keys of the group's store.
+class P2PTorchWork(dist.Work):
+    """torch's view of a posted send or receive (a :class:`collectives.P2PWork`).
 
     Args:
-        store: the group's ``torch.distributed.Store`` (keys go under ``prefix``).
-        prefix: key prefix no other group uses.
-        rank: this rank in the group.
-        global_ranks: [size] world rank of each group rank, for messages.
-        timeout: seconds a receive waits for its message.
+        work: the communicator's handle.
+        tensors: what the future holds once done (torch's ``tensors`` argument).
     """
 
-    def __init__(self, store: Any, prefix: str, rank: int, global_ranks: Sequence[int], timeout: float):
-        self.store, self.prefix, self.rank, self.timeout = store, prefix, rank, timeout
-        self.global_ranks = list(global_ranks)
-        self._sent: dict[tuple[int, int], int] = defaultdict(int)  # (dst, tag) -> messages sent
-        self._received: dict[tuple[int, int], int] = defaultdict(int)  # (src, tag) -> messages received
+    def __init__(self, work: Any, tensors: list[torch.Tensor]):
+        super().__init__()
+        self._work = work
+        self._tensors = tensors
 
-    def _key(self, src: int, dst: int, tag: int, seq: int) -> str:
-        return f"{self.prefix}/{src}>{dst}/t{tag}/{seq}"
-
-    def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        """Leave ``t`` for rank ``dst`` (returns once the store holds it).
-
-        Args:
-            t: [*] any dense tensor (copied to host memory).
-            dst: the receiving group rank.
-            tag: matches the receiver's tag.
-        """
-        seq = self._sent[(dst, tag)]
-        self._sent[(dst, tag)] = seq + 1
-        flat = t.detach().reshape(-1).contiguous().cpu()
-        header = json.dumps({"dtype": str(flat.dtype), "shape": list(t.shape)}).encode()
-        self.store.set(self._key(self.rank, dst, tag, seq), header + b"\n" + flat.view(torch.uint8).numpy().tobytes())
-
-    def recv(self, t: torch.Tensor, src: int, tag: int) -> None:
-        """Write the next message from rank ``src`` with ``tag`` into ``t``.
-
-        Raises CollectiveTimeoutError naming ``src`` if nothing arrives within the timeout, and
-        ValueError naming both ranks if the message's dtype or shape differs from ``t``'s.
-        """
-        key = self._key(src, self.rank, tag, self._received[(src, tag)])
-        try:
-            self.store.wait([key], datetime.timedelta(seconds=self.timeout))
-        except Exception as e:  # torch raises DistStoreError / RuntimeError on a timeout
-            raise CollectiveTimeoutError(
-                f"recv on rank {self.global_ranks[self.rank]}: rank {self.global_ranks[src]} sent nothing with tag "
-                f"{tag} within {self.timeout:.1f}s", [self.global_ranks[src]]) from e
-        self._deliver(t, src, tag, key)
-
-    def recv_any(self, t: torch.Tensor, tag: int) -> int:
-        """Write the next message with ``tag`` from whichever rank sent one first into ``t``.
+    def wait(self, timeout: Any = None) -> bool:
+        """Complete the operation (bounded by the group's timeout, or ``timeout`` if shorter).
 
         Returns:
-            The sender's group rank. Raises CollectiveTimeoutError if no rank sent one in time.
+            True. Raises the operation's error (ValueError, CollectiveTimeoutError, PeerFailedError).
         """
-        deadline = time.monotonic() + self.timeout
-        sleep = 1e-4
-        peers = [r for r in range(len(self.global_ranks)) if r != self.rank]
-        while True:
-            for src in peers:
-                key = self._key(src, self.rank, tag, self._received[(src, tag)])
-                if self.store.check([key]):
-                    self._deliver(t, src, tag, key)
-                    return src
-            if time.monotonic() >= deadline:
-                raise CollectiveTimeoutError(
-                    f"recv (any source) on rank {self.global_ranks[self.rank]}: no rank sent a message with tag "
-                    f"{tag} within {self.timeout:.1f}s", [self.global_ranks[r] for r in peers])
-            time.sleep(sleep)
-            sleep = min(2 * sleep, 1e-2)
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds() or None
+        self._work.wait(timeout)
+        return True
 
-    def _deliver(self, t: torch.Tensor, src: int, tag: int, key: str) -> None:
-        self._received[(src, tag)] += 1
-        value = bytes(self.store.get(key))
-        try:
-            self.store.delete_key(key)
-        except Exception:  # noqa: BLE001 - best-effort cleanup (older FileStores cannot delete)
-            pass
-        header, _, data = value.partition(b"\n")
-        meta = json.loads(header)
-        if meta["dtype"] != str(t.dtype) or tuple(meta["shape"]) != tuple(t.shape):
-            raise ValueError(f"recv on rank {self.global_ranks[self.rank]}: rank {self.global_ranks[src]} sent a "
-                             f"{meta['dtype'].replace('torch.', '')} tensor of shape {tuple(meta['shape'])} with tag "
-                             f"{tag}, but the receive tensor is {str(t.dtype).replace('torch.', '')} "
-                             f"{tuple(t.shape)}")
-        received = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        with torch.no_grad():
-            t.copy_(received.view(t.dtype).reshape(t.shape))
+    def is_completed(self) -> bool:
+        """Returns: whether the operation is complete (drives progress once, never waits)."""
+        return bool(self._work.is_completed())
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        """Returns: a finished future holding the tensors (waits for the operation first)."""
+        self.wait()
+        fut = torch.futures.Future()
+        fut.set_result(self._tensors)
+        return fut
+
+    def _source_rank(self) -> int:
+        src = self._work.source
+        return -1 if src is None else int(src)
+
+    def source_rank(self) -> int:
+        """Returns: the group rank the message came from (``recv_anysource``)."""
+        self.wait()
+        return self._source_rank()

@@ -1,0 +1,372 @@
+"""Point-to-point messages of the Communicator: ``send``/``recv``, ``isend``/``irecv`` and
+``batch_isend_irecv`` (a mixin of :class:`collectives.communicator.Communicator`).
+
+Messages travel over a transport's own channel, never the rendezvous store: shm (inline in a
+ring up to 8 KiB, else one process_vm_readv copy, else staged chunks: transports/_p2p_shm.py),
+mpi (``Isend``/``Irecv`` on the transport's private communicator) or gloo
+(``ProcessGroupGloo.send``/``recv``) for CPU tensors (transports/_p2p.py), and NCCL
+(``ncclSend``/``ncclRecv``, grouped; the handshake over the host channel: transports/_p2p_nccl.py)
+for CUDA tensors. A CUDA tensor without NCCL is copied through host memory.
+
+Matching is MPI's: a receive from rank s with tag t takes the earliest unmatched message rank s
+sent to this rank with tag t; receives are served in the order they were posted. Every message
+is checked: a dtype or shape that differs between the send and the receive raises ``ValueError``
+on both ranks, naming them and both values. Sends of up to 8 KiB complete at once (the data goes
+with the header; a mismatch then raises at the sender's next point-to-point call); larger sends
+complete when the receiver has the data, so a blocking ``send`` of a large tensor returns only
+once the peer receives it: post the receive first (``irecv``) or use ``batch_isend_irecv``,
+which never deadlocks whatever order the ranks list their operations in. Every wait is bounded by
+the communicator's timeout (``CollectiveTimeoutError`` naming the silent peer); a peer that died
+or closed raises ``PeerFailedError``. A wait that timed out leaves its operation posted: waiting
+again may still complete it.
+
+Point-to-point calls hold the communicator's one-call-at-a-time lock while they run (``isend``
+and ``irecv`` only to post; ``wait`` and ``is_completed`` while they drive progress), and use
+channels of their own, so collectives between them are unaffected.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from transports._p2p import MAX_TAG, Op, channel_of
+from transports.base import CollectiveTimeoutError
+
+from ._arrays import Array
+
+_HOST_ORDER = ("shm", "mpi", "gloo")
+_CHECK_EVERY = 0.05  # seconds between checks for failed peers while waiting
+
+
+@dataclass
+class P2POp:
+    """One operation of :meth:`PointToPoint.batch_isend_irecv`.
+
+    Args:
+        op: "isend" or "irecv" (or the communicator's ``isend``/``irecv`` methods, or
+            ``torch.distributed.isend``/``irecv``: recognised by name).
+        tensor: the tensor sent, or received into (a dense tensor of any dtype and shape).
+        peer: the group rank sent to or received from.
+        tag: matches sends with receives (0 <= tag < 2**22).
+    """
+
+    op: str | Callable
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+
+
+class P2PWork:
+    """The handle of a posted ``isend``/``irecv``.
+
+    ``wait()`` drives progress until the operation completes (bounded by the communicator's
+    timeout) and returns the received tensor (None for a send); ``is_completed()`` drives progress
+    once without waiting. For CUDA tensors over NCCL, completion means enqueued on the current
+    stream: ``wait()`` makes the current stream wait for it, as torch's NCCL Work does.
+    """
+
+    def __init__(self, comm: Any, op: Op, result: torch.Tensor | np.ndarray | None):
+        self._comm, self._op, self.result = comm, op, result
+
+    @property
+    def source(self) -> int | None:
+        """The group rank a receive took its message from (a receive from any source), else the peer."""
+        return self._op.source
+
+    def is_completed(self) -> bool:
+        """Returns: whether the operation is complete (raises its error if it failed)."""
+        if not self._op.done:
+            self._comm._guarded("is_completed", self._comm._p2p_progress)
+        if self._op.done and self._op.error is not None:
+            raise self._op.error
+        if self._op.done and self._op.event is not None:
+            return bool(self._op.event.query())
+        return self._op.done
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor | np.ndarray | None:
+        """Wait for the operation.
+
+        Args:
+            timeout: seconds (default and at most: the communicator's timeout).
+        Returns:
+            The received tensor (the ``out`` given to ``irecv``, or the one it allocated); None for a send.
+        """
+        if not self._op.done:
+            self._comm._guarded("wait", self._comm._p2p_wait, [self._op], timeout)
+        if self._op.error is not None:
+            raise self._op.error
+        if self._op.event is not None:
+            torch.cuda.current_stream().wait_event(self._op.event)
+        return self.result
+
+
+class PointToPoint:
+    """Point-to-point calls of the Communicator (see the module docstring)."""
+
+    # ---- public calls -------------------------------------------------------------------------
+    def send(self, x: Array, dst: int, tag: int = 0) -> None:
+        """Send ``x`` to rank ``dst``; returns once it is sent (see the module docstring: up to 8 KiB at
+        once, larger once the receiver has it).
+
+        Args:
+            x: [*] any dense tensor (any dtype; CPU, or CUDA on ``comm.device``) or NumPy array.
+            dst: the receiving group rank (not this rank).
+            tag: matches the receiver's tag (0 <= tag < 2**22).
+        Returns:
+            None. Raises ValueError on both ranks if the receiver posted another dtype or shape.
+        """
+        self._guarded("send", self._p2p_blocking, "send", x, dst, tag, None, None)
+
+    def recv(self, out: Array | Sequence[int], src: int, tag: int = 0, *, dtype: torch.dtype | None = None,
+             device: Any = None) -> torch.Tensor | np.ndarray:
+        """Receive the next message from rank ``src`` with ``tag``.
+
+        Args:
+            out: the tensor (or NumPy array) to receive into, [*] any dense tensor; or a shape
+                (a ``torch.Size``/tuple/list of ints) to allocate one of.
+            src: the sending group rank (not this rank).
+            tag: matches the sender's tag.
+            dtype: with a shape: the dtype to allocate (default float32); must be None with a tensor.
+            device: with a shape: where to allocate (default cpu).
+        Returns:
+            [*] ``out`` (or the new tensor) holding the message. Raises ValueError on both ranks if
+            the sender's dtype or shape differs.
+        """
+        return self._guarded("recv", self._p2p_blocking, "recv", out, src, tag, dtype, device)
+
+    def isend(self, x: Array, dst: int, tag: int = 0) -> P2PWork:
+        """Start sending ``x`` to rank ``dst`` (never blocks). Leave ``x`` unchanged until the
+        handle's ``wait()`` returns.
+
+        Args: as :meth:`send`.
+        Returns:
+            A :class:`P2PWork`; its ``wait()`` returns None.
+        """
+        return self._guarded("isend", self._p2p_start, [("send", x, dst, tag, None, None)])[0]
+
+    def irecv(self, out: Array | Sequence[int], src: int | None, tag: int = 0, *, dtype: torch.dtype | None = None,
+              device: Any = None) -> P2PWork:
+        """Start receiving the next message from rank ``src`` with ``tag`` (never blocks).
+
+        Args: as :meth:`recv`; ``src=None`` receives from any rank (shm only; the handle's
+            ``source`` then says which).
+        Returns:
+            A :class:`P2PWork`; its ``wait()`` returns the tensor received into.
+        """
+        return self._guarded("irecv", self._p2p_start, [("recv", out, src, tag, dtype, device)])[0]
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[P2PWork]:
+        """Post every operation of ``ops`` (never blocks) and return their handles.
+
+        Sends and receives are matched whatever order each rank lists them in, so a batch in
+        which every rank posts its receives before its sends (pipeline parallelism's exchange)
+        does not deadlock. CUDA operations whose handshakes complete together go into one NCCL group.
+
+        Args:
+            ops: [k] :class:`P2POp` (or any object with ``op``, ``tensor``, ``peer`` and ``tag``).
+        Returns:
+            [k] :class:`P2PWork`, in the order of ``ops``.
+        """
+        specs = []
+        for o in ops:
+            name = o.op if isinstance(o.op, str) else getattr(o.op, "__name__", "")
+            if name not in ("isend", "irecv", "send", "recv"):
+                raise ValueError(f"batch_isend_irecv: op must be isend or irecv, got {o.op!r}")
+            kind = "send" if "send" in name else "recv"
+            specs.append((kind, o.tensor, o.peer, getattr(o, "tag", 0) or 0, None, None))
+        return self._guarded("batch_isend_irecv", self._p2p_start, specs)
+
+    # ---- machinery ----------------------------------------------------------------------------
+    def _p2p_blocking(self, kind: str, x: Any, peer: Any, tag: Any, dtype: Any, device: Any) -> Any:
+        work = self._p2p_start([(kind, x, peer, tag, dtype, device)])[0]
+        self._p2p_wait([work._op], None)
+        return work.wait()
+
+    def _p2p_start(self, specs: list[tuple]) -> list[P2PWork]:
+        if self._state.closed is not None:
+            self._state.raise_closed()
+        self._p2p_raise_deferred()
+        prepared = [self._p2p_prepare(*s) for s in specs]  # every argument checked before anything is posted
+        works = []
+        for op, channel, result, nccl_t in prepared:
+            channel.post(op)
+            if nccl_t is not None:
+                _pending(nccl_t).append(op)
+            works.append(P2PWork(self, op, result))
+        self._p2p_progress()
+        return works
+
+    def _p2p_prepare(self, kind: str, x: Any, peer: Any, tag: Any, dtype: Any, device: Any) -> tuple:
+        me = self.global_ranks[self.rank]
+        what = f"{kind} on rank {me}"
+        if peer is None and kind == "recv":
+            pass
+        elif isinstance(peer, bool) or not isinstance(peer, (int, np.integer)):
+            raise TypeError(f"{what}: the peer rank must be an int, got {type(peer).__name__}")
+        elif not 0 <= int(peer) < self.size or int(peer) == self.rank:
+            raise ValueError(f"{what}: peer rank {peer} is not another rank of this group of {self.size} "
+                             f"(this rank is {self.rank})")
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= int(tag) <= MAX_TAG:
+            raise ValueError(f"{what}: tag must be an int in [0, {MAX_TAG}], got {tag!r}")
+        peer = None if peer is None else int(peer)
+        tag = int(tag)
+        result: Any = None
+        finish = None
+        if kind == "recv" and not isinstance(x, (torch.Tensor, np.ndarray)):
+            try:
+                shape = tuple(int(d) for d in x)
+            except TypeError:
+                raise TypeError(f"{what}: out must be a tensor, an array or a shape, got {type(x).__name__}") from None
+            x = torch.empty(shape, dtype=dtype or torch.float32, device=device or "cpu")
+        elif dtype is not None or device is not None:
+            raise ValueError(f"{what}: dtype= and device= go with a shape, not with an out tensor")
+        numpy_in = isinstance(x, np.ndarray)
+        t = torch.from_numpy(x) if numpy_in else x
+        if t.is_sparse or t.device.type == "meta":
+            raise TypeError(f"{what}: sparse and meta tensors cannot be sent or received")
+        t = t.detach()
+        if kind == "recv":
+            result = x
+        if t.device.type == "cuda" and "nccl" in self.transports and self._forced in (None, "nccl"):
+            nccl_t = self.transports["nccl"]
+            if t.device != self.device:
+                raise ValueError(f"{what}: the tensor is on {t.device}, this communicator on {self.device}")
+            buf = t if t.is_contiguous() else t.contiguous()
+            if kind == "recv" and buf is not t:
+                finish = _copy_back(t, buf)
+            op = Op(kind, peer, tag, buf, external=True, finish=finish)
+            return op, self._p2p_host_channel(), result, nccl_t
+        if t.device.type != "cpu":  # no transport for it: through host memory
+            if kind == "send":
+                buf = t.cpu()
+            else:
+                buf = torch.empty(t.shape, dtype=t.dtype)
+                finish = _copy_back(t, buf)
+        elif t.is_contiguous():
+            buf = t
+        else:
+            buf = t.contiguous()
+            if kind == "recv":
+                finish = _copy_back(t, buf)
+        return Op(kind, peer, tag, buf, finish=finish), self._p2p_host_channel(), result, None
+
+    def _p2p_host_channel(self) -> Any:
+        names = (self._forced,) if self._forced in _HOST_ORDER else _HOST_ORDER
+        for name in names:
+            t = self.transports.get(name)
+            ch = channel_of(t) if t is not None else None
+            if ch is not None:
+                return ch
+        raise RuntimeError(f"point-to-point needs a host transport with a channel ({', '.join(_HOST_ORDER)}); "
+                           f"this communicator has {sorted(self.transports)}"
+                           + (f", forced to {self._forced!r}" if self._forced else ""))
+
+    def _p2p_channels(self) -> list[Any]:
+        return [ch for t in list(self.transports.values()) if (ch := getattr(t, "p2p", None)) is not None]
+
+    def _p2p_progress(self) -> None:
+        """Advance every posted operation once (no waiting); raise a deferred error of an eager send."""
+        for ch in self._p2p_channels():
+            if ch.ops:
+                ch.poll()
+        nccl_t = self.transports.get("nccl")
+        if nccl_t is not None:
+            pend = _pending(nccl_t)
+            if pend:
+                from transports._p2p_nccl import enqueue
+
+                ready = _order(nccl_t).ready(pend)
+                enqueue(nccl_t, ready)
+                pend[:] = [op for op in pend if not op.done]
+        self._p2p_raise_deferred()
+
+    def _p2p_raise_deferred(self) -> None:
+        for ch in self._p2p_channels():
+            if ch.deferred:
+                raise ch.deferred.pop(0)
+
+    def _p2p_wait(self, ops: list[Op], timeout: float | None) -> None:
+        limit = self.timeout if timeout is None else min(float(timeout), self.timeout)
+        start = time.monotonic()
+        deadline = start + limit
+        spin_until = start + (0.0 if getattr(self.topology, "oversubscribed", False) else 0.002)
+        next_check = start + _CHECK_EVERY
+        sleep = 20e-6
+        while True:
+            self._p2p_progress()
+            pending = [op for op in ops if not op.done]
+            failed = [op for op in ops if op.done and op.error is not None]
+            if failed:
+                raise failed[0].error
+            if not pending:
+                return
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _CHECK_EVERY
+                for op in pending:
+                    for peer in _peers_of(op, self.size, self.rank):
+                        err = op.channel.peer_failure(peer)
+                        if err is not None:
+                            self._p2p_progress()  # it may have completed just before the peer left
+                            if not op.done:
+                                raise err
+            if now >= deadline:
+                raise _timeout(self, pending, limit)
+            if now < spin_until:
+                continue
+            if sleep < 1e-4:
+                os.sched_yield()
+                sleep *= 1.5
+            else:
+                time.sleep(sleep)
+                sleep = min(sleep * 1.5, 1e-3)
+
+
+def _peers_of(op: Op, size: int, rank: int) -> list[int]:
+    return [op.peer] if op.peer is not None else [r for r in range(size) if r != rank]
+
+
+def _timeout(comm: Any, pending: list[Op], limit: float) -> CollectiveTimeoutError:
+    ranks = comm.global_ranks
+    me = ranks[comm.rank]
+    parts, silent = [], []
+    for op in pending:
+        peers = [ranks[p] for p in _peers_of(op, comm.size, comm.rank)]
+        silent += [p for p in peers if p not in silent]
+        who = f"rank {peers[0]}" if len(peers) == 1 else f"any of ranks {peers}"
+        verb = "receive from" if op.kind == "recv" else "send to"
+        parts.append(f"{verb} {who} (tag {op.tag}, {op.nbytes} bytes) still waits for {op.waiting_for()}")
+    return CollectiveTimeoutError(
+        f"point-to-point on rank {me} timed out after {limit:.1f}s over {pending[0].channel.name}: "
+        + "; ".join(parts) + f". Silent: rank(s) {silent} (did they post the matching call, with the same tag?)",
+        silent)
+
+
+def _copy_back(dst: torch.Tensor, buf: torch.Tensor) -> Callable[[], None]:
+    def finish() -> None:
+        with torch.no_grad():
+            dst.copy_(buf)
+    return finish
+
+
+def _pending(nccl_t: Any) -> list[Op]:
+    p = getattr(nccl_t, "p2p_pending", None)
+    if p is None:
+        p = nccl_t.p2p_pending = []
+    return p
+
+
+def _order(nccl_t: Any) -> Any:
+    o = getattr(nccl_t, "p2p_order", None)
+    if o is None:
+        from transports._p2p_nccl import NcclOrder
+
+        o = nccl_t.p2p_order = NcclOrder()
+    return o

@@ -1,0 +1,534 @@
+"""Point-to-point messages over a transport's own channel: the pieces every transport shares.
+
+A message is matched by (source, destination, tag), in the order the messages were posted, as in
+MPI. Every message starts with a small header (:data:`HDR_LEN` int64 words: tag, dtype, shape,
+bytes); the receiver compares it with what it posted and answers with a reply (ok, or its own
+dtype and shape). A size or dtype that differs makes *both* ranks raise ``ValueError`` with the
+same text (:func:`mismatch_message`). Data then moves by the transport's own means:
+
+- up to :data:`EAGER_BYTES` the data travels with the header (the send completes at once, a
+  ring of blocking sends works); a mismatch found by the receiver then reaches the sender at its
+  next point-to-point call on that communicator (``deferred``), since its send already returned;
+- larger: after the reply (rendezvous), so nothing lands that the receiver did not ask for;
+- "external" messages (CUDA tensors over NCCL) only shake hands here; the reply carries an
+  acknowledgement number per direction so both ranks enqueue the NCCL calls in the same order.
+
+This module holds the header layout, the operation state (:class:`Op`), the channel interface
+(:class:`Channel`), and :class:`MessageChannel`, the protocol over transports whose native calls
+are tagged non-blocking messages (mpi: ``Isend``/``Irecv``; gloo: ``ProcessGroupGloo.send``/``recv``).
+The shm channel is in transports/_p2p_shm.py, NCCL's data step in transports/_p2p_nccl.py, the
+Communicator's calls in collectives/_p2p.py.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._host import pid_alive
+from .base import DTYPE_CODES, MAX_META_DIMS, PeerFailedError, _tail_digest, dtype_name
+
+EAGER_BYTES = 8192  # messages up to this size travel with their header; the send completes at once
+HDR_LEN = 16
+MAGIC = 0x7032702D6D6F65  # "moe-p2p"
+# header words; the reply uses the same positions for the spec (dtype .. nbytes)
+H_MAGIC, H_TAG, H_DTYPE, H_NDIM, H_DIMS, H_TAIL, H_NBYTES, H_FLAGS, H_AUX = 0, 1, 2, 3, 4, 12, 13, 14, 15
+R_STATUS, R_ACK = 1, 14
+SPEC = slice(H_DTYPE, H_NBYTES + 1)
+FLAG_EAGER, FLAG_EXTERNAL, FLAG_CMA = 1, 2, 4
+OK, MISMATCH = 1, 2
+MAX_TAG = (1 << 22) - 1
+
+
+def spec_words(t: torch.Tensor) -> np.ndarray:
+    """[HDR_LEN] int64 with ``t``'s dtype, shape and bytes at the spec positions (shapes of more than
+    :data:`~transports.base.MAX_META_DIMS` dims fold their tail into a product and a digest)."""
+    w = np.zeros(HDR_LEN, dtype=np.int64)
+    w[H_MAGIC] = MAGIC
+    w[H_DTYPE] = DTYPE_CODES.get(t.dtype, 1000)
+    dims = [int(d) for d in t.shape]
+    w[H_NDIM] = len(dims)
+    if len(dims) > MAX_META_DIMS:
+        tail = dims[MAX_META_DIMS - 1:]
+        w[H_TAIL] = _tail_digest(tail)
+        dims = dims[: MAX_META_DIMS - 1] + [math.prod(tail)]
+    w[H_DIMS:H_DIMS + len(dims)] = dims
+    w[H_NBYTES] = t.numel() * t.element_size()
+    return w
+
+
+def describe(w: np.ndarray) -> str:
+    """``float32 (3, 4)`` from a header's or reply's spec words."""
+    ndim = int(w[H_NDIM])
+    dims = [str(int(d)) for d in w[H_DIMS:H_DIMS + min(ndim, MAX_META_DIMS)]]
+    if ndim > MAX_META_DIMS:
+        dims[-1] = f"<last {ndim - MAX_META_DIMS + 1} dims: {dims[-1]} elements>"
+    shape = "(" + ", ".join(dims) + ("," if ndim == 1 else "") + ")"
+    return f"{dtype_name(int(w[H_DTYPE]))} {shape}"
+
+
+def same_spec(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool((a[SPEC] == b[SPEC]).all())
+
+
+def mismatch_message(tag: int, sender: int, receiver: int, send_spec: np.ndarray, recv_spec: np.ndarray) -> str:
+    """The one text both ranks raise for a message whose dtype or shape differs (world ranks)."""
+    return (f"send/recv mismatch (tag {tag}): rank {sender} sends {describe(send_spec)} "
+            f"({int(send_spec[H_NBYTES])} bytes) to rank {receiver}, which receives {describe(recv_spec)} "
+            f"({int(recv_spec[H_NBYTES])} bytes); both ranks raise. Send and receive tensors of the same dtype "
+            "and shape.")
+
+
+class Op:
+    """One posted send or receive of a channel.
+
+    ``buf``: the contiguous tensor sent from or received into (CPU; CUDA for external messages);
+    ``peer``: the group rank (None: a receive from any source, shm only); ``done``: complete from
+    the caller's view (an eager send is done once posted); ``error``: why it failed;
+    ``finish``: called once when it completes (copies a staged receive back).
+    """
+
+    __slots__ = (
+        "ack_no",
+        "buf",
+        "channel",
+        "chunk",
+        "done",
+        "eager",
+        "enqueued",
+        "error",
+        "event",
+        "external",
+        "finish",
+        "handshaken",
+        "keep",
+        "kind",
+        "order",
+        "other",
+        "peer",
+        "posted_at",
+        "reqs",
+        "seq",
+        "source",
+        "spec",
+        "state",
+        "tag",
+    )
+
+    def __init__(self, kind: str, peer: int | None, tag: int, buf: torch.Tensor, *, external: bool = False,
+                 finish: Callable[[], None] | None = None):
+        self.kind, self.peer, self.tag, self.buf = kind, peer, tag, buf
+        self.spec = spec_words(buf)
+        self.spec[H_TAG] = tag
+        self.external = external
+        self.eager = kind == "send" and not external and int(self.spec[H_NBYTES]) <= EAGER_BYTES
+        self.done = False
+        self.error: BaseException | None = None
+        self.state = 0
+        self.reqs: list = []
+        self.order = 0
+        self.ack_no = -1
+        self.handshaken = False  # external: both sides agreed; the data step may be enqueued
+        self.enqueued = False
+        self.finish = finish
+        self.seq = -1
+        self.keep: list = []  # buffers a request in flight reads or writes
+        self.other: np.ndarray | None = None  # the peer's header or reply
+        self.chunk = 0
+        self.source = peer  # a receive from any source: who sent it
+        self.event = None  # external: the CUDA event after the data step
+        self.channel: Any = None
+        self.posted_at = time.monotonic()
+
+    def complete(self) -> None:
+        if not self.done:
+            self.done = True
+            if self.finish is not None and self.error is None:
+                self.finish()
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.spec[H_NBYTES])
+
+    def waiting_for(self) -> str:
+        """What this op still waits for, for a timeout's message."""
+        if self.kind == "recv":
+            return "a matching send" if self.state <= 1 else "the rest of the message"
+        return "a matching receive" if self.state <= 1 else "the receiver to take the data"
+
+
+class Channel:
+    """Point-to-point messages of one transport (see the module docstring).
+
+    Subclasses implement :meth:`post` (start an op without blocking), :meth:`poll` (advance every
+    op of this channel without blocking; True when anything moved) and :meth:`peer_failure`.
+    """
+
+    name = "?"
+    supports_any_source = False
+
+    def __init__(self, rank: int, size: int, ranks: list[int]):
+        self.rank, self.size, self.ranks = rank, size, ranks
+        self.ops: list[Op] = []  # posted, not finished (eager sends stay until their reply)
+        self.deferred: list[BaseException] = []  # errors of eager sends found after they completed
+        self._posted: dict[tuple, int] = {}
+        self._next: dict[tuple, int] = {}
+        self._ext_ack: dict[int, int] = {}  # src -> acknowledgement numbers given (external receives)
+
+    def _ordered(self, op: Op, key: tuple) -> None:
+        op.order = self._posted.get(key, 0)
+        self._posted[key] = op.order + 1
+
+    def _turn(self, op: Op, key: tuple) -> bool:
+        return self._next.get(key, 0) == op.order
+
+    def _advance(self, key: tuple) -> None:
+        self._next[key] = self._next.get(key, 0) + 1
+
+    def _next_ack(self, src: int) -> int:
+        a = self._ext_ack.get(src, 0)
+        self._ext_ack[src] = a + 1
+        return a
+
+    def mismatch(self, op: Op, send_spec: np.ndarray, recv_spec: np.ndarray, src: int, dst: int) -> ValueError:
+        return ValueError(mismatch_message(op.tag, self.ranks[src], self.ranks[dst], send_spec, recv_spec))
+
+    def post(self, op: Op) -> None:
+        raise NotImplementedError
+
+    def poll(self) -> bool:
+        raise NotImplementedError
+
+    def peer_failure(self, peer: int) -> BaseException | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.ops.clear()
+
+
+class MessageChannel(Channel):
+    """The protocol over tagged non-blocking messages (mpi, gloo): per message a header, a reply,
+    and the data (with the header when eager). Tags: four per user tag (:meth:`_tag`)."""
+
+    HDR, REPLY, DATA, EAGER = 0, 1, 2, 3
+
+    def _isend(self, peer: int, kind: int, tag: int, buf: Any) -> Any:
+        raise NotImplementedError
+
+    def _irecv(self, peer: int, kind: int, tag: int, buf: Any) -> Any:
+        raise NotImplementedError
+
+    def _test(self, req: Any, peer: int) -> bool:
+        raise NotImplementedError
+
+    def _words(self) -> Any:
+        """A fresh [HDR_LEN] int64 buffer of this channel's kind."""
+        raise NotImplementedError
+
+    def _bytes(self, t: torch.Tensor) -> Any:
+        """``t``'s bytes as this channel's buffer kind."""
+        raise NotImplementedError
+
+    def _as_np(self, buf: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def post(self, op: Op) -> None:
+        if op.peer is None:
+            raise NotImplementedError(f"a receive from any source is not supported over {self.name}")
+        op.channel = self
+        p, t = op.peer, op.tag
+        if op.kind == "send":
+            self._ordered(op, (p, t, "s"))
+            hdr = self._words()
+            w = op.spec.copy()
+            w[H_FLAGS] = (FLAG_EAGER if op.eager else 0) | (FLAG_EXTERNAL if op.external else 0)
+            self._as_np(hdr)[:] = w
+            reply = self._words()
+            op.keep = [hdr, reply]
+            op.reqs = [self._isend(p, self.HDR, t, hdr), None]
+            op.other = reply
+            op.reqs[1] = self._irecv(p, self.REPLY, t, reply)
+            if op.eager and op.nbytes:
+                data = self._bytes(op.buf.clone())  # the caller may reuse its tensor at once
+                op.keep.append(data)
+                op.reqs.append(self._isend(p, self.EAGER, t, data))
+            if op.eager:
+                op.complete()
+        else:
+            self._ordered(op, (p, t, "r"))
+            hdr = self._words()
+            op.keep = [hdr]
+            op.other = hdr
+            op.reqs = [self._irecv(p, self.HDR, t, hdr)]
+        op.state = 1
+        self.ops.append(op)
+
+    def poll(self) -> bool:
+        moved = False
+        for op in list(self.ops):
+            if op.kind == "send":
+                moved |= self._poll_send(op)
+            else:
+                moved |= self._poll_recv(op)
+        return moved
+
+    def _all_done(self, op: Op) -> bool:
+        return all(r is None or self._test(r, op.peer) for r in op.reqs)
+
+    def _poll_send(self, op: Op) -> bool:
+        p, key = op.peer, (op.peer, op.tag, "s")
+        if op.state == 1:
+            if not self._turn(op, key) or not self._test(op.reqs[1], p):
+                return False
+            self._advance(key)
+            reply = self._as_np(op.other)
+            op.reqs[1] = None
+            if int(reply[R_STATUS]) != OK:
+                err = self.mismatch(op, op.spec, reply, self.rank, p)
+                if op.eager:  # its send has returned: the sender's next point-to-point call raises it
+                    self.deferred.append(err)
+                else:
+                    op.error = err
+                op.state = 3
+            elif op.external:
+                op.ack_no = int(reply[R_ACK])
+                op.handshaken = True
+                op.state = 3
+            elif not op.eager and op.nbytes:
+                data = self._bytes(op.buf)
+                op.keep.append(data)
+                op.reqs.append(self._isend(p, self.DATA, op.tag, data))
+                op.state = 3
+            else:
+                op.state = 3
+            return True
+        if op.state == 3 and self._all_done(op):
+            self.ops.remove(op)
+            if op.external and op.error is None:
+                return True  # done when its NCCL step is enqueued (collectives/_p2p.py)
+            op.complete()
+            return True
+        return False
+
+    def _poll_recv(self, op: Op) -> bool:
+        p, key = op.peer, (op.peer, op.tag, "r")
+        if op.state == 1:
+            if not self._turn(op, key) or not self._test(op.reqs[0], p):
+                return False
+            self._advance(key)
+            hdr = self._as_np(op.other).copy()
+            op.other = hdr
+            reply = self._words()
+            rw = self._as_np(reply)
+            rw[:] = op.spec
+            flags = int(hdr[H_FLAGS])
+            eager = bool(flags & FLAG_EAGER)
+            ok = same_spec(hdr, op.spec) and bool(flags & FLAG_EXTERNAL) == op.external
+            rw[R_STATUS] = OK if ok else MISMATCH
+            if ok and op.external:
+                op.ack_no = rw[R_ACK] = self._next_ack(p)
+            op.reqs = []
+            op.keep = [reply]
+            if eager and int(hdr[H_NBYTES]):
+                if ok:
+                    data = self._bytes(op.buf)
+                else:  # drain it: the sender's data is on its way
+                    data = self._bytes(torch.empty(int(hdr[H_NBYTES]), dtype=torch.uint8))
+                op.keep.append(data)
+                op.reqs.append(self._irecv(p, self.EAGER, op.tag, data))
+            elif ok and not op.external and op.nbytes:
+                data = self._bytes(op.buf)
+                op.keep.append(data)
+                op.reqs.append(self._irecv(p, self.DATA, op.tag, data))
+            op.reqs.append(self._isend(p, self.REPLY, op.tag, reply))
+            if not ok:
+                op.error = self.mismatch(op, hdr, op.spec, p, self.rank)
+            op.state = 2
+            return True
+        if op.state == 2 and self._all_done(op):
+            self.ops.remove(op)
+            if op.external and op.error is None:
+                op.handshaken = True
+                return True
+            op.complete()
+            return True
+        return False
+
+
+def local_pid_failure(what: str, peer: int, ranks: list[int], pids: dict[int, int]) -> BaseException | None:
+    pid = pids.get(peer)
+    if pid is not None and not pid_alive(pid):
+        return PeerFailedError(f"rank {ranks[peer]} (pid {pid}) died while {what}", [ranks[peer]])
+    return None
+
+
+class MPIChannel(MessageChannel):
+    """Point-to-point over the mpi transport's private communicator (``Isend``/``Irecv``)."""
+
+    name = "mpi"
+
+    def __init__(self, transport: Any):
+        super().__init__(transport.rank, transport.size, list(transport._ranks))
+        self.t = transport
+        self.MPI = transport.MPI
+        ub = transport.comm.Get_attr(self.MPI.TAG_UB) or 32767
+        self.max_tag = min(MAX_TAG, (int(ub) - 16) // 4)
+
+    def _tag(self, kind: int, tag: int) -> int:
+        if tag > self.max_tag:
+            raise ValueError(f"tag {tag} is too large for this MPI (largest: {self.max_tag})")
+        return 16 + 4 * tag + kind  # below 16: the transport's own tags
+
+    def _isend(self, peer, kind, tag, buf):
+        return self.t.comm.Isend([buf, self.MPI.BYTE], dest=peer, tag=self._tag(kind, tag))
+
+    def _irecv(self, peer, kind, tag, buf):
+        return self.t.comm.Irecv([buf, self.MPI.BYTE], source=peer, tag=self._tag(kind, tag))
+
+    def _test(self, req, peer):
+        try:
+            return bool(req.Test())
+        except self.MPI.Exception as e:
+            raise PeerFailedError(f"mpi point-to-point with rank {self.ranks[peer]} failed: {e}",
+                                  [self.ranks[peer]]) from e
+
+    def _words(self):
+        return np.zeros(HDR_LEN, dtype=np.int64)
+
+    def _bytes(self, t):
+        return t.reshape(-1).view(torch.uint8).numpy()
+
+    def _as_np(self, buf):
+        return buf
+
+    def peer_failure(self, peer: int) -> BaseException | None:
+        t = self.t
+        if t.comm is None or t._broken:
+            return PeerFailedError(f"the mpi transport is unusable ({t._broken})", [self.ranks[peer]])
+        t._poll_notices()
+        what = f"rank {self.ranks[self.rank]} waited for it in a point-to-point call"
+        if peer in t._closed_after:
+            return PeerFailedError(f"rank {self.ranks[peer]} closed its communicator while {what}",
+                                   [self.ranks[peer]])
+        if peer in t._failed_at:
+            return PeerFailedError(f"rank {self.ranks[peer]} aborted after a failure while {what}",
+                                   [self.ranks[peer]])
+        return local_pid_failure(what, peer, self.ranks, t._local_pids)
+
+
+class _Waiting:
+    __slots__ = ("done", "error", "work")
+
+    def __init__(self, work: Any):
+        self.work, self.done, self.error = work, False, None
+
+
+class _Waiters:
+    """Threads that block in gloo works' ``wait()`` (which releases the GIL): torch's gloo send/recv works
+    report ``is_completed()`` only after a ``wait()``, and a ``wait(timeout)`` that times out fails the work.
+    Each submitted work gets a thread, an idle one when there is one (threads are kept)."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, work: Any) -> _Waiting:
+        w = _Waiting(work)
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        if spawn:
+            threading.Thread(target=self._loop, name="moecomm-gloo-p2p", daemon=True).start()
+        self._q.put(w)
+        return w
+
+    def _loop(self) -> None:
+        while True:
+            w = self._q.get()
+            try:
+                w.work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the polling thread
+                w.error = e
+            w.work = None
+            w.done = True
+            with self._lock:
+                self._idle += 1
+
+
+_WAITERS = _Waiters()
+
+
+class GlooChannel(MessageChannel):
+    """Point-to-point over the gloo transport's ProcessGroupGloo (``send``/``recv`` of tensors)."""
+
+    name = "gloo"
+    _BASE = 1 << 24  # gloo's collectives use slots with a prefix byte; ours stay clear of any small tag
+
+    def __init__(self, transport: Any):
+        super().__init__(transport.rank, transport.size, list(transport._ranks))
+        self.t = transport
+
+    def _tag(self, kind, tag):
+        return self._BASE + 4 * tag + kind
+
+    def _isend(self, peer, kind, tag, buf):
+        return _WAITERS.submit(self.t.pg.send([buf], peer, self._tag(kind, tag)))
+
+    def _irecv(self, peer, kind, tag, buf):
+        return _WAITERS.submit(self.t.pg.recv([buf], peer, self._tag(kind, tag)))
+
+    def _test(self, req, peer):
+        if not req.done:
+            return False
+        if req.error is not None:
+            e = req.error
+            raise PeerFailedError(f"gloo point-to-point with rank {self.ranks[peer]} failed on rank "
+                                  f"{self.ranks[self.rank]}: {str(e).splitlines()[0]}", [self.ranks[peer]]) from e
+        return True
+
+    def _words(self):
+        return torch.zeros(HDR_LEN, dtype=torch.int64)
+
+    def _bytes(self, t):
+        return t.reshape(-1).view(torch.uint8)
+
+    def _as_np(self, buf):
+        return buf.numpy()
+
+    def peer_failure(self, peer: int) -> BaseException | None:
+        t = self.t
+        if t.pg is None:
+            return PeerFailedError(f"the gloo transport is closed ({t._broken})", [self.ranks[peer]])
+        t._poll_notices()
+        note = t._notes.get(peer)
+        what = f"rank {self.ranks[self.rank]} waited for it in a point-to-point call"
+        if note is not None:
+            how = "closed its communicator" if note["kind"] == "closed" else "aborted after a failure"
+            return PeerFailedError(f"rank {self.ranks[peer]} {how} while {what}", [self.ranks[peer]])
+        return local_pid_failure(what, peer, self.ranks, t._local_pids)
+
+
+def channel_of(transport: Any) -> Channel | None:
+    """The point-to-point channel of a host transport (made on first use; shm makes its own at
+    creation), or None for a transport without one."""
+    ch = getattr(transport, "p2p", None)
+    if ch is not None:
+        return ch
+    name = getattr(transport, "name", "")
+    if name == "mpi" and getattr(transport, "comm", None) is not None:
+        ch = MPIChannel(transport)
+    elif name == "gloo" and getattr(transport, "pg", None) is not None:
+        ch = GlooChannel(transport)
+    else:
+        return None
+    transport.p2p = ch
+    return ch
