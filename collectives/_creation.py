@@ -28,6 +28,12 @@ from .topology import Topology
 log = logging.getLogger("collectives")
 
 
+class TransportCreationError(RuntimeError):
+    """The transports cannot start as asked; every rank of the new group raises it together."""
+
+    in_step = True  # a split that raises it leaves the parent usable (collectives._shared.leaves_out_of_step)
+
+
 def create_transports(group: GroupInfo, topology: Topology, device: torch.device, forced: str | None,
                       local_error: Exception | None) -> dict[str, Transport]:
     """Every transport this group can use, the same names on every rank (collective over the group).
@@ -105,7 +111,7 @@ def create_transports(group: GroupInfo, topology: Topology, device: torch.device
         # communicator forced onto another transport asked for that path, so NCCL is dropped there.
         for t in made.values():
             t.close()
-        raise RuntimeError(_nccl_failure_message(nccl_failed, reports, group.global_ranks,
+        raise TransportCreationError(_nccl_failure_message(nccl_failed, reports, group.global_ranks,
                                                  list(topology.node_ids)))
     for name in sorted(made):
         missing = [group.global_ranks[r] for r, names in enumerate(up) if name not in names]
@@ -115,7 +121,7 @@ def create_transports(group: GroupInfo, topology: Topology, device: torch.device
     if not topology.single_node and not forced and not {"mpi", "gloo"} & set(made):
         for t in made.values():
             t.close()
-        raise RuntimeError(_no_cross_node_message(topology, group, gloo_why_not, reports))
+        raise TransportCreationError(_no_cross_node_message(topology, group, gloo_why_not, reports))
     return made
 
 

@@ -8,12 +8,24 @@ import weakref
 import time
 from typing import Any, NoReturn
 
-from transports.base import CommunicatorBrokenError, Rendezvous
+from transports.base import CollectiveTimeoutError, CommunicatorBrokenError, Rendezvous
 
 log = logging.getLogger("collectives")
 
 # Open communicators, closed at interpreter exit so that peers raise at once instead of timing out.
 live: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+# Errors every rank raises at the same point of a call (argument checks exchanged with the peers,
+# signature mismatches, no transport for the device) or after which the transport is already broken.
+# Anything else leaving a call (KeyboardInterrupt, SystemExit, an exception from a signal handler, a
+# failed allocation) may have left this rank one call behind or ahead of its peers.
+_IN_STEP: tuple[type[BaseException], ...] = (ValueError, TypeError, CollectiveTimeoutError, CommunicatorBrokenError)
+
+
+def leaves_out_of_step(error: BaseException) -> bool:
+    """Whether ``error``, leaving a call, may have left this rank out of step with its peers."""
+    return not isinstance(error, _IN_STEP) and not getattr(error, "in_step", False)
 
 
 class SharedState:
@@ -30,9 +42,17 @@ class SharedState:
         self.transports = transports
         self.rdv = rdv
 
-    def shut(self, why: str) -> None:
-        """Close the transports (peers waiting on this rank raise) and forget every cached call,
-        so that no fast path reaches a closed transport. The caller holds ``busy``."""
+    def interrupted(self, error: BaseException, rank: int, what: str) -> None:
+        """``error`` left a call that may be half done on this rank (see :func:`leaves_out_of_step`):
+        break the communicator so every later call raises, and abort the transports so the peers
+        raise instead of pairing their calls one step apart with this rank's. The caller holds
+        ``busy`` and re-raises ``error``."""
+        if self.closed is None:
+            self.shut(f"{type(error).__name__} interrupted {what} on rank {rank}", abort=True)
+
+    def shut(self, why: str, *, abort: bool = False) -> None:
+        """Close (``abort``: abort) the transports (peers waiting on this rank raise) and forget
+        every cached call, so that no fast path reaches a closed transport. The caller holds ``busy``."""
         if self.closed is not None:
             return
         self.closed = why
@@ -43,7 +63,7 @@ class SharedState:
             live.discard(comm)
         for t in self.transports.values():
             try:
-                t.close()
+                t.abort(why) if abort else t.close()
             except Exception as e:  # noqa: BLE001
                 log.debug("closing %s: %s", t.name, e)
         self.transports.clear()

@@ -31,7 +31,7 @@ from ._calls import CallPaths
 from ._p2p import PointToPoint
 from ._creation import create_transports
 from ._device import resolve_device
-from ._shared import SharedState, live
+from ._shared import SharedState, leaves_out_of_step, live
 from .hierarchical import HierarchicalTransport, hierarchical_shape
 from .prediction import predict_plan, transport_settings
 from .selection import Plan, choose_transport
@@ -205,6 +205,10 @@ class Communicator(CallPaths, PointToPoint):
             if state.closed is not None:
                 self._state.raise_closed()
             return fn(*args)
+        except BaseException as e:
+            if leaves_out_of_step(e):
+                state.interrupted(e, self.global_ranks[self.rank], what)
+            raise
         finally:
             if state.conflict is not None:
                 self._state.end_after_conflict()
@@ -313,6 +317,10 @@ class Communicator(CallPaths, PointToPoint):
                     ent.call(x, res, ent.rop, ent.sig)
                 return res
             return self._run(OpCode.ALL_REDUCE, x, out, op)
+        except BaseException as e:
+            if leaves_out_of_step(e):
+                state.interrupted(e, self.global_ranks[self.rank], "all_reduce")
+            raise
         finally:
             if state.conflict is not None:
                 self._state.end_after_conflict()
@@ -341,6 +349,10 @@ class Communicator(CallPaths, PointToPoint):
                     ent.call(x, res, ent.sig)
                 return res
             return self._run(OpCode.ALL_GATHER, x, out)
+        except BaseException as e:
+            if leaves_out_of_step(e):
+                state.interrupted(e, self.global_ranks[self.rank], "all_gather")
+            raise
         finally:
             if state.conflict is not None:
                 self._state.end_after_conflict()
@@ -370,6 +382,10 @@ class Communicator(CallPaths, PointToPoint):
                     ent.call(x, res, ent.rop, ent.sig)
                 return res
             return self._run(OpCode.REDUCE_SCATTER, x, out, op)
+        except BaseException as e:
+            if leaves_out_of_step(e):
+                state.interrupted(e, self.global_ranks[self.rank], "reduce_scatter")
+            raise
         finally:
             if state.conflict is not None:
                 self._state.end_after_conflict()
@@ -435,6 +451,10 @@ class Communicator(CallPaths, PointToPoint):
             if state.closed is not None:
                 self._state.raise_closed()
             return all_to_all_checked(self, x, send_counts, out, return_counts, recv_counts)
+        except BaseException as e:
+            if leaves_out_of_step(e):
+                state.interrupted(e, self.global_ranks[self.rank], "all_to_all")
+            raise
         finally:
             if state.conflict is not None:
                 self._state.end_after_conflict()

@@ -73,6 +73,12 @@ HIERARCHICAL_MIN_BYTES: dict[OpCode, int] = {
 }
 
 
+class NoTransportError(RuntimeError):
+    """No transport of the communicator serves the call's tensors: raised before any data moves."""
+
+    in_step = True  # every rank raises it at the same point (collectives._shared.leaves_out_of_step)
+
+
 def ipc_max_bytes(opcode: OpCode, world_size: int, arch: str = "any") -> int:
     """The largest call (bytes of one rank's input) that ipc serves for CUDA tensors; 0: never.
 
@@ -180,6 +186,6 @@ def choose_transport(opcode: OpCode, device: str, single_node: bool, available: 
                 reason += (f"; not hierarchical: {nbytes} B < {hier_min} B (selection.HIERARCHICAL_MIN_BYTES)"
                            if hier is not None else "; not hierarchical: needs equal ranks (>1) on every node")
             return name, reason + forced_note
-    raise RuntimeError(
+    raise NoTransportError(
         f"no transport can serve {device} tensors here (available: {sorted(available)}); "
         "launch with mpiexec (mpi) or torchrun (gloo: torch.distributed with gloo) for multi-node runs")

@@ -483,3 +483,11 @@ class Transport(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
+
+    def abort(self, why: str) -> None:
+        """A call was interrupted on this rank (``KeyboardInterrupt``, an exception raised by a signal
+        handler) and may have left it out of step with its peers: mark this rank failed where the
+        peers read it (they raise instead of pairing its next call with the wrong one of theirs),
+        then :meth:`close`, keeping whatever an unfinished transfer may still write into.
+        This default closes: peers waiting on this rank raise."""
+        self.close()

@@ -497,6 +497,11 @@ class GlooTransport(Transport):
                                          self.dist.AllToAllOptions()), "all_to_all", keep=(send, out, x, y))
         return out
 
+    def abort(self, why: str) -> None:
+        if self.pg is not None and not self._broken:
+            self._broken = why  # close aborts the process group and keeps what a work may touch
+        self.close()
+
     def close(self) -> None:
         """Tell every peer how far this rank got (a peer waiting in a later step raises at once), then
         release the process group. Any later call on this transport raises CommunicatorBrokenError."""

@@ -504,6 +504,15 @@ class IPCTransport(Transport):
         return out
 
     # ---- teardown ------------------------------------------------------------------------------
+    def abort(self, why: str) -> None:
+        if not self._broken:
+            self._broken = why
+            try:
+                self._regions.write(self.rank, L.STATE, L.STATE_ABORTED)  # peers' watchdogs raise
+            except Exception:  # noqa: BLE001 - closing anyway
+                log.debug("ipc: could not mark the abort", exc_info=True)
+        self.close()
+
     def close(self) -> None:
         """Announce the close in our STATE word (peers waiting for us raise at once), stop the
         watchdog, and unmap every region. Later calls raise CommunicatorBrokenError."""

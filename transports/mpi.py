@@ -504,6 +504,11 @@ class MPITransport(Transport):
                    "all_to_all", keep=(send, out, x, y))
         return out
 
+    def abort(self, why: str) -> None:
+        if self.comm is not None and not self._broken:
+            self._broken = why  # close keeps the buffers of requests still under way and skips Free
+        self.close()
+
     def close(self) -> None:
         """Tell every peer how far this rank got (a peer waiting in a later step raises at once), then
         release the private communicators. Any later call on this transport raises CommunicatorBrokenError."""

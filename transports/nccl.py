@@ -254,6 +254,15 @@ class NCCLTransport(Transport):
         finally:
             nccl.groupEnd()
 
+    def abort(self, why: str) -> None:
+        # ncclCommAbort: stops kernels still waiting for peers; destroy would wait for them
+        comm, self.comm = getattr(self, "comm", None), None
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception:  # noqa: BLE001 - closing anyway
+                log.debug("nccl abort failed", exc_info=True)
+
     def close(self) -> None:
         if getattr(self, "comm", None) is not None:
             try:

@@ -314,7 +314,7 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
                     self._timed_all_gather(send, out, sig)
                 else:
                     self._single_copy_all_gather(send.data_ptr(), out.data_ptr(), send.nbytes, sig)
-            except (CollectiveTimeoutError, CommunicatorBrokenError):
+            except BaseException:  # an interrupt too: a slower peer may still write into out
                 self._keep_written_alive(out)
                 raise
             return
@@ -556,6 +556,11 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
             copy_bytes(dst, self._slot_addr[b][r] + off, nbytes)
 
     # ---- teardown -------------------------------------------------------------------------
+    def abort(self, why: str) -> None:
+        if self._map is not None and not self._broken:
+            self._abort(why)  # ABORTED, not CLOSED: a peer raises even if this rank had arrived
+        self.close()
+
     def close(self) -> None:
         """Unmap the segment; peers waiting for this rank see the closed state and raise at once.
 
