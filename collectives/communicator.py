@@ -59,7 +59,10 @@ class Communicator(CallPaths, PointToPoint):
     raises instead of hanging: ``ValueError`` when ranks pass different shapes/dtypes/ops or a
     rank rejects its input (the bad rank raises the specific ``TypeError``/``ValueError``),
     ``TimeoutError`` naming the ranks that never arrived, ``PeerFailedError`` when a peer died
-    or closed its communicator.
+    or closed its communicator. A call interrupted on a rank (``KeyboardInterrupt``, an exception
+    raised by a signal handler) closes the communicator there, so its later calls raise
+    ``CommunicatorBrokenError`` and its peers raise ``PeerFailedError`` instead of pairing calls
+    one step apart.
 
     Threads: a communicator (with its :meth:`using` views) serves one thread at a time. A call
     made while another thread is inside a call of the same communicator raises ``RuntimeError``,

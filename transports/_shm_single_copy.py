@@ -87,8 +87,9 @@ STAGED_COPY_CHUNK_BYTES = 512 << 10
 # Outputs of failed single-copy all_gathers: the peers write into them (process_vm_writev) and may still
 # be writing when this rank has raised, so they are never freed (a write into freed memory corrupted the
 # heap: "free(): corrupted unsorted chunks" in a rank of test_a_failed_read_breaks_the_call_on_every_rank
-# _naming_it, 2026-11-23). Only a call that failed by a timeout, a failed peer or a broken transport
-# lands here, after which the communicator is unusable: one buffer per broken communicator.
+# _naming_it, 2026-11-23). Only a call that failed (a timeout, a failed peer, a broken transport) or was
+# interrupted (KeyboardInterrupt) lands here, after which the communicator is unusable: one buffer per
+# broken communicator.
 _WRITTEN_BY_PEERS: list[torch.Tensor] = []
 
 
