@@ -12,7 +12,8 @@ Matching is MPI's: a receive from rank s with tag t takes the earliest unmatched
 sent to this rank with tag t; receives are served in the order they were posted. Every message
 is checked: a dtype or shape that differs between the send and the receive raises ``ValueError``
 on both ranks, naming them and both values. Sends of up to 8 KiB complete at once (the data goes
-with the header; a mismatch then raises at the sender's next point-to-point call); larger sends
+with the header; a mismatch then raises at the sender's next point-to-point call, after that call
+has posted its own operation); larger sends
 complete when the receiver has the data, so a blocking ``send`` of a large tensor returns only
 once the peer receives it: post the receive first (``irecv``) or use ``batch_isend_irecv``,
 which never deadlocks whatever order the ranks list their operations in. Every wait is bounded by
@@ -192,7 +193,6 @@ class PointToPoint:
     def _p2p_start(self, specs: list[tuple]) -> list[P2PWork]:
         if self._state.closed is not None:
             self._state.raise_closed()
-        self._p2p_raise_deferred()
         prepared = [self._p2p_prepare(*s) for s in specs]  # every argument checked before anything is posted
         works = []
         for op, channel, result, nccl_t in prepared:

@@ -279,6 +279,22 @@ class MessageChannel(Channel):
                 moved |= self._poll_recv(op)
         return moved
 
+    def flush(self, seconds: float) -> None:
+        """Before the transport closes: let eager sends still in flight reach their receivers (their
+        sends returned at once; gloo moves a message only once the peer posted its receive), for up
+        to ``seconds``. Failures are ignored: the receiver will name this rank."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                self.poll()
+                busy = [op for op in self.ops if op.kind == "send" and op.eager and not all(
+                    r is None or self._test(r, op.peer) for i, r in enumerate(op.reqs) if i != 1)]
+            except Exception:  # noqa: BLE001 - a peer that left: nothing more to deliver
+                return
+            if not busy:
+                return
+            time.sleep(1e-3)
+
     def _all_done(self, op: Op) -> bool:
         return all(r is None or self._test(r, op.peer) for r in op.reqs)
 

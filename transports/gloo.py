@@ -507,6 +507,8 @@ class GlooTransport(Transport):
         release the process group. Any later call on this transport raises CommunicatorBrokenError."""
         if self.pg is None:
             return
+        if getattr(self, "p2p", None) is not None and not self._broken:
+            self.p2p.flush(min(self.timeout, 10.0))  # eager point-to-point sends in flight (transports/_p2p.py)
         try:
             self._note("closed", self._done)
         except Exception as e:  # noqa: BLE001 - the store may be gone at exit
