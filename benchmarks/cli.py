@@ -32,6 +32,7 @@ main.add_command(doctor)
 # Commands that live in their own modules.
 from .bench_ddp import bench_ddp  # noqa: E402
 from .bench_moe import bench_moe  # noqa: E402
+from .bench_p2p import bench_p2p  # noqa: E402
 from .bench_tp import bench_tp  # noqa: E402
 from .gpu_validate import validate_gpu  # noqa: E402
 from .predict import predict  # noqa: E402
@@ -40,6 +41,7 @@ from .topo import topo  # noqa: E402
 
 main.add_command(bench_ddp)
 main.add_command(bench_moe)
+main.add_command(bench_p2p)
 main.add_command(bench_tp)
 main.add_command(testbed)
 main.add_command(topo)

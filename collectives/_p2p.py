@@ -296,10 +296,15 @@ class PointToPoint:
         limit = self.timeout if timeout is None else min(float(timeout), self.timeout)
         start = time.monotonic()
         deadline = start + limit
-        spin_until = start + (0.0 if getattr(self.topology, "oversubscribed", False) else 0.002)
+        # one channel that can sleep until a peer acts (shm: a futex doorbell; gloo: its waiter threads)
+        chans = {op.channel for op in ops}
+        sleeper = next(iter(chans)) if len(chans) == 1 and hasattr(next(iter(chans)), "token") else None
+        spin = 0.0 if getattr(self.topology, "oversubscribed", False) else (2e-4 if sleeper else 2e-3)
+        spin_until = start + spin
         next_check = start + _CHECK_EVERY
         sleep = 20e-6
         while True:
+            token = sleeper.token() if sleeper is not None else 0
             self._p2p_progress()
             pending = [op for op in ops if not op.done]
             failed = [op for op in ops if op.done and op.error is not None]
@@ -321,7 +326,9 @@ class PointToPoint:
                 raise _timeout(self, pending, limit)
             if now < spin_until:
                 continue
-            if sleep < 1e-4:
+            if sleeper is not None:
+                sleeper.sleep(token, max(1e-4, min(_CHECK_EVERY, deadline - now)))
+            elif sleep < 1e-4:
                 os.sched_yield()
                 sleep *= 1.5
             else:

@@ -455,6 +455,8 @@ class _Waiters:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
+        self.done = 0  # works completed: a waiter sleeps until it changes (:meth:`GlooChannel.sleep`)
+        self.changed = threading.Condition()
 
     def submit(self, work: Any) -> _Waiting:
         w = _Waiting(work)
@@ -478,6 +480,9 @@ class _Waiters:
             w.done = True
             with self._lock:
                 self._idle += 1
+            with self.changed:
+                self.done += 1
+                self.changed.notify_all()
 
 
 _WAITERS = _Waiters()
@@ -510,6 +515,16 @@ class GlooChannel(MessageChannel):
             raise PeerFailedError(f"gloo point-to-point with rank {self.ranks[peer]} failed on rank "
                                   f"{self.ranks[self.rank]}: {str(e).splitlines()[0]}", [self.ranks[peer]]) from e
         return True
+
+    def token(self) -> int:
+        """Works completed so far (read before a progress pass, for :meth:`sleep`)."""
+        return _WAITERS.done
+
+    def sleep(self, token: int, seconds: float) -> None:
+        """Sleep until a gloo work completes after ``token`` was read, or ``seconds`` pass."""
+        with _WAITERS.changed:
+            if _WAITERS.done == token:
+                _WAITERS.changed.wait(seconds)
 
     def _words(self):
         return torch.zeros(HDR_LEN, dtype=torch.int64)

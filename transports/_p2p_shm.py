@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import platform
+import sys
+import time
 
 import numpy as np
 
@@ -55,6 +58,7 @@ from ._shm_sync import _STATE, _STATE_ABORTED, _STATE_CLOSED, _fence
 from .base import CommunicatorBrokenError, PeerFailedError
 
 RING = 16
+_BELLS = 4096  # the area starts with one doorbell word per rank (int64, futex on the low 32 bits)
 _BLOCK = 16  # words of a sender / receiver block (their own cache lines)
 _WORDS = 2 * (_BLOCK + RING * HDR_LEN)
 _SENT, _READY = 0, 1  # sender block
@@ -73,7 +77,28 @@ def _channel_bytes(n: int) -> int:
 
 def area_bytes(n: int) -> int:
     """Bytes the point-to-point channels of ``n`` ranks take in the segment (pages are touched only when used)."""
-    return n * n * _channel_bytes(n) if n > 1 else 0
+    return _BELLS + n * n * _channel_bytes(n) if n > 1 else 0
+
+
+def _futex():
+    """libc's syscall() and SYS_futex for this machine, or None (then waits sleep with backoff)."""
+    nr = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
+    if nr is None or not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_long
+    return fn, nr
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_FUTEX = _futex()
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 
 
 class ShmChannel(Channel):
@@ -95,6 +120,10 @@ class ShmChannel(Channel):
         self.single_copy = single_copy
         self.chan = _channel_bytes(n)
         self.stage = stage_bytes(n)
+        self.bell_addr = transport._ctrl.ctypes.data + offset
+        self.bells = np.frombuffer(transport._map, dtype=np.int64, count=n, offset=offset)
+        self._rings = 0  # this rank's doorbell writes: each writes a value no earlier write wrote
+        offset += _BELLS
         self.base = transport._ctrl.ctypes.data + offset
         self.words = [np.frombuffer(transport._map, dtype=np.int64, count=_WORDS, offset=offset + c * self.chan)
                       for c in range(n * n)]
@@ -126,6 +155,28 @@ class ShmChannel(Channel):
 
     def _stage_addr(self, s: int, d: int) -> int:
         return self.base + (s * self.size + d) * self.chan + _WORDS * 8 + RING * EAGER_BYTES
+
+    # ---- doorbells: a rank that waits sleeps on its word (futex); every write for it rings it ----
+    def _ring(self, r: int) -> None:
+        self._rings += 1
+        self.bells[r] = (self._rings * self.size + self.rank) & 0x7FFFFFFF
+        if _FUTEX is not None:
+            fn, nr = _FUTEX
+            fn(nr, ctypes.c_void_p(self.bell_addr + 8 * r), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+    def token(self) -> int:
+        """The value of this rank's doorbell now (read before a progress pass, for :meth:`sleep`)."""
+        return int(self.bells[self.rank]) & 0xFFFFFFFF
+
+    def sleep(self, token: int, seconds: float) -> None:
+        """Sleep until a peer rings this rank's doorbell after ``token`` was read, or ``seconds`` pass."""
+        if _FUTEX is None:
+            time.sleep(min(seconds, 1e-3))
+            return
+        fn, nr = _FUTEX
+        ts = _Timespec(int(seconds), int((seconds % 1.0) * 1e9))
+        fn(nr, ctypes.c_void_p(self.bell_addr + 8 * self.rank), _FUTEX_WAIT, ctypes.c_uint32(token),
+           ctypes.byref(ts), None, 0)
 
     # ---- posting -----------------------------------------------------------------------------
     def post(self, op: Op) -> None:
@@ -161,6 +212,7 @@ class ShmChannel(Channel):
             hw[0] = seq + 1
             _fence()
             w[_SENT] = seq + 1
+            self._ring(d)
             op.seq = seq
             op.state = 1
             self._send_seq[d] = seq + 1
@@ -233,6 +285,7 @@ class ShmChannel(Channel):
         ctypes.memmove(self._stage_addr(self.rank, d), op.buf.data_ptr() + lo, n)
         _fence()
         w[_READY] = req
+        self._ring(d)
         return True
 
     def _read_headers(self) -> bool:
@@ -299,6 +352,7 @@ class ShmChannel(Channel):
         a[1:] = v[1:]
         _fence()
         a[0] = seq + 1
+        self._ring(s)
 
     def _read(self, s: int, remote: int, local: int, n: int) -> None:
         try:
@@ -324,6 +378,7 @@ class ShmChannel(Channel):
         op.chunk = chunk
         w = self._w(s, self.rank)
         w[self._recv_block(w) + _REQ] = (op.seq << 32) | (chunk + 1)
+        self._ring(s)
 
     def _poll_stage(self, op: Op) -> bool:
         s = op.source
@@ -364,6 +419,7 @@ class ShmChannel(Channel):
     def close(self) -> None:
         super().close()
         self.words = []
+        self.bells = None
 
 
 def attach(transport, offset: int) -> None:
