@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from transports.base import SUPPORTED_DTYPES, OpCode, ReduceOp, Signature, Transport
+from transports.base import F_VIEW, SUPPORTED_DTYPES, OpCode, ReduceOp, Signature, Transport, view_code
 
 from ._arrays import SUPPORTED_NAMES, Array, as_tensor, device_of, dtype_device, overlaps, write_out, writable_view
 
@@ -41,10 +41,14 @@ class _Entry(NamedTuple):
 class CallPaths:
     """Call preparation of the Communicator (see the module docstring)."""
 
-    def _entry(self, opcode: OpCode, t: torch.Tensor, op: Any, src: int) -> _Entry:
-        """Validated, cached description of a call (transport, signature, output shape)."""
+    def _entry(self, opcode: OpCode, t: torch.Tensor, op: Any, src: int, view: int = 0) -> _Entry:
+        """Validated, cached description of a call (transport, signature, output shape).
+
+        view: the signature's ``F_VIEW`` word (:meth:`call_as`); 0 for the Communicator's own calls.
+        """
         shape = t.shape[1:] if opcode == OpCode.ALL_TO_ALL else t.shape
-        key = (opcode, shape, t.dtype, t.device, op, src)
+        key = (opcode, shape, t.dtype, t.device, op, src) if not view else (opcode, shape, t.dtype, t.device, op, src,
+                                                                              view)
         ent = self._cache.get(key)
         if ent is not None:
             return ent
@@ -83,8 +87,11 @@ class CallPaths:
         else:
             out_shape = tuple(t.shape)
         sig = Signature.of(opcode, dtype=t.dtype, shape=t.shape if t.dim() or opcode != OpCode.ALL_GATHER else (1,),
-                           op=rop, root=src if opcode in (OpCode.BROADCAST, OpCode.ALL_TO_ALL) else 0,
+                           op=rop, root=src if opcode in (OpCode.BROADCAST, OpCode.ALL_TO_ALL, OpCode.ALL_REDUCE) else 0,
                            compare_first_dim=opcode != OpCode.ALL_TO_ALL)
+        if view:
+            sig.meta[F_VIEW] = view
+            sig = Signature(sig.meta)
         call = {OpCode.ALL_REDUCE: tr.all_reduce, OpCode.ALL_GATHER: tr.all_gather,
                 OpCode.REDUCE_SCATTER: tr.reduce_scatter, OpCode.BROADCAST: tr.broadcast,
                 OpCode.ALL_TO_ALL: tr.all_to_all}[opcode]
@@ -100,7 +107,7 @@ class CallPaths:
         if len(self._cache) > 512:
             self._forget_calls()
         self._cache[key] = ent
-        if device == "cpu" and not ent.staged:
+        if device == "cpu" and not ent.staged and not view:  # the latency path serves plain calls only
             self._cpu_cache[(opcode, shape, t.dtype, op, src)] = ent
         return ent
 
@@ -182,12 +189,39 @@ class CallPaths:
             pass
         return None
 
-    def _run(self, opcode: OpCode, x: Array, out: Array | None, op: Any = None, src: int = 0) -> Array:
+    def call_as(self, collective: str, x: torch.Tensor, *, op: str = "sum", root: int = 0, dtype: torch.dtype | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """all_reduce, all_gather or broadcast of ``x`` for a caller whose own call is another:
+        ``collective="reduce"`` (an all_reduce whose result only ``root`` keeps: ``root`` joins the
+        signature, so ranks that pass different roots raise ``ValueError`` naming them), and
+        ``dtype=`` the caller's dtype when ``x`` is its bytes (uint8), so that ranks whose tensors
+        only look alike as bytes (int16[4], int8[8]) raise too. For the torch backend.
+
+        Args:
+            collective: "reduce" (x reduced with ``op``), "all_reduce", "all_gather" or "broadcast"
+                (from group rank ``root``).
+            x: the tensor that moves, as for that Communicator call.
+            dtype: the caller's dtype of which ``x`` holds the bytes (its shape's last dim is the
+                caller's times the element size), or None.
+            out: as for the Communicator call.
+
+        Returns:
+            What the Communicator call returns (``out`` when given).
+        """
+        opcode = {"reduce": OpCode.ALL_REDUCE, "all_reduce": OpCode.ALL_REDUCE, "all_gather": OpCode.ALL_GATHER,
+                  "broadcast": OpCode.BROADCAST}[collective]
+        view = view_code(OpCode.REDUCE if collective == "reduce" else None, dtype)
+        if opcode == OpCode.ALL_REDUCE and collective != "reduce":
+            root = 0
+        return self._guarded(collective, self._run, opcode, x, out, op if opcode == OpCode.ALL_REDUCE else None,
+                             root if opcode != OpCode.ALL_GATHER else 0, view)
+
+    def _run(self, opcode: OpCode, x: Array, out: Array | None, op: Any = None, src: int = 0, view: int = 0) -> Array:
         """General path: any input kind, out= of any layout, host staging. Same semantics as the fast paths."""
         if self._state.closed is not None:
             self._state.raise_closed()
         t, was_numpy, orig = self._input(opcode, x)
-        ent = self._entry(opcode, t, op, src)
+        ent = self._entry(opcode, t, op, src, view)
         out_t = self._check_out(opcode, out, t, ent.out_shape) if out is not None else None
         s = t.cpu() if ent.staged else t
         if t.dim() == 0 and opcode == OpCode.ALL_GATHER:

@@ -120,7 +120,8 @@ class StoreRendezvous(Rendezvous):
                     continue
                 if time.monotonic() >= deadline:
                     raise CollectiveTimeoutError(
-                        f"rendezvous timed out after {self.timeout:.1f}s on rank {self.global_ranks[self.rank]}: "
+                        f"rendezvous timed out on rank {self.global_ranks[self.rank]} after the timeout of "
+                        f"{self.timeout:.1f}s: "
                         f"rank(s) {missing} never arrived", missing) from e
         values = [bytes(self.store.get(key)) for key in keys]
         if k >= 2:  # every rank has finished round k-1, hence read round k-2

@@ -204,7 +204,8 @@ class RoundSync:
                     missing = [self._ranks[r] for r in pending]
                     self._abort(f"timed out after {self.timeout:.1f}s waiting for rank(s) {missing}")
                     raise CollectiveTimeoutError(
-                        f"shm collective timed out after {self.timeout:.1f}s on rank {self._ranks[self.rank]}: "
+                        f"shm collective timed out on rank {self._ranks[self.rank]} after the timeout of "
+                        f"{self.timeout:.1f}s: "
                         f"rank(s) {missing} never arrived (stuck, deadlocked, or calling a different collective)",
                         missing,
                     )

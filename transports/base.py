@@ -66,6 +66,7 @@ class OpCode(enum.IntEnum):
     REDUCE_SCATTER = 4
     ALL_TO_ALL = 5
     BROADCAST = 6
+    REDUCE = 7  # only in a signature's F_VIEW: a caller's reduce that runs as an all_reduce (torch backend)
     LOCAL_ERROR = 99  # this rank rejected its own input; peers raise instead of waiting
 
 
@@ -85,7 +86,10 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.int16: 10,
     torch.complex64: 11,
     torch.complex128: 12,
-    **{d: c for c, d in ((13, getattr(torch, "float8_e4m3fn", None)), (14, getattr(torch, "float8_e5m2", None)))
+    **{d: c for c, d in ((13, getattr(torch, "float8_e4m3fn", None)), (14, getattr(torch, "float8_e5m2", None)),
+                         (15, getattr(torch, "uint16", None)), (16, getattr(torch, "uint32", None)),
+                         (17, getattr(torch, "uint64", None)), (18, getattr(torch, "complex32", None)),
+                         (19, getattr(torch, "float8_e4m3fnuz", None)), (20, getattr(torch, "float8_e5m2fnuz", None)))
        if d is not None},
 }
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -112,12 +116,20 @@ F_DIMS = 5  # F_DIMS .. F_DIMS + MAX_META_DIMS - 1
 # Shapes of more than MAX_META_DIMS dims: the last dim slot holds the product of the trailing
 # dims and F_TAIL a digest of them, so (.., 2, 3) and (.., 3, 2) still differ. 0 otherwise.
 F_TAIL = F_DIMS + MAX_META_DIMS
-F_ROWS = F_TAIL + 1  # all_to_all: this rank's row count (may differ across ranks); not compared
+# The caller's own call when it runs as another (0: none), compared like any field: bits 16+ the
+# caller's collective (OpCode.REDUCE: the torch backend's reduce runs as an all_reduce, its dst in
+# F_ROOT), the low 16 bits the dtype code of a tensor moved as uint8 bytes (the shape fields then
+# hold its bytes' shape: the last dim times the element size). Without it, int16[4] and int8[8]
+# look the same, and a reduce to rank 2 looks like a reduce to rank 0.
+F_VIEW = F_TAIL + 1
+_VIEW_OP_SHIFT = 16
+F_ROWS = F_VIEW + 1  # all_to_all: this rank's row count (may differ across ranks); not compared
 # all_to_all has no root: its root field is 1 when the caller passed recv_counts=, else 0. It is
 # compared like any field, because transports move the data differently with known receive counts
 # (nccl skips its count exchange): a mix across ranks would pair different messages.
 F_RECV_COUNTS_GIVEN = F_ROOT
-_FIELD_NAMES = {F_OPCODE: "collective", F_DTYPE: "dtype", F_REDOP: "op", F_ROOT: "src", F_NDIM: "ndim"}
+_FIELD_NAMES = {F_OPCODE: "collective", F_DTYPE: "dtype", F_REDOP: "op", F_ROOT: "src", F_NDIM: "ndim",
+                F_VIEW: "dtype"}
 
 
 def _tail_digest(dims: Sequence[int]) -> int:
@@ -135,11 +147,15 @@ def make_meta(
     root: int = 0,
     compare_first_dim: bool = True,
     rows: int = 0,
+    view_op: OpCode | None = None,
+    view_dtype: torch.dtype | None = None,
 ) -> np.ndarray:
     """Build the call signature; fields that may legitimately differ across ranks are left 0.
 
     shape: any number of dims; past ``MAX_META_DIMS`` the trailing ones are folded into their
     product plus a digest (see ``F_TAIL``), so every difference in any dim still shows.
+    view_op, view_dtype: the caller's own collective and dtype when they differ from what moves
+    (see ``F_VIEW``).
     Returns [META_LEN] int64.
     """
     meta = np.zeros(META_LEN, dtype=np.int64)
@@ -158,7 +174,13 @@ def make_meta(
     for i, d in enumerate(dims):
         meta[F_DIMS + i] = d
     meta[F_ROWS] = rows
+    meta[F_VIEW] = view_code(view_op, view_dtype)
     return meta
+
+
+def view_code(view_op: OpCode | None = None, view_dtype: torch.dtype | None = None) -> int:
+    """The ``F_VIEW`` word of a call made as ``view_op`` on ``view_dtype`` data (0: as it moves)."""
+    return (int(view_op or 0) << _VIEW_OP_SHIFT) | (dtype_code(view_dtype) if view_dtype is not None else 0)
 
 
 def error_meta() -> np.ndarray:
@@ -196,8 +218,17 @@ class Signature:
         return Signature(meta)
 
 
+def _call_name(meta: np.ndarray) -> str:
+    """The collective the caller made: its F_VIEW collective, else the one that moves the data."""
+    op = int(meta[F_VIEW]) >> _VIEW_OP_SHIFT
+    return OpCode(op).name.lower() if op in OpCode._value2member_map_ else _describe(meta, F_OPCODE)
+
+
 def _describe(meta: np.ndarray, field_idx: int) -> str:
     v = int(meta[field_idx])
+    if field_idx == F_VIEW:
+        code = v & ((1 << _VIEW_OP_SHIFT) - 1)
+        return f"{dtype_name(code)} (moved as bytes)" if code else _describe(meta, F_DTYPE)
     if field_idx == F_RECV_COUNTS_GIVEN and meta[F_OPCODE] == OpCode.ALL_TO_ALL:
         return "given" if v else "not given"
     if field_idx == F_OPCODE:
@@ -212,6 +243,11 @@ def _describe(meta: np.ndarray, field_idx: int) -> str:
 def _shape_of(meta: np.ndarray) -> str:
     ndim = int(meta[F_NDIM])
     dims = [int(d) for d in meta[F_DIMS : F_DIMS + min(ndim, MAX_META_DIMS)]]
+    moved_as = DTYPE_BY_CODE.get(int(meta[F_VIEW]) & ((1 << _VIEW_OP_SHIFT) - 1))
+    if moved_as is not None and dims and ndim <= MAX_META_DIMS:  # show the caller's shape, not its bytes'
+        size = torch.empty((), dtype=moved_as).element_size()
+        if dims[-1] % size == 0:
+            dims[-1] //= size
     shown = ["*" if (i == 0 and d == 0 and meta[F_OPCODE] == OpCode.ALL_TO_ALL) else str(d)
              for i, d in enumerate(dims)]
     if ndim > MAX_META_DIMS:  # the folded trailing dims: how many, their product, their digest
@@ -236,20 +272,32 @@ def check_agreement(metas: np.ndarray, ranks: Sequence[int] | None = None) -> No
     if (cmp == cmp[0]).all():
         return
     diffs = []
+    moved_as = metas[:, F_VIEW] & ((1 << _VIEW_OP_SHIFT) - 1)  # the callers' dtypes moved as bytes (0: none)
+    calls = [_call_name(m) for m in metas]
+    if len(set(calls)) > 1:
+        per_rank = ", ".join(f"rank {names[i]}: {calls[i]}" for i in range(len(metas)))
+        diffs.append(f"collective differs ({per_rank})")
     for f in (F_OPCODE, F_DTYPE, F_REDOP, F_ROOT):
         col = metas[:, f]
+        if f == F_OPCODE and len(set(calls)) > 1:
+            continue
+        if f == F_DTYPE and not (moved_as == moved_as[0]).all():
+            col = moved_as  # the callers' dtypes (moved as bytes, the dtype that moves is uint8 on every rank)
         if not (col == col[0]).all():
-            per_rank = ", ".join(f"rank {names[i]}: {_describe(metas[i], f)}" for i in range(len(metas)))
+            per_rank = ", ".join(f"rank {names[i]}: {_describe(metas[i], F_VIEW if col is moved_as else f)}"
+                                 for i in range(len(metas)))
             name = _FIELD_NAMES[f]
             if f == F_RECV_COUNTS_GIVEN and (metas[:, F_OPCODE] == OpCode.ALL_TO_ALL).all():
                 name = "recv_counts"
+            if f == F_ROOT and calls[0] == "reduce":
+                name = "dst"
             diffs.append(f"{name} differs ({per_rank})")
-    shape_cols = metas[:, F_NDIM:F_ROWS]
+    shape_cols = metas[:, F_NDIM:F_VIEW]
     if not (shape_cols == shape_cols[0]).all():
         per_rank = ", ".join(f"rank {names[i]}: {_shape_of(metas[i])}" for i in range(len(metas)))
         diffs.append(f"shape differs ({per_rank})")
     raise ValueError(
-        f"{_describe(metas[0], F_OPCODE)} called with arguments that differ across ranks: "
+        f"{calls[0]} called with arguments that differ across ranks: "
         + "; ".join(diffs)
         + ". Every rank must pass the same shape, dtype and op (all_to_all: same trailing dims, and "
         "recv_counts on every rank or on none)."

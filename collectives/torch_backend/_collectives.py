@@ -20,7 +20,7 @@ from typing import Any, NoReturn, Sequence
 import torch
 import torch.distributed as dist
 
-from transports.base import SUPPORTED_DTYPES
+from transports.base import SUPPORTED_DTYPES, dtype_code, dtype_name
 
 from ._ops import completed, flat_view, option, plain, reduction, unwire, wire, wire_count
 
@@ -67,6 +67,15 @@ class Collectives:
         fill(wire(tmp))
         out.copy_(tmp.view(out.shape))
 
+    @staticmethod
+    def _logical(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype | None]:
+        """(shape, dtype) to show the peers for ``wire(t)``: t's shape (its last dim in bytes when
+        t moves as bytes) and t's dtype when it moves as bytes (else None), for ``call_as``."""
+        if t.dtype in SUPPORTED_DTYPES:
+            return tuple(t.shape), None
+        shape = tuple(t.shape) or (1,)
+        return (*shape[:-1], shape[-1] * t.element_size()), t.dtype
+
     def _reduce_into(self, t: torch.Tensor, name: str, factor: Any) -> None:
         """All-reduce ``t`` in place (PREMUL_SUM: scaled first)."""
         if factor is not None:
@@ -86,9 +95,53 @@ class Collectives:
         """
         op = opts if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)) else option(opts, "reduceOp", dist.ReduceOp.SUM)
         t = self._one(tensors, "all_reduce")
+        if t.layout == torch.sparse_coo:
+            self._sparse_all_reduce(t, op)
+            return completed(tensors if isinstance(tensors, list) else [tensors], [t])
         name, factor = self._op(op, t)
         self._reduce_into(t, name, factor)
         return completed(tensors if isinstance(tensors, list) else [tensors], [t])
+
+    def _sparse_all_reduce(self, t: torch.Tensor, op: Any) -> None:
+        """Sum a sparse COO tensor over the group in place, as gloo does (DDP with sparse embeddings).
+
+        Each rank's coalesced indices and values are all-gathered (nnz differs between ranks), then
+        summed in rank order and coalesced: ``t`` becomes the coalesced sum (gloo's result, bit for
+        bit). Shapes, dtypes or sparse dims that differ raise ValueError on every rank, naming them.
+
+        Args:
+            t: a sparse COO tensor [*sparse dims, *dense dims]; any dtype.
+            op: SUM (gloo's only op for sparse tensors).
+        """
+        if getattr(op, "op", op) != dist.ReduceOp.RedOpType.SUM:
+            self._reject(TypeError(f"all_reduce: rank {self._me()} passed reduce op {getattr(op, 'op', op)} for a "
+                                   "sparse tensor; sparse all_reduce sums (ReduceOp.SUM), as in gloo"), t.values())
+        x = t.coalesce()
+        n, dims = self.size(), 16
+        if x.dim() > dims:
+            self._reject(ValueError(f"all_reduce: rank {self._me()} passed a sparse tensor of {x.dim()} dims; "
+                                    f"moecomm's sparse all_reduce takes up to {dims}"), x.values())
+        meta = torch.full((1, 4 + dims), -1, dtype=torch.int64)
+        meta[0, :4] = torch.tensor([x._nnz(), x.sparse_dim(), x.dim(), dtype_code(x.dtype)])
+        meta[0, 4:4 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+        metas = self.comm.all_gather(meta)  # [n, 4 + dims]: nnz, sparse dims, dims, dtype, shape
+        if not bool((metas[:, 1:] == metas[0, 1:]).all()):
+            shown = ", ".join(
+                f"rank {self._global_ranks[r]}: {tuple(m[4:4 + int(m[2])])} {dtype_name(int(m[3]))} "
+                f"with {int(m[1])} sparse dims" for r, m in enumerate(metas.tolist()))
+            raise ValueError(f"all_reduce: the sparse tensors differ across ranks ({shown}); every rank must pass "
+                             "the same shape, dtype and number of sparse dims")
+        counts = [int(c) for c in metas[:, 0]]
+        idx = x.indices().t().contiguous()  # [nnz, sparse dims]
+        val = x.values().contiguous()  # [nnz, *dense dims]
+        moved = val if val.dtype in SUPPORTED_DTYPES else val.unsqueeze(-1).view(torch.uint8)
+        all_idx = self.comm.all_to_all(idx.repeat(n, 1), [idx.shape[0]] * n, recv_counts=counts)
+        all_val = self.comm.all_to_all(moved.repeat(n, *[1] * (moved.dim() - 1)), [moved.shape[0]] * n,
+                                       recv_counts=counts)
+        if val.dtype not in SUPPORTED_DTYPES:
+            all_val = all_val.view(val.dtype).squeeze(-1)
+        total = torch.sparse_coo_tensor(all_idx.t(), all_val, x.shape, dtype=x.dtype).coalesce()
+        t.copy_(total)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """All-reduce several tensors in place with one call per dtype and device.
@@ -137,7 +190,8 @@ class Collectives:
         t = self._one(tensors, "reduce")
         name, factor = self._op(rop, t)
         src = t * factor if factor is not None else t
-        result = self.comm.all_reduce(src, name)
+        # the root in the signature: ranks that pass different dsts raise instead of losing the sum
+        result = self.comm.call_as("reduce", src, op=name, root=root)
         if self.rank() == root:
             t.copy_(result)
         return completed(tensors if isinstance(tensors, list) else [tensors], [t])
@@ -156,7 +210,9 @@ class Collectives:
         root = opts if isinstance(opts, int) else option(opts, "rootRank", 0)
         t = self._one(tensors, "broadcast")
         src = wire(flat_view(t))
-        self._written(t, lambda dst: self.comm.broadcast(src, root, out=dst))
+        shape, moved_as = self._logical(t)
+        self._written(t, lambda dst: self.comm.call_as("broadcast", src.view(shape), root=root, dtype=moved_as,
+                                                        out=dst.view(shape)))
         return completed(tensors if isinstance(tensors, list) else [tensors], [t])
 
     def barrier(self, opts: Any = None) -> dist.Work:
@@ -187,7 +243,12 @@ class Collectives:
                 f"for an input of {inp.numel()} {inp.dtype}; it needs group size {self.size()} x "
                 f"{inp.numel()} elements of the input's dtype"), inp)
         src = wire(flat_view(inp))
-        self._written(out, lambda dst: self.comm.all_gather(src, out=dst))
+        if inp.dtype in SUPPORTED_DTYPES:
+            self._written(out, lambda dst: self.comm.all_gather(src, out=dst))
+        else:  # moved as bytes: the peers see the dtype and the shape
+            shape, moved_as = self._logical(inp)
+            self._written(out, lambda dst: self.comm.call_as("all_gather", src.view(shape), dtype=moved_as,
+                                                              out=dst.view(self.size() * shape[0], *shape[1:])))
         return completed([output], [out])
 
     _allgather_base = all_gather_single
@@ -215,7 +276,11 @@ class Collectives:
                          x)
         src = wire(flat_view(x))
         if all(o.numel() == x.numel() for o in outs):
-            gathered = self.comm.all_gather(src).view(n, -1)
+            if x.dtype in SUPPORTED_DTYPES:
+                gathered = self.comm.all_gather(src).view(n, -1)
+            else:  # moved as bytes: the peers see the dtype and the shape
+                shape, moved_as = self._logical(x)
+                gathered = self.comm.call_as("all_gather", src.view(shape), dtype=moved_as).view(n, -1)
             for r, o in enumerate(outs):
                 o.copy_(unwire(gathered[r], o))
         else:  # uneven: rank r's input goes to every rank
@@ -231,11 +296,22 @@ class Collectives:
                             opts: Any = None) -> dist.Work:
         """``dist.all_gather_coalesced``: :meth:`allgather` for each input in turn.
 
+        Args:
+            output_lists: [size] lists of [k] tensors: ``output_lists[r][i]`` receives rank r's
+                ``input_list[i]`` (torch's layout: one list per rank, as gloo reads it).
+            input_list: [k] tensors.
+
         Returns:
             A finished Work; its future holds ``output_lists``.
         """
-        for outs, x in zip(output_lists, input_list):
-            self.allgather([outs], [x])
+        n = self.size()
+        if len(output_lists) != n or any(len(outs) != len(input_list) for outs in output_lists):
+            self._reject(ValueError(
+                f"all_gather_coalesced: rank {self._me()} passed {len(output_lists)} output lists of "
+                f"{sorted({len(outs) for outs in output_lists})} tensors for {len(input_list)} inputs; need {n} "
+                f"lists (one per rank) of {len(input_list)} tensors"), input_list[0] if input_list else None)
+        for i, x in enumerate(input_list):
+            self.allgather([[output_lists[r][i] for r in range(n)]], [x])
         return completed(output_lists, [o for outs in output_lists for o in outs])
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -381,7 +457,8 @@ class Collectives:
         if inp.dtype in SUPPORTED_DTYPES:
             self.comm.all_to_all(inp, send, out=out, recv_counts=recv)
         else:
-            src = wire(inp.contiguous())
+            # [rows, *rest, element bytes]: the split sizes stay rows (a 1-d wire view would count bytes)
+            src = inp.contiguous().unsqueeze(-1).view(torch.uint8)
 
             def fill(dst: torch.Tensor) -> None:
                 self.comm.all_to_all(src, send, out=dst.view(out.shape[0], *src.shape[1:]), recv_counts=recv)
