@@ -209,7 +209,8 @@ class Communicator(CallPaths, PointToPoint):
                 self._state.raise_closed()
             return fn(*args)
         except BaseException as e:
-            if leaves_out_of_step(e):
+            # reject() raises the caller's error on purpose, after the peers heard of it
+            if leaves_out_of_step(e) and not (what == "reject" and e is args[-1]):
                 state.interrupted(e, self.global_ranks[self.rank], what)
             raise
         finally:
