@@ -335,3 +335,26 @@ def _nccl_body(comm) -> str:
 @pytest.mark.skipif(UNDER_MPI or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL point-to-point)")
 def test_nccl_batch_recv_before_send():
     assert collectives.launch(_nccl_body, 2, timeout=60.0) == ["ok", "ok"]
+
+
+@pytest.mark.skipif(UNDER_MPI, reason="launches its own ranks")
+def test_bench_p2p_times_every_backend_and_checks_the_echo(tmp_path):
+    """`moecomm bench-p2p` on 2 ranks: a checked row per size and backend with its ratio to gloo, the JSON run."""
+    import json
+
+    from click.testing import CliRunner
+
+    from benchmarks.bench_p2p import bench_p2p
+
+    out = tmp_path / "p2p.json"
+    res = CliRunner().invoke(bench_p2p, ["--sizes", "4K,100000", "-n", "2", "--reps", "2", "-w", "1",
+                                         "--json", str(out)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    rows = [line.split() for line in res.output.splitlines() if line.startswith(" ")]
+    assert [(r[0], r[1]) for r in rows] == [(s, b) for s in ("4096", "100000")
+                                            for b in ("moecomm", "moecomm-dist", "gloo")], res.output
+    assert all(r[-1] == "ok" and r[-2].endswith("x") for r in rows), res.output
+    run = json.loads(out.read_text())
+    assert run["schema"] == "moecomm-bench-p2p/1" and len(run["rows"]) == 6 and run["channel"] == "ShmChannel"
+    bad = CliRunner().invoke(bench_p2p, ["--sizes", "1M,x"])
+    assert bad.exit_code == 2 and "--sizes" in bad.output, bad.output
