@@ -44,6 +44,7 @@ from ._arrays import Array
 
 _HOST_ORDER = ("shm", "mpi", "gloo")
 _CHECK_EVERY = 0.05  # seconds between checks for failed peers while waiting
+_NCCL_GRACE = 0.005  # a wait enqueues the agreed NCCL steps after this long without a new handshake
 
 
 @dataclass
@@ -271,20 +272,25 @@ class PointToPoint:
     def _p2p_channels(self) -> list[Any]:
         return [ch for t in list(self.transports.values()) if (ch := getattr(t, "p2p", None)) is not None]
 
-    def _p2p_progress(self) -> None:
-        """Advance every posted operation once (no waiting); raise a deferred error of an eager send."""
+    def _p2p_progress(self, flush: bool = False) -> None:
+        """Advance every posted operation once (no waiting); raise a deferred error of an eager send.
+
+        CUDA messages over NCCL: their data steps are enqueued, as one NCCL group, once every posted
+        CUDA message has shaken hands (so a rank's send and receive of an exchange land in one group:
+        NCCL would otherwise deadlock the two streams), or with ``flush`` (a wait that saw no
+        handshake for a while: whatever is agreed goes now).
+        """
         for ch in self._p2p_channels():
             if ch.ops:
                 ch.poll()
         nccl_t = self.transports.get("nccl")
         if nccl_t is not None:
             pend = _pending(nccl_t)
-            if pend:
+            if pend and (flush or all(op.handshaken or op.done for op in pend)):
                 from transports._p2p_nccl import enqueue
 
-                ready = _order(nccl_t).ready(pend)
-                enqueue(nccl_t, ready)
-                pend[:] = [op for op in pend if not op.done]
+                enqueue(nccl_t, _order(nccl_t).ready(pend))
+            pend[:] = [op for op in pend if not op.done]
         self._p2p_raise_deferred()
 
     def _p2p_raise_deferred(self) -> None:
@@ -303,9 +309,17 @@ class PointToPoint:
         spin_until = start + spin
         next_check = start + _CHECK_EVERY
         sleep = 20e-6
+        external = any(op.external for op in ops)
+        shaken, shaken_at = -1, start
         while True:
             token = sleeper.token() if sleeper is not None else 0
-            self._p2p_progress()
+            flush = False
+            if external:  # enqueue the agreed NCCL steps once no handshake moved for _NCCL_GRACE
+                n = sum(op.handshaken for op in _pending(self.transports["nccl"]))
+                if n != shaken:
+                    shaken, shaken_at = n, time.monotonic()
+                flush = time.monotonic() - shaken_at > _NCCL_GRACE
+            self._p2p_progress(flush)
             pending = [op for op in ops if not op.done]
             failed = [op for op in ops if op.done and op.error is not None]
             if failed:
@@ -327,7 +341,7 @@ class PointToPoint:
             if now < spin_until:
                 continue
             if sleeper is not None:
-                sleeper.sleep(token, max(1e-4, min(_CHECK_EVERY, deadline - now)))
+                sleeper.sleep(token, max(1e-4, min(_NCCL_GRACE if external else _CHECK_EVERY, deadline - now)))
             elif sleep < 1e-4:
                 os.sched_yield()
                 sleep *= 1.5

@@ -358,3 +358,62 @@ def test_bench_p2p_times_every_backend_and_checks_the_echo(tmp_path):
     assert run["schema"] == "moecomm-bench-p2p/1" and len(run["rows"]) == 6 and run["channel"] == "ShmChannel"
     bad = CliRunner().invoke(bench_p2p, ["--sizes", "1M,x"])
     assert bad.exit_code == 2 and "--sizes" in bad.output, bad.output
+
+
+class _FakeNccl:
+    """Stands in for the nccl transport: the handshakes run for real, the data steps are recorded."""
+
+    name = "nccl"
+
+    def close(self) -> None:
+        pass
+
+    def abort(self, why: str) -> None:
+        pass
+
+
+def _nccl_order_body(comm) -> list:
+    import transports._p2p_nccl as p2p_nccl
+    from collectives._p2p import _pending
+    from transports._p2p import Op
+
+    groups = []
+
+    def record(transport, ops):
+        if ops:
+            groups.append([(op.kind, op.tag) for op in ops])
+        for op in ops:
+            op.enqueued = True
+            op.complete()
+
+    p2p_nccl.enqueue = record
+    comm.transports["nccl"] = fake = _FakeNccl()
+    try:
+        ch = comm._p2p_host_channel()
+        peer = 1 - comm.rank
+        # every rank: receives first (tags 2, 1), then sends (tags 1, 2)
+        ops = [Op("recv", peer, t, torch.empty(300_000), external=True) for t in (2, 1)]
+        ops += [Op("send", peer, t, torch.zeros(300_000), external=True) for t in (1, 2)]
+        for op in ops:
+            ch.post(op)
+            _pending(fake).append(op)
+        comm._p2p_wait(ops, None)
+    finally:
+        comm.transports.pop("nccl")
+    return groups
+
+
+@pytest.mark.skipif(UNDER_MPI, reason="launches its own ranks")
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_nccl_steps_go_in_one_group_in_the_same_order_on_both_ranks(transport):
+    """GPU-free check of the NCCL data steps' scheduling (transports/_p2p_nccl.py): a rank's sends and
+    receives of an exchange are enqueued as one group (separate launches deadlock NCCL's two streams),
+    and the sends of one rank come in the order its peer enqueues the matching receives (the order in
+    which the receiver matched the messages, which need not be the order either side posted them)."""
+    g0, g1 = _launch(_nccl_order_body, 2, transport)
+    assert len(g0) == len(g1) == 1 and len(g0[0]) == len(g1[0]) == 4, (g0, g1)
+    sends0 = [t for k, t in g0[0] if k == "send"]
+    recvs1 = [t for k, t in g1[0] if k == "recv"]
+    sends1 = [t for k, t in g1[0] if k == "send"]
+    recvs0 = [t for k, t in g0[0] if k == "recv"]
+    assert sends0 == recvs1 and sends1 == recvs0 and sorted(sends0) == sorted(sends1) == [1, 2], (g0, g1)

@@ -3,8 +3,9 @@
 The collectives are in :mod:`._collectives`; this class adds the group's identity (backend and
 group names), shutdown, point-to-point messages and coalescing blocks.
 
-Every call runs to completion before it returns (CUDA tensors through NCCL: queued on the current
-stream) and returns a finished Work whose future holds the outputs; calls therefore complete in
+Every collective runs to completion before it returns (CUDA tensors through NCCL: queued on the current
+stream) and returns a finished Work whose future holds the outputs (point-to-point calls return a Work at
+once and complete in its ``wait()``: :mod:`._p2p`); calls therefore complete in
 the order they were issued, the same order on every rank. Errors are the Communicator's: a shape,
 dtype or op that differs across ranks raises ValueError on every rank naming the ranks, a rank
 that dies or never arrives makes the others raise TimeoutError (CollectiveTimeoutError /
