@@ -22,7 +22,10 @@ made at the first such call, which every rank makes. Whether shm came up on ever
 agreed over the group's rendezvous; if not, this transport runs the flat algorithm (``plan()``
 says so). A failure in any stage closes both sub-groups, so that their peers on the other nodes
 raise at once (PeerFailedError) instead of waiting out their timeout (the sub-groups have the
-parent's timeout, so every stage is bounded by it anyway).
+parent's timeout, so every stage is bounded by it anyway). A stage's error often names a bystander
+(a rank of this node that waits on the rail for a rank that stopped or died on another node), so every
+rank that fails tells the others, over the flat transport, whom its error named, and raises naming the
+ranks that were named and told nothing (``_blame``).
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ import torch
 
 from transports.base import (
     F_ROWS,
+    CollectiveTimeoutError,
     CommunicatorBrokenError,
     GroupInfo,
     OpCode,
+    PeerFailedError,
     ReduceOp,
     Signature,
     Transport,
@@ -52,6 +57,9 @@ from .topology import Topology
 log = logging.getLogger("collectives")
 
 _HALF = (torch.float16, torch.bfloat16)
+# After a failed stage, how long a rank waits for the other ranks' blames (capped by the timeout): they
+# post within the flat transport's "who is here?" grace (at most 1 s) of their own failure
+_BLAME_WAIT_S = 2.0
 
 
 def hierarchical_shape(topology: Topology) -> tuple[int, int] | None:
@@ -224,7 +232,16 @@ class HierarchicalTransport(Transport):
         if self._broken is not None:
             raise CommunicatorBrokenError(f"hierarchical collectives of this communicator failed earlier "
                                           f"({self._broken}); create a new communicator")
-        metas = self.flat.exchange_meta(sig)
+        try:
+            metas = self.flat.exchange_meta(sig)
+        except CollectiveTimeoutError as e:
+            # a rank still in the last call's stages (waiting for one that stopped or died there) does not
+            # answer here either: the blames tell it from the rank that failed
+            named = self._post_blame(e)
+            blamed = e if named is None else self._blame(e, named)
+            if blamed is e:
+                raise
+            raise blamed from e
         if not (metas[:, :F_ROWS] == sig.meta[:F_ROWS]).all():
             check_agreement(metas, self.group.global_ranks)
 
@@ -259,14 +276,71 @@ class HierarchicalTransport(Transport):
                 log.debug("closing a hierarchical sub-group: %s", e)
 
     def _staged(self, body: Callable[[Any, Any], None]) -> None:
-        """Run ``body(node, rail)``; on any failure close both groups so that their peers raise at once."""
+        """Run ``body(node, rail)``; on any failure close both groups so that their peers raise at once, and
+        raise naming the rank that failed (:meth:`_blame`)."""
         node, rail = self._groups
         try:
             body(node, rail)
         except BaseException as e:
             self._broken = f"{type(e).__name__}: {e}"
+            named = self._post_blame(e)
             self._close_groups()
-            raise
+            blamed = e if named is None else self._blame(e, named)
+            if blamed is e:
+                raise
+            raise blamed from e
+
+    def _post_blame(self, error: BaseException) -> list[int] | None:
+        """Tell the other ranks, over the flat transport, whom this rank's failed stage names: the ranks the
+        error names (a timeout, a peer that died or aborted), or this rank itself for any other error (its
+        own failure). None where the flat transport cannot carry it (then ``error`` is raised as it is)."""
+        post = getattr(self.flat, "post_blame", None)
+        if post is None or not isinstance(error, Exception):
+            return None
+        me = self.group.global_ranks[self.rank]
+        named = list(getattr(error, "missing_ranks", [])) if isinstance(error, CollectiveTimeoutError) else [me]
+        try:
+            post(named)
+        except Exception as e:  # noqa: BLE001 - e.g. the store's host is gone: the error goes as it is
+            log.debug("hierarchical: could not post the blame: %s", e)
+            return None
+        return named
+
+    def _blame(self, error: BaseException, named: list[int]) -> BaseException:
+        """``error``, or one of its class naming the rank(s) that failed, from every rank's blame.
+
+        A stage's error often names a bystander: a rank of this node that waits, in the rail stage, for the
+        rank that stopped or died on another node (or closed its groups when it gave up). Every rank that
+        failed posts whom its error named (:meth:`_post_blame`); a rank that posts is alive, so the rank(s)
+        that failed are those named that posted nothing, and those that named themselves. Waits until every
+        rank posted, at most ``_BLAME_WAIT_S`` (the ranks that failed never post; the others post within
+        the flat transport's "who is here?" grace of their own failure, which comes about when this one's).
+        """
+        me = self.group.global_ranks[self.rank]
+        everyone = set(self.group.global_ranks)
+        deadline = time.monotonic() + min(self.group.timeout, _BLAME_WAIT_S)
+        blames: dict[int, list[int]] = {me: named}
+        while True:
+            try:
+                blames.update(self.flat.blames())
+            except Exception as e:  # noqa: BLE001 - the store's host is gone: judge by what came
+                log.debug("hierarchical: could not read the blames: %s", e)
+                break
+            if set(blames) == everyone or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        failed = sorted({r for ranks in blames.values() for r in ranks if r not in blames}
+                        | {r for r, ranks in blames.items() if r in ranks})
+        if not failed or set(failed) == set(named):
+            return error
+        seen = sorted(r for r, ranks in blames.items() if set(ranks) & set(failed))
+        cls = type(error) if isinstance(error, CollectiveTimeoutError) else PeerFailedError
+        try:
+            return cls(f"hierarchical collective failed on rank {me}: rank(s) {failed} failed, as rank(s) {seen} "
+                       f"found (here: {type(error).__name__}: {error})", failed)
+        except Exception:  # noqa: BLE001 - an error class with another signature
+            return PeerFailedError(f"hierarchical collective failed on rank {me}: rank(s) {failed} failed, as "
+                                   f"rank(s) {seen} found (here: {type(error).__name__}: {error})", failed)
 
     # ---- collectives ------------------------------------------------------------------------
     def exchange_meta(self, sig: Signature) -> np.ndarray:

@@ -149,6 +149,7 @@ class GlooTransport(Transport):
         self._events_seen = 0
         self._notes: dict[int, dict] = {}  # peer -> its notice (closed / failed / timed_out)
         self._heard: dict[int, int] = {}  # peer -> the step it waited in when it answered "who is here?"
+        self._failure_noted = False  # this rank posted a failed / timed_out notice (close keeps it)
         self._agree_buf = torch.zeros(2, dtype=torch.int64)
         self._meta_in = torch.zeros(META_LEN, dtype=torch.int64)
         self._meta_out = torch.zeros(self.size * META_LEN, dtype=torch.int64)
@@ -227,9 +228,12 @@ class GlooTransport(Transport):
 
     def _failure_seen(self, what: str, check_pids: bool) -> Exception | None:
         """The error a peer's notice or death means for the current step, or None."""
-        self._poll_notices()
-        me, step = self._ranks[self.rank], self._step
         causes = []  # (priority, error): a root cause (a timeout, a close, a death) before a peer's abort
+        try:
+            self._poll_notices()
+        except PeerFailedError as e:  # the store is gone; the notices read before it may still name the cause
+            causes.append((4, e))
+        me, step = self._ranks[self.rank], self._step
         for r, note in self._notes.items():
             kind, at, ranks = note["kind"], note["step"], note.get("ranks", [])
             if kind == "closed":
@@ -297,9 +301,14 @@ class GlooTransport(Transport):
 
     def _ask_who_is_here(self) -> list[int]:
         """Ask every peer "who is here?" through the store; return the group ranks that did not answer
-        within the grace period (those that posted a notice did answer)."""
-        self._answer()
-        self._post_event()
+        within the grace period (those that posted a notice did answer). [] when the store is gone before
+        the question went out; when it goes while the peers answer, those that had not answered."""
+        try:
+            self._answer()
+            self._post_event()
+        except Exception as e:  # noqa: BLE001 - the store's host is gone: nobody can be asked
+            log.debug("gloo: cannot ask who is here: %s", e)
+            return []
         grace_end = time.monotonic() + min(1.0, max(0.2, 0.1 * self.timeout))
         gone = {r for r, pid in self._local_pids.items() if process_state(pid) in ("T", "t", "X", "Z")}
 
@@ -308,7 +317,10 @@ class GlooTransport(Transport):
 
         while [r for r in silent() if r not in gone] and time.monotonic() < grace_end:
             time.sleep(5e-3)
-            self._poll_notices(read_answers=True)
+            try:
+                self._poll_notices(read_answers=True)
+            except PeerFailedError:  # the store went away: its node's ranks with it; the others had time
+                break
         return silent()
 
     def _time_out(self, what: str) -> None:
@@ -345,6 +357,7 @@ class GlooTransport(Transport):
         self._broken = why
         try:
             self._note(kind, self._step, ranks, why)
+            self._failure_noted = True
         except Exception as e:  # noqa: BLE001 - the store may be gone with its host; the error is raised anyway
             log.debug("gloo: could not post a notice: %s", e)
 
@@ -353,8 +366,11 @@ class GlooTransport(Transport):
         try:
             events = int(self._store.add("events", 0))
         except Exception as e:  # noqa: BLE001 - the store's host died: say so where the wait ends
+            gone = self._store_node_ranks()
             raise PeerFailedError(f"gloo: the rendezvous store is unreachable from rank {self._ranks[self.rank]} "
-                                  f"(its host, the torchrun agent or rank 0, is gone?): {e}") from e
+                                  f"(its host, the torchrun agent or rank 0, is gone?): {e}" + (
+                                      f"; the store lives on the node of rank(s) {gone}, so they are gone with it"
+                                      if gone else ""), gone) from e
         if events == self._events_seen and not read_answers:
             return
         self._events_seen = events
@@ -364,6 +380,37 @@ class GlooTransport(Transport):
                 self._notes[r] = json.loads(self._store.get(f"note/{r}"))
             if self._store.check([f"here/{r}"]):
                 self._heard[r] = int(self._store.get(f"here/{r}"))
+
+    # ---- blame: what a communicator built over this one tells the other ranks ----------------
+    def post_blame(self, ranks: list[int]) -> None:
+        """Tell every peer which (global) ranks a failure on this rank named, where the failure was in a
+        collective of a communicator built over this one (collectives/hierarchical.py: a failed stage), so
+        that they can name the rank that failed instead of a bystander. Unlike a failure notice it leaves
+        this transport usable; one per rank (a later one replaces it)."""
+        self._store.set(f"blame/{self.rank}", json.dumps([int(r) for r in ranks]))
+
+    def blames(self) -> dict[int, list[int]]:
+        """The peers' :meth:`post_blame` so far: global rank of the peer -> the global ranks it named."""
+        found = {}
+        for r in self._peers:
+            key = f"blame/{r}"
+            if self._store.check([key]):
+                found[self._ranks[r]] = json.loads(self._store.get(key))
+        return found
+
+    def _store_node_ranks(self) -> list[int]:
+        """The (global) ranks of this group on the node that hosts the rendezvous store, which a lost store
+        takes with it: under torchrun node 0's agent hosts it (and ends its ranks when it exits), else rank 0
+        does; that is global rank 0's node. [] where that is this rank's node (the /proc checks see deaths
+        there; under collectives.launch the store's host is the launching process) or global rank 0 is not
+        in this group."""
+        hosts = self.group.hosts
+        if 0 not in self._ranks or len(hosts) != self.size:
+            return []
+        node = hosts[self._ranks.index(0)]
+        if node == hosts[self.rank]:
+            return []
+        return [self._ranks[r] for r in range(self.size) if hosts[r] == node]
 
     def _check_usable(self) -> None:
         if self._broken:
@@ -510,7 +557,10 @@ class GlooTransport(Transport):
         if getattr(self, "p2p", None) is not None and not self._broken:
             self.p2p.flush(min(self.timeout, 10.0))  # eager point-to-point sends in flight (transports/_p2p.py)
         try:
-            self._note("closed", self._done)
+            # after a failure notice, that notice stays: it names the rank that failed, where "closed" would
+            # name this bystander to the peers that had not read it yet (it covers every later step too)
+            if not self._failure_noted:
+                self._note("closed", self._done)
         except Exception as e:  # noqa: BLE001 - the store may be gone at exit
             log.debug("gloo: could not post the close notice: %s", e)
         pg, self.pg = self.pg, None

@@ -60,6 +60,7 @@ _NOTICE_TAG = 8
 _NOTICE_RANKS = 8
 _NOTICE_LEN = 4 + _NOTICE_RANKS
 _CLOSED, _TIMED_OUT, _FAILED, _QUERY, _PRESENT = 1, 2, 3, 4, 5
+_BLAME = 6  # post_blame: the ranks a failure in a communicator built over this one named (no failure here)
 _CHECK_EVERY = 0.01  # seconds between notice polls while waiting (after the spin window)
 _PID_CHECK_EVERY = 0.05
 _FAILURE_GRACE = 0.05  # seconds a wait may still complete after a peer was seen gone
@@ -178,6 +179,7 @@ class MPITransport(Transport):
         self._closed_after: dict[int, int] = {}  # group rank -> steps it completed before it closed
         self._failed_at: dict[int, tuple[int, int, list[int], int]] = {}  # rank -> (step, kind, ranks, count)
         self._heard: dict[int, int] = {}  # rank -> step it waited in when it asked or answered "who is here?"
+        self._blamed: dict[int, list[int]] = {}  # rank -> the global ranks its post_blame named
         # peers MPI refused to send a notice to (a dead process on another node: OFI reports an error)
         self._unreachable: set[int] = set()
 
@@ -265,7 +267,9 @@ class MPITransport(Transport):
                 causes.append((3, PeerFailedError(f"rank {self._ranks[r]} aborted after a failure while rank {me} "
                                                   f"waited for it in mpi {what}", [self._ranks[r]])))
         for r, done in self._closed_after.items():
-            if step > done:
+            # a peer that failed and then closed: its failure notice names the rank that failed, not itself
+            failed = self._failed_at.get(r)
+            if step > done and not (failed is not None and step >= failed[0] and failed[2]):
                 causes.append((1, PeerFailedError(f"rank {self._ranks[r]} closed its communicator while rank {me} "
                                                   f"waited for it in mpi {what}", [self._ranks[r]])))
         if check_pids:
@@ -379,6 +383,22 @@ class MPITransport(Transport):
             self._send(peer, _PRESENT, self._step)
         elif kind == _PRESENT:
             self._heard[peer] = step
+        elif kind == _BLAME:
+            self._blamed[peer] = ranks
+
+    def post_blame(self, ranks: list[int]) -> None:
+        """Tell every peer which (global) ranks a failure on this rank named, where the failure was in a
+        collective of a communicator built over this one (collectives/hierarchical.py: a failed stage), so
+        that they can name the rank that failed instead of a bystander. Unlike a failure notice it leaves
+        this transport usable (up to _NOTICE_RANKS ranks travel)."""
+        for r in self._peers:
+            if r not in self._closed_after:
+                self._send(r, _BLAME, self._step, [int(x) for x in ranks])
+
+    def blames(self) -> dict[int, list[int]]:
+        """The peers' :meth:`post_blame` so far: global rank of the peer -> the global ranks it named."""
+        self._poll_notices()
+        return {self._ranks[r]: list(v) for r, v in self._blamed.items()}
 
     def _check_usable(self) -> None:
         if self._broken:
