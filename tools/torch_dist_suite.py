@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the selected tests and exit")
     args = p.parse_args(argv)
 
+    try:
+        import expecttest  # noqa: F401 - torch's testing modules import it
+    except ImportError:
+        sys.exit("torch_dist_suite: PyTorch's test modules need expecttest: pip install expecttest")
     if not _BACKEND:  # set the environment, then run again: the module gates read it when imported
         tmp = tempfile.mkdtemp(prefix="torch_dist_suite_")
         os.environ.update({"MOECOMM_SUITE_BACKEND": args.backend, "MOECOMM_SUITE_LIFT": "1" if args.lift else "0",
