@@ -44,7 +44,11 @@ from ._arrays import Array
 
 _HOST_ORDER = ("shm", "mpi", "gloo")
 _CHECK_EVERY = 0.05  # seconds between checks for failed peers while waiting
-_NCCL_GRACE = 0.005  # a wait enqueues the agreed NCCL steps after this long without a new handshake
+# A wait enqueues the agreed NCCL steps after this long without a new handshake, even though some posted
+# CUDA message has not shaken hands (its peer has not posted it yet). Shorter splits an exchange's send and
+# receive into separate NCCL launches when handshakes are merely slow (5 ms did on the loaded CI VM over
+# gloo), which deadlocks the two ranks' streams; longer delays a wait that does not need the late message.
+_NCCL_GRACE = 1.0
 
 
 @dataclass
@@ -278,7 +282,7 @@ class PointToPoint:
         CUDA messages over NCCL: their data steps are enqueued, as one NCCL group, once every posted
         CUDA message has shaken hands (so a rank's send and receive of an exchange land in one group:
         NCCL would otherwise deadlock the two streams), or with ``flush`` (a wait that saw no
-        handshake for a while: whatever is agreed goes now).
+        handshake for _NCCL_GRACE: whatever is agreed goes now).
         """
         for ch in self._p2p_channels():
             if ch.ops:
@@ -341,7 +345,7 @@ class PointToPoint:
             if now < spin_until:
                 continue
             if sleeper is not None:
-                sleeper.sleep(token, max(1e-4, min(_NCCL_GRACE if external else _CHECK_EVERY, deadline - now)))
+                sleeper.sleep(token, max(1e-4, min(_CHECK_EVERY, deadline - now)))
             elif sleep < 1e-4:
                 os.sched_yield()
                 sleep *= 1.5

@@ -78,12 +78,18 @@ def same_spec(a: np.ndarray, b: np.ndarray) -> bool:
     return bool((a[SPEC] == b[SPEC]).all())
 
 
-def mismatch_message(tag: int, sender: int, receiver: int, send_spec: np.ndarray, recv_spec: np.ndarray) -> str:
-    """The one text both ranks raise for a message whose dtype or shape differs (world ranks)."""
+def mismatch_message(tag: int, sender: int, receiver: int, send_spec: np.ndarray, recv_spec: np.ndarray,
+                     send_cuda: bool = False, recv_cuda: bool = False) -> str:
+    """The one text both ranks raise for a message whose dtype, shape or device kind differs (world ranks;
+    ``*_cuda``: that side's tensor moves over NCCL)."""
+    where = ""
+    if send_cuda != recv_cuda:
+        kind = {True: "a CUDA tensor (NCCL)", False: "a host tensor"}
+        where = f" (rank {sender} passed {kind[send_cuda]}, rank {receiver} {kind[recv_cuda]})"
     return (f"send/recv mismatch (tag {tag}): rank {sender} sends {describe(send_spec)} "
             f"({int(send_spec[H_NBYTES])} bytes) to rank {receiver}, which receives {describe(recv_spec)} "
-            f"({int(recv_spec[H_NBYTES])} bytes); both ranks raise. Send and receive tensors of the same dtype "
-            "and shape.")
+            f"({int(recv_spec[H_NBYTES])} bytes){where}; both ranks raise. Send and receive tensors of the same "
+            "dtype and shape (and both on CUDA or both on the host).")
 
 
 class Op:
@@ -198,7 +204,12 @@ class Channel:
         return a
 
     def mismatch(self, op: Op, send_spec: np.ndarray, recv_spec: np.ndarray, src: int, dst: int) -> ValueError:
-        return ValueError(mismatch_message(op.tag, self.ranks[src], self.ranks[dst], send_spec, recv_spec))
+        """The error of ``op``: ``send_spec`` is a header (its flags say whether it is external), ``recv_spec`` a
+        reply (its H_AUX word says whether the receive is), or either is ``op``'s own spec."""
+        send_cuda = op.external if op.kind == "send" else bool(int(send_spec[H_FLAGS]) & FLAG_EXTERNAL)
+        recv_cuda = op.external if op.kind == "recv" else bool(int(recv_spec[H_AUX]))
+        return ValueError(mismatch_message(op.tag, self.ranks[src], self.ranks[dst], send_spec, recv_spec,
+                                           send_cuda, recv_cuda))
 
     def post(self, op: Op) -> None:
         raise NotImplementedError
@@ -348,6 +359,7 @@ class MessageChannel(Channel):
             eager = bool(flags & FLAG_EAGER)
             ok = same_spec(hdr, op.spec) and bool(flags & FLAG_EXTERNAL) == op.external
             rw[R_STATUS] = OK if ok else MISMATCH
+            rw[H_AUX] = int(op.external)
             if ok and op.external:
                 op.ack_no = rw[R_ACK] = self._next_ack(p)
             op.reqs = []

@@ -2,11 +2,12 @@
 
 The handshake (header, reply with the dtype/shape check, and an acknowledgement number per
 direction) runs over the communicator's host channel (transports/_p2p.py); once a message is
-agreed on both sides, its data step is enqueued here on the caller's current CUDA stream. Every
-step ready at one time goes into one ``ncclGroupStart``/``ncclGroupEnd``, so a rank's sends and
-receives with one peer never wait for each other, and each direction's steps are enqueued in
-acknowledgement order, the same order on both ranks (NCCL pairs the sends and receives between
-two ranks in the order they were issued).
+agreed on both sides, its data step is enqueued here on the caller's current CUDA stream. The steps
+are enqueued once every posted CUDA message has shaken hands (or a wait saw no new handshake for a
+second: collectives/_p2p.py), all in one ``ncclGroupStart``/``ncclGroupEnd``, so a rank's sends and
+receives of an exchange never wait for each other in separate launches, and each direction's steps
+are enqueued in acknowledgement order, the same order on both ranks (NCCL pairs the sends and
+receives between two ranks in the order they were issued).
 
 STATUS: GPU-unverified: written against cupy.cuda.nccl's ``NcclCommunicator.send``/``recv``
 (as transports/nccl.py's all_to_all uses them), never run; the tests skip without CUDA.

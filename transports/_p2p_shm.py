@@ -349,6 +349,7 @@ class ShmChannel(Channel):
         v = op.spec.copy()
         v[R_STATUS] = status
         v[R_ACK] = ack_no
+        v[H_AUX] = int(op.external)
         a[1:] = v[1:]
         _fence()
         a[0] = seq + 1
