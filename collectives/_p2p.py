@@ -369,7 +369,7 @@ def _timeout(comm: Any, pending: list[Op], limit: float) -> CollectiveTimeoutErr
         verb = "receive from" if op.kind == "recv" else "send to"
         parts.append(f"{verb} {who} (tag {op.tag}, {op.nbytes} bytes) still waits for {op.waiting_for()}")
     return CollectiveTimeoutError(
-        f"point-to-point on rank {me} timed out after {limit:.1f}s over {pending[0].channel.name}: "
+        f"point-to-point on rank {me} timed out after the timeout of {limit:.1f}s over {pending[0].channel.name}: "
         + "; ".join(parts) + f". Silent: rank(s) {silent} (did they post the matching call, with the same tag?)",
         silent)
 

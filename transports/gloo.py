@@ -337,7 +337,8 @@ class GlooTransport(Transport):
         self._fail(f"{what} timed out", "timed_out", names)
         who = f"rank(s) {names} never arrived" if names else \
             "every rank is waiting, so the call itself is stuck (calling different collectives?)"
-        raise CollectiveTimeoutError(f"gloo {what} timed out after {self.timeout:.1f}s on rank {me}: {who}"
+        raise CollectiveTimeoutError(f"gloo {what} timed out after the timeout of {self.timeout:.1f}s on rank {me}: "
+                                     f"{who}"
                                      + (f" ({'; '.join(notes)})" if notes else ""), names)
 
     # ---- notices in the store ---------------------------------------------------------------

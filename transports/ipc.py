@@ -270,7 +270,7 @@ class IPCTransport(Transport):
                             reason = (PeerFailedError, f"rank {self._ranks[r]} {why}", [self._ranks[r]])
                             break
                     if reason is None and time.monotonic() >= deadline:
-                        reason = (CollectiveTimeoutError, f"timed out after {self.timeout:.1f}s", [])
+                        reason = (CollectiveTimeoutError, f"timed out after the timeout of {self.timeout:.1f}s", [])
                     if reason is not None:
                         self._reason = reason
                         self._regions.write(me, L.ABORT, 1)
@@ -346,7 +346,8 @@ class IPCTransport(Transport):
                 self._fail(cls, f"{msg}; rank {me} abandoned its ipc collective", missing)
             peer = self._ranks[error - 1]
             if reason is None or reason[0] is CollectiveTimeoutError:
-                why = f"timed out after {self.timeout:.1f}s" if reason else "gave up after its bounded wait"
+                why = (f"timed out after the timeout of {self.timeout:.1f}s" if reason
+                       else "gave up after its bounded wait")
                 self._fail(CollectiveTimeoutError,
                            f"ipc collective {why} on rank {me}: rank {peer} never arrived "
                            "(stuck, deadlocked, or calling a different collective)", [peer])

@@ -94,7 +94,7 @@ def wait_posted(req: Any, timeout: float, what: str, rank: int, *keep: Any) -> N
         if time.monotonic() >= deadline:
             _ABANDONED.append((req, keep))
             raise CollectiveTimeoutError(
-                f"{what} timed out after {timeout:.1f}s on rank {rank}: a peer never reached it "
+                f"{what} timed out after the timeout of {timeout:.1f}s on rank {rank}: a peer never reached it "
                 "(stuck, dead, or calling something else)")
         time.sleep(sleep)
         sleep = min(2 * sleep, 1e-2)
@@ -321,7 +321,7 @@ class MPITransport(Transport):
         who = f"rank(s) {names} never arrived" if names else \
             "every rank is waiting, so the call itself is stuck (calling different collectives?)"
         raise CollectiveTimeoutError(
-            f"mpi {what} timed out after {self.timeout:.1f}s on rank {me}: {who}"
+            f"mpi {what} timed out after the timeout of {self.timeout:.1f}s on rank {me}: {who}"
             + (f" ({'; '.join(notes)})" if notes else ""), names)
 
     def _fail(self, why: str, kind: int, ranks: list[int] = ()) -> None:
