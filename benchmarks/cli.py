@@ -32,7 +32,7 @@ main.add_command(doctor)
 # Commands that live in their own modules.
 from .bench_ddp import bench_ddp  # noqa: E402
 from .bench_moe import bench_moe  # noqa: E402
-from .bench_p2p import bench_p2p  # noqa: E402
+from .bench_p2p import bench_p2p
 from .bench_tp import bench_tp  # noqa: E402
 from .gpu_validate import validate_gpu  # noqa: E402
 from .predict import predict  # noqa: E402
