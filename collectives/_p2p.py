@@ -232,6 +232,8 @@ class PointToPoint:
             x = torch.empty(shape, dtype=dtype or torch.float32, device=device or "cpu")
         elif dtype is not None or device is not None:
             raise ValueError(f"{what}: dtype= and device= go with a shape, not with an out tensor")
+        elif not isinstance(x, (torch.Tensor, np.ndarray)):
+            raise TypeError(f"{what}: x must be a tensor or an array, got {type(x).__name__}")
         numpy_in = isinstance(x, np.ndarray)
         t = torch.from_numpy(x) if numpy_in else x
         if t.is_sparse or t.device.type == "meta":
@@ -247,7 +249,7 @@ class PointToPoint:
             if kind == "recv" and buf is not t:
                 finish = _copy_back(t, buf)
             op = Op(kind, peer, tag, buf, external=True, finish=finish)
-            return op, self._p2p_host_channel(), result, nccl_t
+            return op, self._p2p_channel_for(peer), result, nccl_t
         if t.device.type != "cpu":  # no transport for it: through host memory
             if kind == "send":
                 buf = t.cpu()
@@ -260,7 +262,14 @@ class PointToPoint:
             buf = t.contiguous()
             if kind == "recv":
                 finish = _copy_back(t, buf)
-        return Op(kind, peer, tag, buf, finish=finish), self._p2p_host_channel(), result, None
+        return Op(kind, peer, tag, buf, finish=finish), self._p2p_channel_for(peer), result, None
+
+    def _p2p_channel_for(self, peer: int | None) -> Any:
+        ch = self._p2p_host_channel()
+        if peer is None and not ch.supports_any_source:
+            raise _in_step(NotImplementedError(f"a receive from any source runs over shm only; this communicator's "
+                                               f"point-to-point channel is {ch.name}: name the source rank"))
+        return ch
 
     def _p2p_host_channel(self) -> Any:
         names = (self._forced,) if self._forced in _HOST_ORDER else _HOST_ORDER
@@ -269,9 +278,9 @@ class PointToPoint:
             ch = channel_of(t) if t is not None else None
             if ch is not None:
                 return ch
-        raise RuntimeError(f"point-to-point needs a host transport with a channel ({', '.join(_HOST_ORDER)}); "
-                           f"this communicator has {sorted(self.transports)}"
-                           + (f", forced to {self._forced!r}" if self._forced else ""))
+        raise _in_step(RuntimeError(f"point-to-point needs a host transport with a channel ({', '.join(_HOST_ORDER)}); "
+                                    f"this communicator has {sorted(self.transports)}"
+                                    + (f", forced to {self._forced!r}" if self._forced else "")))
 
     def _p2p_channels(self) -> list[Any]:
         return [ch for t in list(self.transports.values()) if (ch := getattr(t, "p2p", None)) is not None]
@@ -372,6 +381,13 @@ def _timeout(comm: Any, pending: list[Op], limit: float) -> CollectiveTimeoutErr
         f"point-to-point on rank {me} timed out after the timeout of {limit:.1f}s over {pending[0].channel.name}: "
         + "; ".join(parts) + f". Silent: rank(s) {silent} (did they post the matching call, with the same tag?)",
         silent)
+
+
+def _in_step(error: BaseException) -> BaseException:
+    """Mark an error raised before anything was posted: it leaves the communicator usable
+    (collectives/_shared.py's leaves_out_of_step)."""
+    error.in_step = True
+    return error
 
 
 def _copy_back(dst: torch.Tensor, buf: torch.Tensor) -> Callable[[], None]:

@@ -221,7 +221,8 @@ def _arg_errors_body(comm) -> list[str]:
     errs = []
     for call in (lambda: comm.send(torch.zeros(1), comm.rank), lambda: comm.send(torch.zeros(1), comm.size),
                  lambda: comm.recv((1,), 1 - comm.rank, tag=-1), lambda: comm.recv(object(), 1 - comm.rank),
-                 lambda: comm.recv(torch.zeros(1), 1 - comm.rank, dtype=torch.float32)):
+                 lambda: comm.recv(torch.zeros(1), 1 - comm.rank, dtype=torch.float32),
+                 lambda: comm.send([1.0], 1 - comm.rank)):
         try:
             call()
             errs.append("no error")
@@ -232,7 +233,7 @@ def _arg_errors_body(comm) -> list[str]:
 
 def test_bad_arguments_raise_locally():
     res = collectives.launch(_arg_errors_body, 2, transport="shm", timeout=20.0)
-    assert res == [["ValueError", "ValueError", "ValueError", "TypeError", "ValueError"]] * 2
+    assert res == [["ValueError", "ValueError", "ValueError", "TypeError", "ValueError", "TypeError"]] * 2
 
 
 @pytest.mark.skipif(UNDER_MPI or mpiexec_path() is None, reason="starts its own mpiexec")
@@ -417,3 +418,26 @@ def test_nccl_steps_go_in_one_group_in_the_same_order_on_both_ranks(transport):
     sends1 = [t for k, t in g1[0] if k == "send"]
     recvs0 = [t for k, t in g0[0] if k == "recv"]
     assert sends0 == recvs1 and sends1 == recvs0 and sorted(sends0) == sorted(sends1) == [1, 2], (g0, g1)
+
+
+def _any_source_body(comm) -> str:
+    r = comm.rank
+    try:
+        w = comm.irecv((2,), None, tag=1)
+    except NotImplementedError as e:
+        comm.barrier()
+        return str(e)
+    if r == 1:
+        comm.send(torch.ones(2), 0, tag=1)
+    if r == 0:
+        got = w.wait()
+        assert got.tolist() == [1.0, 1.0] and w.source == 1
+    comm.barrier()
+    return "ok" if r == 0 else ""
+
+
+@pytest.mark.skipif(UNDER_MPI, reason="launches its own ranks")
+def test_receive_from_any_source_over_shm_and_a_clear_error_elsewhere():
+    assert collectives.launch(_any_source_body, 2, transport="shm", timeout=20.0)[0] == "ok"
+    msgs = collectives.launch(_any_source_body, 2, transport="gloo", timeout=20.0)
+    assert all("any source runs over shm only" in m and "gloo" in m for m in msgs), msgs
