@@ -321,23 +321,6 @@ def test_torch_backend_send_recv_batches_and_64_mib(nprocs, tmp_path):
     assert collectives.launch(_torch_body, nprocs, method, timeout=60.0) == ["ok"] * nprocs
 
 
-def _nccl_body(comm) -> str:
-    r = comm.rank
-    x = torch.arange(1 << 20, device=comm.device, dtype=torch.float32) + r
-    out = torch.empty_like(x)
-    works = comm.batch_isend_irecv([P2POp("irecv", out, 1 - r), P2POp("isend", x, 1 - r)])
-    for w in works:
-        w.wait()
-    torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), torch.arange(1 << 20, dtype=torch.float32) + (1 - r))
-    return "ok"
-
-
-@pytest.mark.skipif(UNDER_MPI or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL point-to-point)")
-def test_nccl_batch_recv_before_send():
-    assert collectives.launch(_nccl_body, 2, timeout=60.0) == ["ok", "ok"]
-
-
 @pytest.mark.skipif(UNDER_MPI, reason="launches its own ranks")
 def test_bench_p2p_times_every_backend_and_checks_the_echo(tmp_path):
     """`moecomm bench-p2p` on 2 ranks: a checked row per size and backend with its ratio to gloo, the JSON run."""

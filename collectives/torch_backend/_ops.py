@@ -77,35 +77,6 @@ def completed(outputs: Any, tensors: Sequence[torch.Tensor] = ()) -> dist.Work:
     return _create_work_from_future(fut)
 
 
-class SourceWork(dist.Work):
-    """The finished Work of ``recv_anysource``: it also says which rank the message came from."""
-
-    def __init__(self, tensors: list[torch.Tensor], source: int):
-        super().__init__()
-        self._fut = torch.futures.Future()
-        self._fut.set_result(tensors)
-        self._source = source
-
-    def wait(self, timeout: Any = None) -> bool:
-        """Returns: True (the message is already in the tensor)."""
-        return True
-
-    def is_completed(self) -> bool:
-        """Returns: True."""
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        """Returns: the finished future holding the received tensors."""
-        return self._fut
-
-    def _source_rank(self) -> int:
-        return self._source
-
-    def source_rank(self) -> int:
-        """Returns: the group rank the message came from."""
-        return self._source
-
-
 def wire(t: torch.Tensor) -> torch.Tensor:
     """``t`` for a collective that only moves bytes: itself for a dtype moecomm supports, else its
     bytes as uint8 (float8, int8, int16, complex: all-gather, broadcast, all-to-all, scatter, gather).
