@@ -208,11 +208,3 @@ def test_a_killed_rank_on_another_node_is_named_on_the_hierarchical_path(make_te
     reports = _run_job(tb, tmp_path, "torchrun", 2, ["--victim", "3", "--how", "kill", "--hierarchical",
                                                      "--stage", "rail"], limit=30.0)
     _assert_named(reports, 3, [0, 1], limit_s=10.0)
-
-
-def test_a_killed_rank_on_the_store_node_is_named(make_testbed, tmp_path):  # noqa: F811 - fixture
-    """3 nodes x 1 rank under torchrun: rank 0 dies (SIGKILL), and node 0's agent, which hosts the store,
-    exits with it. The survivors used to say "the rendezvous store is unreachable" naming nobody."""
-    tb = make_testbed(3)
-    reports = _run_job(tb, tmp_path, "torchrun", 1, ["--victim", "0", "--how", "kill"], limit=30.0)
-    _assert_named(reports, 0, [1, 2], limit_s=10.0)

@@ -69,8 +69,8 @@ def _sizes(n: int, itemsize: int) -> list[int]:
     return [0, 1, 37, 5 * n + 1, BUF // itemsize + 3 * n + 1]
 
 
-def _matrix(group):
-    """Every cell on this rank; returns (failures, digests of all_reduce outputs)."""
+def _matrix(group, dtypes=FLOATS + INTS):
+    """Every cell on this rank for ``dtypes``; returns (failures, digests of all_reduce outputs)."""
     from transports.ipc import IPCTransport
 
     t = IPCTransport(group, buffer_bytes=BUF)
@@ -85,7 +85,7 @@ def _matrix(group):
             fails.append(f"rank {me} {name}: differs at {bad}")
 
     try:
-        for dtype in FLOATS + INTS:
+        for dtype in dtypes:
             item = torch.empty(0, dtype=dtype).element_size()
             ops = OPS if dtype in FLOATS else ("sum", "max", "min")
             for numel in _sizes(n, item):
@@ -137,9 +137,14 @@ def _matrix(group):
     return fails, digests
 
 
+# What depends on the rank count (partitions, chunk windows, all_to_all tables) runs at 3 and 4 ranks
+# for one float, bfloat16 and one integer type; what depends on the dtype alone (accumulators, the
+# bfloat16 and float16 rounding, integer widths) runs at 2 ranks for all of them. Under the
+# interpreter on 2 cores the full matrix at 3 and 4 ranks took 3 minutes of the suite.
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_every_collective_dtype_op_and_size(ranks):
-    results = run_ranks(_matrix, ranks, timeout=120.0)
+    dtypes = FLOATS + INTS if ranks == 2 else (torch.float32, torch.bfloat16, torch.int64)
+    results = run_ranks(_matrix, ranks, dtypes, timeout=120.0)
     errors = [r[1] for r in results if r[0] != "ok"]
     assert not errors, errors
     fails = [f for r in results for f in r[1][0]]
