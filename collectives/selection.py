@@ -43,19 +43,11 @@ FALLBACK_CHAINS: dict[tuple[str, bool], tuple[str, ...]] = {
 }
 
 
-# CUDA tensors on one node, when the ipc transport came up on every rank (it probes P2P for real at
-# creation, see transports/ipc.py): these ops go to ipc up to these sizes (bytes of this rank's
-# input), to the chain (NCCL) above. Keyed by (op, GPU architecture or "any"), then world size.
-# Source: the measured crossover, GPU_CROSSOVER_RECORD (2 ranks on one H100 under MPS, NCCL 2.30.7,
-# 8 B to 128 MiB): ipc took 2.1-7.4x moecomm's NCCL time for all_reduce, 2.1-15x for all_gather
-# and 2.1-11x for reduce_scatter, at every size, and the model fitted on that run
-# (collectives.model.calibrate, then crossover_bytes; tests/test_ipc_selection.py re-derives it)
-# finds no size where ipc is faster: 0, auto never picks ipc. Why (benchmarks/results/gpu-nvidia-h100-80gb-hbm3-2026-11-23-notes.md): an
-# 8 KiB ipc call took 132 us (NCCL's: 44 us), most of it on the host: Triton's launcher ~49 us, a
-# stream sync ~18 us, the flag read ~19 us, Python around them. That host path is the same at
-# every world size, so 0 stands for 3-8 ranks too, until it changes. (vLLM's custom all-reduce, with a
-# lean host path, serves up to 8 MiB: vllm/distributed/device_communicators/custom_all_reduce.py.)
-GPU_CROSSOVER_RECORD = "benchmarks/results/gpu-nvidia-h100-80gb-hbm3-2026-11-23-mps-nccl2.30.7-bench.json"
+# CUDA tensors on one node, when the ipc transport came up on every rank: these ops go to ipc up to
+# these sizes (bytes of this rank's input), to the chain (NCCL) above; keyed by (op, GPU architecture
+# or "any"), then world size. 0: ipc's host path per call made it slower than NCCL at every size
+# measured, at any world size (benchmarks/results/gpu-nvidia-h100-80gb-hbm3-2026-11-23-notes.md;
+# tests/test_ipc_selection.py re-derives the crossover from that run's sweep).
 IPC_MAX_BYTES: dict[tuple[OpCode, str], dict[int, int]] = {
     (op, "any"): {n: 0 for n in range(2, 9)}
     for op in (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER)

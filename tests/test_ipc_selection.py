@@ -21,6 +21,10 @@ class _Fake:
         self.devices, self.size = devices, size
 
 
+# The GPU sweep IPC_MAX_BYTES comes from (2 ranks on one H100 under MPS, NCCL 2.30.7, 8 B to 128 MiB).
+GPU_CROSSOVER_RECORD = "benchmarks/results/gpu-nvidia-h100-80gb-hbm3-2026-11-23-mps-nccl2.30.7-bench.json"
+
+
 def test_the_measured_table_sends_no_cuda_call_to_ipc():
     # the GPU record's crossover is "never" (see the next test): every CUDA call goes to NCCL
     avail = {"ipc": _Fake(("cuda",), 2), "nccl": _Fake(("cuda",), 2), "shm": _Fake(("cpu",), 2)}
@@ -36,7 +40,6 @@ def test_the_table_holds_what_the_gpu_record_measured():
     from pathlib import Path
 
     from collectives.model.calibrate import calibrate, crossover_bytes, fitted_time_us
-    from collectives.selection import GPU_CROSSOVER_RECORD
 
     record = Path(__file__).resolve().parent.parent / GPU_CROSSOVER_RECORD
     system = calibrate(str(record), name="gpu-record")

@@ -205,6 +205,16 @@ def _check_async_coalesced_aliases(r: int, n: int) -> None:
     rso = [torch.empty(3, 4, dtype=torch.float64), torch.empty(2, 3, dtype=torch.float64)]
     pg.reduce_scatter_tensor_coalesced(rso, [ins_a[r], big[r]], dist.ReduceScatterOptions()).wait()
     assert_reduced(rso[1], [x[2 * r:2 * r + 2] for x in big], "sum", "reduce_scatter_tensor_coalesced")
+    # mixed dtypes: pair by pair
+    ci = [_x("cmix", q, (5,), torch.int64) for q in range(n)]
+    outs = [torch.empty(n * 7, dtype=torch.float64), torch.empty(n * 5, dtype=torch.int64)]
+    pg.allgather_into_tensor_coalesced(outs, [b[r], ci[r]]).wait()
+    assert torch.equal(outs[0], torch.cat(b)) and torch.equal(outs[1], torch.cat(ci))
+    ri = [_x("crsi", q, (n * 2,), torch.int64) for q in range(n)]
+    rso = [torch.empty(2, 3, dtype=torch.float64), torch.empty(2, dtype=torch.int64)]
+    pg.reduce_scatter_tensor_coalesced(rso, [big[r], ri[r]], dist.ReduceScatterOptions()).wait()
+    assert_reduced(rso[0], [x[2 * r:2 * r + 2] for x in big], "sum", "reduce_scatter_tensor_coalesced mixed")
+    assert_reduced(rso[1], [x[2 * r:2 * r + 2] for x in ri], "sum", "reduce_scatter_tensor_coalesced mixed int")
 
 
 def _check_functional_p2p_groups(r: int, n: int) -> None:

@@ -212,11 +212,6 @@ class Signature:
     def of(cls, opcode: OpCode, **kw) -> "Signature":
         return cls(make_meta(opcode, **kw))
 
-    def with_rows(self, rows: int) -> "Signature":
-        meta = self.meta.copy()
-        meta[F_ROWS] = rows
-        return Signature(meta)
-
 
 def _call_name(meta: np.ndarray) -> str:
     """The collective the caller made: its F_VIEW collective, else the one that moves the data."""

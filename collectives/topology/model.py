@@ -163,11 +163,6 @@ class GpuTopology:
     notes: tuple[str, ...] = ()
 
     # -- queries
-    @property
-    def num_gpus(self) -> int:
-        """How many GPUs this node has."""
-        return len(self.gpus)
-
     def link(self, i: int, j: int) -> str:
         """Matrix cell between two GPUs.
 

@@ -15,7 +15,7 @@ int8, int16, complex) travel as bytes in the collectives that only move data.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -314,6 +314,20 @@ class Collectives:
             self.allgather([[output_lists[r][i] for r in range(n)]], [x])
         return completed(output_lists, [o for outs in output_lists for o in outs])
 
+    @staticmethod
+    def _coalesce(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                  block_fits: Callable[[torch.Tensor, torch.Tensor], bool],
+                  one_pair: Callable[[torch.Tensor, torch.Tensor], Any]) -> tuple[list, list, bool]:
+        """(inputs, outputs, whether one call can move every pair): when the pairs' sizes do not fit
+        ``block_fits(out, in)`` or dtypes/devices mix, each pair goes through ``one_pair`` here."""
+        ins, outs = [plain(x) for x in inputs], [plain(o) for o in outputs]
+        if len(ins) == len(outs) and all(block_fits(o, x) for o, x in zip(outs, ins)) and \
+                len({(x.dtype, x.device) for x in ins + outs}) <= 1:
+            return ins, outs, True
+        for o, x in zip(outs, ins):
+            one_pair(o, x)
+        return ins, outs, False
+
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> dist.Work:
         """:meth:`all_gather_single` of several pairs; one call when all inputs share a dtype.
@@ -322,11 +336,9 @@ class Collectives:
             A finished Work; its future holds ``outputs``.
         """
         n = self.size()
-        ins, outs = [plain(x) for x in inputs], [plain(o) for o in outputs]
-        if len(ins) != len(outs) or any(o.numel() != n * x.numel() for o, x in zip(outs, ins)) or \
-                len({(x.dtype, x.device) for x in ins + outs}) > 1:
-            for o, x in zip(outs, ins):
-                self.all_gather_single(o, x)
+        ins, outs, fits = self._coalesce(outputs, inputs, lambda o, x: o.numel() == n * x.numel(),
+                                         self.all_gather_single)
+        if not fits:
             return completed(list(outputs), outs)
         flat = [wire(flat_view(x)) for x in ins]
         gathered = self.comm.all_gather(torch.cat(flat)).view(n, -1)
@@ -405,11 +417,9 @@ class Collectives:
             A finished Work; its future holds ``outputs``.
         """
         n = self.size()
-        ins, outs = [plain(x) for x in inputs], [plain(o) for o in outputs]
-        if len(ins) != len(outs) or any(x.numel() != n * o.numel() for o, x in zip(outs, ins)) or \
-                len({(x.dtype, x.device) for x in ins + outs}) > 1:
-            for o, x in zip(outs, ins):
-                self.reduce_scatter_single(o, x, opts)
+        ins, outs, fits = self._coalesce(outputs, inputs, lambda o, x: x.numel() == n * o.numel(),
+                                         lambda o, x: self.reduce_scatter_single(o, x, opts))
+        if not fits:
             return completed(list(outputs), outs)
         name, factor = self._op(option(opts, "reduceOp", dist.ReduceOp.SUM), ins[0])
         # rank r's block of every input, side by side: one reduce-scatter moves them all
