@@ -203,6 +203,22 @@ class Channel:
         self._ext_ack[src] = a + 1
         return a
 
+    def take_reply(self, op: Op, reply: np.ndarray, peer: int) -> bool:
+        """A send's reply from its receiver. A mismatch becomes the op's error (an eager send has
+        returned: the sender's next point-to-point call raises it, ``deferred``); an external (NCCL)
+        send keeps the receiver's ack. Returns whether the receiver took the message."""
+        if int(reply[R_STATUS]) != OK:
+            err = self.mismatch(op, op.spec, reply, self.rank, peer)
+            if op.eager:
+                self.deferred.append(err)
+            else:
+                op.error = err
+            return False
+        if op.external:
+            op.ack_no = int(reply[R_ACK])
+            op.handshaken = True
+        return True
+
     def mismatch(self, op: Op, send_spec: np.ndarray, recv_spec: np.ndarray, src: int, dst: int) -> ValueError:
         """The error of ``op``: ``send_spec`` is a header (its flags say whether it is external), ``recv_spec`` a
         reply (its H_AUX word says whether the receive is), or either is ``op``'s own spec."""
@@ -315,26 +331,12 @@ class MessageChannel(Channel):
             if not self._turn(op, key) or not self._test(op.reqs[1], p):
                 return False
             self._advance(key)
-            reply = self._as_np(op.other)
             op.reqs[1] = None
-            if int(reply[R_STATUS]) != OK:
-                err = self.mismatch(op, op.spec, reply, self.rank, p)
-                if op.eager:  # its send has returned: the sender's next point-to-point call raises it
-                    self.deferred.append(err)
-                else:
-                    op.error = err
-                op.state = 3
-            elif op.external:
-                op.ack_no = int(reply[R_ACK])
-                op.handshaken = True
-                op.state = 3
-            elif not op.eager and op.nbytes:
+            if self.take_reply(op, self._as_np(op.other), p) and not op.external and not op.eager and op.nbytes:
                 data = self._bytes(op.buf)
                 op.keep.append(data)
                 op.reqs.append(self._isend(p, self.DATA, op.tag, data))
-                op.state = 3
-            else:
-                op.state = 3
+            op.state = 3
             return True
         if op.state == 3 and self._all_done(op):
             self.ops.remove(op)

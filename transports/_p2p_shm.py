@@ -258,17 +258,10 @@ class ShmChannel(Channel):
             self._by_seq[d].pop(op.seq, None)
             self.ops.remove(op)
             moved = True
-            if int(a[R_STATUS]) != OK:
-                err = self.mismatch(op, op.spec, a, self.rank, d)
-                if op.eager:  # its send has returned: the sender's next point-to-point call raises it
-                    self.deferred.append(err)
-                else:
-                    op.error = err
+            if self.take_reply(op, a, d):
+                if not op.external:
                     op.complete()
-            elif op.external:
-                op.ack_no = int(a[R_ACK])
-                op.handshaken = True
-            else:
+            elif not op.eager:
                 op.complete()
         return moved
 
