@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from spmd import mpiexec_path, on_threads
-from testbed import make_testbed  # noqa: F401 - the fixture
+from testbed import make_testbed, start_job  # noqa: F401 - make_testbed: the fixture
 
 from benchmarks.testbed import node_env
 from collectives.rendezvous import StoreRendezvous, loopback_store_server, store_client
@@ -150,12 +150,8 @@ def _run_job(tb, tmp_path: Path, launcher: str, ppn: int, args: list[str], limit
     env = node_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MPIR_CVAR_CH4_NETMOD": "ofi"})
     log = tmp_path / "launcher.log"
     with open(log, "w") as f:
-        if launcher == "torchrun":
-            procs = [tb.popen(i, cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
-                     for i, cmd in enumerate(tb.torchrun_commands(ppn, [str(JOB), *args]))]
-        else:  # -disable-auto-cleanup: Hydra would otherwise kill every rank when the victim dies
-            procs = [tb.mpiexec(ppn, [sys.executable, str(JOB), *args], extra=["-disable-auto-cleanup"], env=env,
-                                stdout=f, stderr=subprocess.STDOUT)]
+        # -disable-auto-cleanup: Hydra would otherwise kill every rank when the victim dies
+        procs = start_job(tb, launcher, ppn, [str(JOB), *args], env, [f], mpi_extra=["-disable-auto-cleanup"])
         deadline = time.monotonic() + limit
         reports: dict[int, dict] = {}
         while time.monotonic() < deadline:

@@ -10,15 +10,13 @@ every rank raise without waiting out the timeout. Skipped where namespaces canno
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks.testbed import node_env
 from spmd import mpiexec_path
-from testbed import make_testbed  # noqa: F401 - the fixture
+from testbed import make_testbed, start_job  # noqa: F401 - make_testbed: the fixture
 
 JOB = Path(__file__).parent / "jobs" / "hierarchical_job.py"
 NODES, PPN = 2, 2
@@ -35,11 +33,7 @@ def test_hierarchical_equals_flat(make_testbed, tmp_path, launcher):  # noqa: F8
     env = node_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MPIR_CVAR_CH4_NETMOD": "ofi"})
     log = tmp_path / "launcher.log"
     with open(log, "w") as f:
-        if launcher == "torchrun":
-            procs = [tb.popen(i, cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
-                     for i, cmd in enumerate(tb.torchrun_commands(PPN, [str(JOB), *args]))]
-        else:
-            procs = [tb.mpiexec(PPN, [sys.executable, str(JOB), *args], env=env, stdout=f, stderr=subprocess.STDOUT)]
+        procs = start_job(tb, launcher, PPN, [str(JOB), *args], env, [f])
         try:
             for p in procs:
                 p.wait(timeout=150)

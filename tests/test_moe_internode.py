@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import collectives
 from benchmarks.testbed import node_env
 from moe.internode import node_rows
 from spmd import mpiexec_path
-from testbed import make_testbed  # noqa: F401 - the fixture
+from testbed import make_testbed, start_job  # noqa: F401 - make_testbed: the fixture
 
 JOB = Path(__file__).parent / "jobs" / "moe_internode_job.py"
 sys.path.insert(0, str(JOB.parent))
@@ -98,12 +97,7 @@ def test_node_aware_across_testbed_nodes(make_testbed, tmp_path, launcher, nodes
     env = node_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     logs = [open(tmp_path / f"launcher{i}.log", "w") for i in range(nodes)]
     try:
-        if launcher == "torchrun":
-            procs = [tb.popen(i, cmd, env=env, stdout=logs[i], stderr=subprocess.STDOUT)
-                     for i, cmd in enumerate(tb.torchrun_commands(ppn, [str(JOB), "--out", str(out)]))]
-        else:
-            procs = [tb.mpiexec(ppn, [sys.executable, str(JOB), "--out", str(out)], env=env, stdout=logs[0],
-                                stderr=subprocess.STDOUT)]
+        procs = start_job(tb, launcher, ppn, [str(JOB), "--out", str(out)], env, logs)
         for p in procs:
             p.wait(timeout=180)
     finally:

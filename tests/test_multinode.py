@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 
 from benchmarks.testbed import node_env
 from spmd import mpiexec_path, shm_segments
-from testbed import make_testbed  # noqa: F401 - the fixture
+from testbed import make_testbed, start_job  # noqa: F401 - make_testbed: the fixture
 
 JOB = Path(__file__).parent / "jobs" / "multinode_job.py"
 LAYOUTS = [(2, 2), (3, 1)]  # (nodes, ranks per node)
@@ -65,13 +64,8 @@ def test_job_across_nodes(make_testbed, tmp_path, launcher, nodes, ppn):  # noqa
                     # MPICH's UCX netmod segfaults a rank that sends to a dead process; OFI reports an error
                     "MPIR_CVAR_CH4_NETMOD": "ofi"})
     logs = [open(tmp_path / f"launcher{i}.log", "w") for i in range(nodes)]
-    if launcher == "torchrun":
-        procs = [tb.popen(i, cmd, env=env, stdout=logs[i], stderr=subprocess.STDOUT)
-                 for i, cmd in enumerate(tb.torchrun_commands(ppn, [str(JOB), *args]))]
-    else:
-        # -disable-auto-cleanup: Hydra would otherwise kill every rank when the victim dies
-        procs = [tb.mpiexec(ppn, [sys.executable, str(JOB), *args], extra=["-disable-auto-cleanup"], env=env,
-                            stdout=logs[0], stderr=subprocess.STDOUT)]
+    # -disable-auto-cleanup: Hydra would otherwise kill every rank when the victim dies
+    procs = start_job(tb, launcher, ppn, [str(JOB), *args], env, logs, mpi_extra=["-disable-auto-cleanup"])
     try:
         off_victim_node = [r for r in range(size) if r // ppn != victim // ppn]
         reports = _wait_for_reports(out, off_victim_node, procs, limit=120.0)

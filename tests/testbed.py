@@ -9,11 +9,25 @@ Where namespaces cannot be made (not root, no ``ip``/``unshare``) the test is sk
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterator
+import subprocess
+import sys
+from typing import IO, Any, Callable, Iterator, Sequence
 
 import pytest
 
 from benchmarks.testbed import STATE_ROOT, Testbed, link_names, netns_names, unavailable
+
+
+def start_job(tb: Testbed, launcher: str, ppn: int, argv: Sequence[str], env: dict[str, str],
+              logs: Sequence[IO[str]], *, mpi_extra: Sequence[str] = ()) -> list[subprocess.Popen]:
+    """Start the Python script ``argv`` (its path, then its arguments) with ``ppn`` ranks on every node
+    of ``tb``: "torchrun", one per node (node i writes to ``logs[i]``, or to the one log given), or
+    "mpiexec", one across the nodes (to ``logs[0]``; ``mpi_extra``: more mpiexec options)."""
+    if launcher == "torchrun":
+        return [tb.popen(i, cmd, env=env, stdout=logs[i % len(logs)], stderr=subprocess.STDOUT)
+                for i, cmd in enumerate(tb.torchrun_commands(ppn, list(argv)))]
+    return [tb.mpiexec(ppn, [sys.executable, *argv], extra=mpi_extra, env=env, stdout=logs[0],
+                       stderr=subprocess.STDOUT)]
 
 
 KINDS = ("net", "mnt", "uts", "ipc")  # the node's own namespaces (the PID namespace is the host's)
