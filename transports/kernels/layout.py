@@ -19,6 +19,21 @@ Words written by the kernels:
     PEER_META per rank: peers' META copied by program 0 after the first barrier when the
              digests differ (or for exchange_meta), so the host reads them from its own area
              after peers may have moved on
+    CALLS    per program: kernels this program has finished (mirrored into the status block's DONE)
+    LAMPORT_CALLS per program: Lamport all-reduces this program has finished (slot = calls % 3)
+    LAMPORT_LEN per program, per slot: elements per source that program read from that slot in
+             its last call there (what it clears to the sentinel in the next Lamport call)
+
+The *status block* is a rank's own, private words in host-mapped memory (pinned ``cudaHostAlloc``
+on a GPU, ordinary memory in emulation): the kernels write them, the host reads them with plain
+loads, without a copy or a stream synchronization (errors are read lazily):
+    S_ERROR    the ERROR word's value, mirrored when a wait gives up
+    S_MISMATCH 1 when a call's signature digest differed from a peer's (reset by the host)
+    S_DONE     per program: its CALLS word after each kernel
+
+The *Lamport area* after the data buffer: LAMPORT_SLOTS slots, each ``[MAX_RANKS] int64``
+headers (a source's call digest | 1, 0 when empty) then ``[MAX_RANKS][lamport_elems]`` float32
+words that peers write into and that read as LAMPORT_SENTINEL (-0.0) when empty.
 """
 
 from __future__ import annotations
@@ -38,8 +53,19 @@ DIGEST = 64
 EPOCH = DIGEST + MAX_PROGRAMS  # 128
 FLAGS = 256
 PEER_META = FLAGS + MAX_PROGRAMS * MAX_RANKS  # 1280
+CALLS = EPOCH + MAX_PROGRAMS  # 192
+LAMPORT_CALLS = PEER_META + MAX_RANKS * META_WORDS  # 1536
+LAMPORT_SLOTS = 3
+LAMPORT_LEN = LAMPORT_CALLS + MAX_PROGRAMS  # 1600
 SIGNAL_WORDS = 2048  # 16 KiB: keeps the data buffer 4 KiB-aligned after it
-assert PEER_META + MAX_RANKS * META_WORDS <= SIGNAL_WORDS
-assert RECV_COUNTS + MAX_RANKS <= DIGEST and EPOCH + MAX_PROGRAMS <= FLAGS
+assert LAMPORT_LEN + MAX_PROGRAMS * LAMPORT_SLOTS <= SIGNAL_WORDS
+assert RECV_COUNTS + MAX_RANKS <= DIGEST and EPOCH + MAX_PROGRAMS <= CALLS and CALLS + MAX_PROGRAMS <= FLAGS
+
+S_ERROR = 0
+S_MISMATCH = 1
+S_DONE = 8
+STATUS_WORDS = S_DONE + MAX_PROGRAMS
+
+LAMPORT_SENTINEL_BITS = -(1 << 31)  # int32 view of float32 -0.0
 
 STATE_RUNNING, STATE_ABORTED, STATE_CLOSED = 0, 1, 2
