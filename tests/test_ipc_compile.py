@@ -29,7 +29,7 @@ def _compile_all() -> dict:
 
     from transports.kernels import collectives as K
 
-    common = {"data_ptrs": "*i64", "sig_ptrs": "*i64", "rank": "i32", "world": "i32", "digest": "i64",
+    common = {"data_ptrs": "*i64", "sig_ptrs": "*i64", "status": "*i64", "rank": "i32", "world": "i32", "digest": "i64",
               "meta": "*i64", "max_spins": "i64"}
     red = {"ACC": "constexpr", "OP": "constexpr", "IS_FLOAT": "constexpr", "OUT_BF16": "constexpr",
            "BLOCK": "constexpr"}
@@ -39,9 +39,10 @@ def _compile_all() -> dict:
     jobs = [
         ("barrier_kernel", {k: v for k, v in common.items() if k != "data_ptrs"} | {"COPY_META": "constexpr"},
          {"COPY_META": True}),
-        ("all_reduce_one_shot", {"X": "*bf16", "OUT": "*bf16", "n": "i32", **common, **red}, bf16),
-        ("all_reduce_two_shot", {"X": "*i64", "OUT": "*i64", "n": "i32", **common, **red, "ALIGN": "constexpr"},
-         {**i64max, "ALIGN": 16}),
+        ("all_reduce_one_shot", {"X": "*bf16", "OUT": "*bf16", "n": "i32", **common, **red, "STAGE": "constexpr"},
+         {**bf16, "STAGE": True}),
+        ("all_reduce_two_shot", {"X": "*i64", "OUT": "*i64", "n": "i32", **common, **red, "ALIGN": "constexpr",
+                                 "STAGE": "constexpr"}, {**i64max, "ALIGN": 16, "STAGE": False}),
         ("reduce_scatter", {"X": "*fp16", "OUT": "*fp16", "m_block": "i32", "lo": "i32", "w": "i32", **common, **red},
          {**bf16, "OUT_BF16": False, "OP": 4}),
         ("all_gather", {"X": "*u8", "OUT": "*u8", "m_block": "i32", "lo": "i32", "w": "i32", **common,
@@ -50,7 +51,7 @@ def _compile_all() -> dict:
         ("all_to_all_stage", {"X": "*u8", "pieces": "*i64", "n_pieces": "i32", "counts": "*i64", **common,
                               "BLOCK": "constexpr"}, copy),
         ("all_to_all_pull", {"OUT": "*u8", "copies": "*i64", "n_copies": "i32", "data_ptrs": "*i64",
-                             "sig_ptrs": "*i64", "rank": "i32", "world": "i32", "max_spins": "i64",
+                             "sig_ptrs": "*i64", "status": "*i64", "rank": "i32", "world": "i32", "max_spins": "i64",
                              "BLOCK": "constexpr"}, copy),
     ]
     report = {}

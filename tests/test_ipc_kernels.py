@@ -35,6 +35,7 @@ class Mem:
         self.sig_ptrs = torch.tensor([base + r * region for r in range(n)], dtype=torch.int64)
         self.data_ptrs = self.sig_ptrs + L.SIGNAL_WORDS * 8
         self.meta = torch.arange(100, 100 + L.META_WORDS, dtype=torch.int64)
+        self.status = [torch.zeros(L.STATUS_WORDS, dtype=torch.int64) for _ in range(n)]
         self.digest = 0x1234_5678_9ABC
 
     def peers_arrive(self, r: int, upto: int = E0 + 3, digest: int | None = None, skip: int = -1) -> None:
@@ -50,7 +51,7 @@ class Mem:
             self.sig[src][L.META : L.META + L.META_WORDS] = self.meta + 1000 * src
 
     def common(self, r: int, max_spins: int = 1 << 40) -> tuple:
-        return self.data_ptrs, self.sig_ptrs, r, self.n, self.digest, self.meta, max_spins
+        return self.data_ptrs, self.sig_ptrs, self.status[r], r, self.n, self.digest, self.meta, max_spins
 
     def typed(self, r: int, dtype: torch.dtype, count: int) -> torch.Tensor:
         return self.data[r][: count * torch.empty(0, dtype=dtype).element_size()].view(dtype)
@@ -103,7 +104,7 @@ def test_one_shot_all_reduce_every_dtype_and_op(programs):
                 mem.typed(q, dtype, numel).copy_(xs[q])
         mem.peers_arrive(r)
         out = torch.empty_like(xs[r])
-        K.all_reduce_one_shot[(programs,)](xs[r], out, numel, *mem.common(r), **_const(dtype, op, 16))
+        K.all_reduce_one_shot[(programs,)](xs[r], out, numel, *mem.common(r), **_const(dtype, op, 16), STAGE=True)
         want = _ref(xs, op)
         same = torch.equal(torch.isnan(out), torch.isnan(want)) and torch.equal(
             out[~torch.isnan(out)], want[~torch.isnan(want)]) if dtype.is_floating_point else torch.equal(out, want)
@@ -126,7 +127,7 @@ def test_bfloat16_rounds_to_nearest_even_like_torch():
     mem.typed(1, torch.bfloat16, 3).copy_(xs[1])
     mem.peers_arrive(0)
     out = torch.empty(3, dtype=torch.bfloat16)
-    K.all_reduce_one_shot[(1,)](xs[0], out, 3, *mem.common(0), **_const(torch.bfloat16, "sum", 16))
+    K.all_reduce_one_shot[(1,)](xs[0], out, 3, *mem.common(0), **_const(torch.bfloat16, "sum", 16), STAGE=True)
     assert out.view(torch.int16).tolist() == (xs[0].float() + xs[1].float()).bfloat16().view(torch.int16).tolist()
     assert out[0].item() == 1.0078125
 
@@ -146,7 +147,7 @@ def test_two_shot_all_reduce_parts():
         mem.peers_arrive(r)
         out = torch.full((numel,), float("nan"))
         K.all_reduce_two_shot[(programs,)](xs[r], out, numel, *mem.common(r), **_const(torch.float32, "sum", 16),
-                                           ALIGN=16)
+                                           ALIGN=16, STAGE=True)
         outs.append(out)
         lo, hi = min(r * per, numel), min((r + 1) * per, numel)
         assert torch.equal(out[lo:hi], want[lo:hi]), f"rank {r}'s part"
@@ -210,7 +211,7 @@ def test_all_to_all_stage_and_pull():
         mem.data[q][:50] = torch.arange(50, dtype=torch.uint8) + 100 * q
     out = torch.zeros(30, dtype=torch.uint8)
     copies = torch.tensor([[0, 5, 0, 7], [2, 40, 20, 10]], dtype=torch.int64)
-    K.all_to_all_pull[(1,)](out, copies, 2, mem.data_ptrs, mem.sig_ptrs, r, n, 1 << 40, BLOCK=8)
+    K.all_to_all_pull[(1,)](out, copies, 2, mem.data_ptrs, mem.sig_ptrs, mem.status[r], r, n, 1 << 40, BLOCK=8)
     assert out[:7].tolist() == list(range(5, 12))
     assert out[20:30].tolist() == list(range(240, 250))
     assert mem.sig[r][L.EPOCH].item() == E0 + 2
@@ -223,8 +224,10 @@ def test_missing_peer_gives_up_names_it_and_moves_no_data():
     xs = _inputs(n, 50, torch.float32)
     mem.peers_arrive(r, skip=2)
     out = torch.full((50,), 7.0)
-    K.all_reduce_one_shot[(1,)](xs[r], out, 50, *mem.common(r, max_spins=50), **_const(torch.float32, "sum", 16))
+    K.all_reduce_one_shot[(1,)](xs[r], out, 50, *mem.common(r, max_spins=50), **_const(torch.float32, "sum", 16), STAGE=True)
     assert mem.sig[r][L.ERROR].item() == 2 + 1  # the peer it waited for, + 1
+    assert mem.status[r][L.S_ERROR].item() == 2 + 1  # mirrored where the host reads it lazily
+    assert mem.status[r][L.S_DONE].item() == mem.sig[r][L.CALLS].item() == 1  # the kernel ended all the same
     assert torch.equal(out, torch.full((50,), 7.0))  # nothing read from peers that never arrived
     # a later kernel of this rank does not start: ERROR stays, no flags are sent
     before = mem.signalled(r)
@@ -240,7 +243,7 @@ def test_peer_that_passed_only_the_first_barrier():
     mem.typed(1, torch.float32, 50).copy_(xs[1])
     mem.peers_arrive(r, upto=E0 + 1)
     out = torch.full((50,), 7.0)
-    K.all_reduce_one_shot[(1,)](xs[r], out, 50, *mem.common(r, max_spins=50), **_const(torch.float32, "sum", 16))
+    K.all_reduce_one_shot[(1,)](xs[r], out, 50, *mem.common(r, max_spins=50), **_const(torch.float32, "sum", 16), STAGE=True)
     assert torch.equal(out, _ref(xs, "sum"))
     assert mem.sig[r][L.ERROR].item() == 1 + 1
 
@@ -251,7 +254,7 @@ def test_abort_word_stops_the_kernel_before_it_waits():
     mem.peers_arrive(r, skip=0)
     mem.sig[r][L.ABORT] = 1
     out = torch.full((8,), 7.0)
-    K.all_reduce_one_shot[(1,)](torch.ones(8), out, 8, *mem.common(r), **_const(torch.float32, "sum", 16))
+    K.all_reduce_one_shot[(1,)](torch.ones(8), out, 8, *mem.common(r), **_const(torch.float32, "sum", 16), STAGE=True)
     assert mem.sig[r][L.ERROR].item() == n + 1  # "stopped before waiting"
     assert torch.equal(out, torch.full((8,), 7.0))
 
@@ -261,8 +264,8 @@ def test_signature_mismatch_moves_no_data_but_keeps_step():
     mem = Mem(n, programs)
     mem.peers_arrive(r, digest=mem.digest + 1)
     out = torch.full((40,), 7.0)
-    K.all_reduce_one_shot[(programs,)](torch.ones(40), out, 40, *mem.common(r), **_const(torch.float32, "sum", 16))
-    assert mem.sig[r][L.MISMATCH].item() == 1 and mem.sig[r][L.ERROR].item() == 0
+    K.all_reduce_one_shot[(programs,)](torch.ones(40), out, 40, *mem.common(r), **_const(torch.float32, "sum", 16), STAGE=True)
+    assert mem.status[r][L.S_MISMATCH].item() == 1 and mem.sig[r][L.ERROR].item() == 0
     assert torch.equal(out, torch.full((40,), 7.0))
     peer_meta = mem.sig[r][L.PEER_META : L.PEER_META + n * L.META_WORDS].view(n, L.META_WORDS)
     assert torch.equal(peer_meta[0], mem.meta) and torch.equal(peer_meta[1], mem.meta + 1000)

@@ -1,7 +1,10 @@
 """The ipc transport's region providers: map every rank's region, read and write its signal words.
 
 Two providers, one interface (``sig_ptrs``/``data_ptrs`` tables for the kernels, ``read``/``write``
-of signal words, ``bind_thread``, ``sync``, ``capturing``, ``close``); see :mod:`transports.ipc`:
+of signal words, the private ``status`` block, ``bind_thread``, ``sync``, ``capturing``, ``close``);
+see :mod:`transports.ipc`. ``status`` (int64 [layout.STATUS_WORDS], NumPy) is this rank's
+status block, which the kernels write (``status_arg``) and the host reads with plain loads: no
+copy and no stream synchronization per call.
 
 - :class:`_HostRegions`: every region in one POSIX shared-memory segment (emulation, CPU tensors);
 - :class:`_CudaRegions`: one cudaMalloc region per rank, opened by the peers through CUDA IPC handles
@@ -10,9 +13,14 @@ of signal words, ``bind_thread``, ``sync``, ``capturing``, ``close``); see :mod:
 
 from __future__ import annotations
 
+import ctypes
+import weakref
+from typing import Callable
+
 import numpy as np
 import torch
 
+from ._ipc_launch import Pointer
 from .base import GroupInfo
 from .kernels import layout as L
 
@@ -20,7 +28,7 @@ from .kernels import layout as L
 class _HostRegions:
     """All regions in one POSIX shared-memory segment (emulation)."""
 
-    def __init__(self, group: GroupInfo, region_bytes: int):
+    def __init__(self, group: GroupInfo, region_bytes: int, init: tuple[int, np.ndarray] | None = None):
         from ._segment import create_and_map
 
         self.region_bytes = region_bytes
@@ -28,12 +36,19 @@ class _HostRegions:
         self._map, self.name = create_and_map(group, n * region_bytes, what="ipc host provider")
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         base = self._bytes.ctypes.data
+        if init is not None:  # our own region only: a peer writes there only after the creation probe
+            at = group.rank * region_bytes + init[0]
+            self._bytes[at : at + init[1].size] = init[1]
+        self.status = np.zeros(L.STATUS_WORDS, dtype=np.int64)
+        self.status_arg = torch.from_numpy(self.status)  # the same memory, as the kernels' pointer
         self.signals = [np.frombuffer(self._map, dtype=np.int64, count=L.SIGNAL_WORDS, offset=r * region_bytes)
                         for r in range(n)]
         sig_addrs = [base + r * region_bytes for r in range(n)]
         self.sig_ptrs = torch.tensor(sig_addrs, dtype=torch.int64)
         self.data_ptrs = torch.tensor([a + L.SIGNAL_WORDS * 8 for a in sig_addrs], dtype=torch.int64)
         self.device = torch.device("cpu")
+        self._rank_base = group.rank * region_bytes
+        self.own_addr = sig_addrs[group.rank]
 
     def read(self, r: int, lo: int, count: int) -> np.ndarray:
         return self.signals[r][lo : lo + count].copy()
@@ -49,6 +64,13 @@ class _HostRegions:
 
     def capturing(self) -> bool:
         return False
+
+    def tensor(self, offset: int, nbytes: int, on_free: Callable[[], None]) -> torch.Tensor:
+        """uint8 [nbytes] view of our own region from ``offset`` (the symmetric heap's tensors);
+        ``on_free()`` runs when the last tensor over that memory is gone."""
+        arr = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=self._rank_base + offset)
+        weakref.finalize(arr, on_free)  # torch.from_numpy keeps arr alive as long as any view
+        return torch.from_numpy(arr)
 
     def close(self) -> None:
         if self._map is None:
@@ -69,7 +91,7 @@ class _CudaRegions:
     the watchdog can read peers' states and set our ABORT word while a kernel spins.
     """
 
-    def __init__(self, group: GroupInfo, region_bytes: int):
+    def __init__(self, group: GroupInfo, region_bytes: int, init: tuple[int, np.ndarray] | None = None):
         import cupy
         from cupy.cuda import runtime
 
@@ -79,6 +101,13 @@ class _CudaRegions:
         me = group.rank
         self._own = runtime.malloc(region_bytes)
         runtime.memset(self._own, 0, region_bytes)
+        if init is not None:
+            runtime.memcpy(self._own + init[0], init[1].ctypes.data, init[1].size, runtime.memcpyHostToDevice)
+        # the status block: pinned, mapped host memory; the kernels store into it by its device address
+        self._status_host = runtime.hostAlloc(L.STATUS_WORDS * 8, runtime.cudaHostAllocMapped)
+        self.status = np.ctypeslib.as_array((ctypes.c_int64 * L.STATUS_WORDS).from_address(self._status_host))
+        self.status[:] = 0
+        self.status_arg = Pointer(runtime.hostGetDevicePointer(self._status_host, 0), torch.int64)
         runtime.deviceSynchronize()
         self._opened: list[int] = []
         err = ""
@@ -107,6 +136,7 @@ class _CudaRegions:
             self.close()
             raise RuntimeError("ipc cuda provider unavailable: " + "; ".join(errors))
         self._addrs = addrs
+        self.own_addr = self._own
         self.sig_ptrs = torch.tensor(addrs, dtype=torch.int64, device=self.device)
         self.data_ptrs = torch.tensor([a + L.SIGNAL_WORDS * 8 for a in addrs], dtype=torch.int64, device=self.device)
         self._stream = cupy.cuda.Stream(non_blocking=True)
@@ -135,7 +165,24 @@ class _CudaRegions:
     def capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
+    def tensor(self, offset: int, nbytes: int, on_free: Callable[[], None]) -> torch.Tensor:
+        """uint8 [nbytes] CUDA tensor over our own region from ``offset`` (the symmetric heap's tensors);
+        ``on_free()`` runs when the last tensor over that memory is gone. The region itself stays
+        until the transport closes."""
+        import cupy
+
+        owner = _Owner(on_free)  # held by the memory, the array, and through DLPack by torch's storage
+        mem = cupy.cuda.UnownedMemory(self._own + offset, nbytes, owner)
+        arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        return torch.as_tensor(arr, device=self.device)
+
     def close(self) -> None:
+        if getattr(self, "_status_host", 0):
+            try:
+                self._rt.freeHost(self._status_host)
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+            self._status_host = 0
         for p in getattr(self, "_opened", []):
             try:
                 self._rt.ipcCloseMemHandle(p)
@@ -148,3 +195,14 @@ class _CudaRegions:
             except Exception:  # noqa: BLE001
                 pass
             self._own = 0
+
+
+
+class _Owner:
+    """Runs ``on_free`` when the last reference to a symmetric tensor's memory goes."""
+
+    def __init__(self, on_free: Callable[[], None]):
+        self._on_free = on_free
+
+    def __del__(self) -> None:
+        self._on_free()

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from ._host import group_settings, pid_alive
+from ._ipc_launch import BoundKernel, Pointer
 from ._ipc_regions import _CudaRegions, _HostRegions
 from ._schedule import all_to_all_pulls, staged_segments, windows
 from .base import (
@@ -88,6 +89,15 @@ ONE_SHOT_MAX_BYTES_DEFAULT = 256 << 10
 # larger tiles mean fewer Python steps); on a GPU enough programs to keep several SMs copying.
 EMULATED_PROGRAMS, EMULATED_BLOCK = 1, 4096
 CUDA_PROGRAMS, CUDA_BLOCK = 16, 1024
+# Lamport one-shot all_reduce (float32/16, bfloat16): elements per source a slot holds (its
+# largest call). 32768: a 64 KiB bfloat16 message, the small-message range of TP decoding.
+CUDA_LAMPORT_ELEMS, EMULATED_LAMPORT_ELEMS = 32768, 4096
+# and the largest message it takes, by world size (bytes of one rank's input; min with the slot).
+# TensorRT-LLM's Lamport one-shot serves TP decoding messages up to this size (shared ANCHORS.md);
+# not measured by us: no GPU run has timed it yet.
+LAMPORT_MAX_BYTES: dict[int, int] = {2: 64 << 10, 3: 64 << 10, 4: 64 << 10}
+LAMPORT_MAX_BYTES_DEFAULT = 32 << 10
+_LAMPORT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TWO_SHOT_ALIGN = 16  # elements; parts of a two-shot all_reduce start at multiples of it
 _REGION_ALIGN = 4096
 _WATCH_PERIOD = 0.02  # seconds between the watchdog's looks at the peers during a call
@@ -112,6 +122,11 @@ def load_kernels(emulate: bool) -> Any:
             raise RuntimeError(f"the ipc transport needs triton ({e}); pip install triton") from None
         from triton.runtime.interpreter import InterpretedFunction
 
+        try:
+            from .kernels import lamport
+        except ImportError:  # pragma: no cover - the module ships with the package
+            lamport = None
+        kernels.lamport = lamport
         interpreted = isinstance(kernels.all_reduce_one_shot, InterpretedFunction)
         if interpreted != emulate:
             raise RuntimeError(
@@ -140,10 +155,40 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+class _SymmetricHeap:
+    """First-fit allocation of the symmetric heap's bytes (offsets, 256-byte aligned).
+
+    Every rank runs the same allocations in the same order, so a tensor gets the same offset on
+    every rank; :meth:`IPCTransport.symmetric_empty` checks that across ranks.
+    """
+
+    ALIGN = 256
+
+    def __init__(self, size: int):
+        self.size = size
+        self.used: dict[int, int] = {}  # offset -> bytes
+
+    def alloc(self, nbytes: int) -> int | None:
+        nbytes = max(self.ALIGN, _align(nbytes, self.ALIGN))
+        at = 0
+        for off in sorted(self.used):
+            if off - at >= nbytes:
+                break
+            at = off + self.used[off]
+        if at + nbytes > self.size:
+            return None
+        self.used[at] = nbytes
+        return at
+
+    def free(self, offset: int) -> None:
+        self.used.pop(offset, None)
+
+
 # ---- the transport ----------------------------------------------------------------------------
 _ACC = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float32", torch.bfloat16: "float32",
         torch.int64: "int64", torch.int32: "int32", torch.uint8: "int32", torch.bool: "int32"}
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
 class IPCTransport(Transport):
@@ -154,7 +199,9 @@ class IPCTransport(Transport):
 
     def __init__(self, group: GroupInfo, *, buffer_bytes: int | None = None, emulate: bool | None = None,
                  programs: int | None = None, block: int | None = None,
-                 one_shot_max_bytes: int | None = None):
+                 one_shot_max_bytes: int | None = None, lamport_elems: int | None = None,
+                 lamport_max_bytes: int | None = None, symmetric_bytes: int | None = None,
+                 eager_check: bool | None = None):
         """Map every rank's region (collective over ``group``).
 
         Args:
@@ -163,6 +210,12 @@ class IPCTransport(Transport):
             emulate: host provider + Triton interpreter for CPU tensors (default: setting ``ipc_emulate``).
             programs, block: launch shape (programs per kernel, elements per tile); for tests.
             one_shot_max_bytes: largest one-shot all_reduce (default: :data:`ONE_SHOT_MAX_BYTES`).
+            lamport_elems: elements per source of a Lamport slot (0: no Lamport all_reduce).
+            lamport_max_bytes: largest Lamport all_reduce (default: :data:`LAMPORT_MAX_BYTES`).
+            symmetric_bytes: symmetric heap per rank (default: setting ``ipc_symmetric_bytes``).
+            eager_check: read the status block after every launch (default: in emulation, where the
+                launch returns when the kernel ended); False: only at the next call and at
+                :meth:`synchronize`, as on a GPU.
         """
         super().__init__(group)
         settings = group_settings(group)
@@ -193,15 +246,40 @@ class IPCTransport(Transport):
         self._ranks = list(group.global_ranks)
         self._pids = list(group.pids)
         self._max_spins = min(int(self.timeout * _SPINS_PER_SECOND) + 1, 1 << 62)
-        region = L.SIGNAL_WORDS * 8 + self.buffer_bytes
+        self.lamport_elems = int(lamport_elems if lamport_elems is not None else
+                                 EMULATED_LAMPORT_ELEMS if self.emulate else CUDA_LAMPORT_ELEMS)
+        if self._k.lamport is None:
+            self.lamport_elems = 0
+        self.lamport_max = min(self.lamport_elems * 2, lamport_max_bytes if lamport_max_bytes is not None else
+                               LAMPORT_MAX_BYTES.get(n, LAMPORT_MAX_BYTES_DEFAULT))
+        self.symmetric_bytes = _align(int(settings["ipc_symmetric_bytes"] if symmetric_bytes is None
+                                          else symmetric_bytes), _REGION_ALIGN)
+        # region: [signal words][staging buffer][Lamport slots][symmetric heap]
+        self._lam_off = L.SIGNAL_WORDS * 8 + self.buffer_bytes
+        lam_bytes = _align(L.LAMPORT_SLOTS * L.lamport_slot_bytes(self.lamport_elems), _REGION_ALIGN) \
+            if self.lamport_elems else 0
+        self._heap_off = self._lam_off + lam_bytes
         provider = _HostRegions if self.emulate else _CudaRegions
-        self._regions = provider(group, region)
+        self._regions = provider(group, self._heap_off + self.symmetric_bytes,
+                                 (self._lam_off, L.lamport_image(self.lamport_elems)) if lam_bytes else None)
         self._device = self._regions.device
+        self._status = self._regions.status  # host view of our status block (kernels write it)
+        self._status_arg = self._regions.status_arg
+        self._lam_ptrs = self._regions.sig_ptrs + self._lam_off
+        self._heap_lo = self._regions.own_addr + self._heap_off
+        self._heap_hi = self._heap_lo + self.symmetric_bytes
+        self._heap = _SymmetricHeap(self.symmetric_bytes)
+        self._heap_tables: dict[int, torch.Tensor] = {}
+        self.eager_check = self.emulate if eager_check is None else bool(eager_check)
+        self._bound: dict[tuple, BoundKernel] = {}
         self._meta_cache: dict[bytes, torch.Tensor] = {}
         self._broken: str | None = None
-        self._pending: tuple[type, str, list[int]] | None = None  # a failure seen after a call completed
-        # watchdog state: a call is in flight while _deadline is set
-        self._deadline: float | None = None
+        # kernels launched eagerly (the host's count) against the status block's DONE (the kernels'):
+        # work is in flight while launched + _extra > DONE; _extra (watchdog only) absorbs kernels
+        # that CUDA-graph replays ran without the host
+        self._launched = 0
+        self._extra = 0
+        self._progress: tuple[float, int] | None = None  # (when DONE last moved, its value) while in flight
         self._reason: tuple[type, str, list[int]] | None = None
         self._watch_lock = threading.Lock()
         self._stop = threading.Event()
@@ -234,22 +312,40 @@ class IPCTransport(Transport):
         send = torch.tensor([token], dtype=torch.int64, device=self._device)
         out = torch.empty(self.size, dtype=torch.int64, device=self._device)
         self.all_gather(send, out, Signature.of(OpCode.ALL_GATHER, dtype=torch.int64, shape=(1,)))
+        self.synchronize()
         got = out.tolist()
         if got != tokens:
             bad = [self._ranks[r] for r in range(self.size) if got[r] != tokens[r]]
             raise RuntimeError(f"ipc P2P probe failed on rank {self._ranks[self.rank]}: the data read from "
                                f"rank(s) {bad}'s buffers was wrong (peer access reported but not working)")
 
-    # ---- failure detection ---------------------------------------------------------------------
+    # ---- failure detection ----------------------------------------------------------------------
+    def _done(self) -> int:
+        """Kernels every program has finished (the status block's DONE words)."""
+        return int(self._status[L.S_DONE : L.S_DONE + self.programs].min())
+
+    def _busy(self) -> bool:
+        """Whether a kernel we launched has not finished yet (read by the host, no copy)."""
+        return self._launched + self._extra > self._done()
+
     def _watch(self) -> None:
-        """While a call runs: abort our kernels when a peer dies, closes or aborts, or at the timeout."""
+        """While our kernels run: abort them when a peer dies, closes or aborts, or when DONE has
+        not moved for the timeout; the host raises at its next look (:meth:`_check`)."""
         me = self.rank
         self._regions.bind_thread()
         while not self._stop.wait(_WATCH_PERIOD):
             with self._watch_lock:
-                deadline = self._deadline
-                if deadline is None or self._reason is not None:
+                if self._reason is not None:
                     continue
+                done = self._done()
+                if done > self._launched + self._extra:  # graph replays ran kernels the host did not count
+                    self._extra = done - self._launched
+                if self._launched + self._extra <= done:
+                    self._progress = None
+                    continue
+                now = time.monotonic()
+                if self._progress is None or self._progress[1] != done:
+                    self._progress = (now, done)
                 reason = None
                 try:
                     for r in range(self.size):
@@ -269,7 +365,7 @@ class IPCTransport(Transport):
                                 f"(pid {self._pids[r]}) died"
                             reason = (PeerFailedError, f"rank {self._ranks[r]} {why}", [self._ranks[r]])
                             break
-                    if reason is None and time.monotonic() >= deadline:
+                    if reason is None and now - self._progress[0] >= self.timeout:
                         reason = (CollectiveTimeoutError, f"timed out after the timeout of {self.timeout:.1f}s", [])
                     if reason is not None:
                         self._reason = reason
@@ -280,14 +376,17 @@ class IPCTransport(Transport):
 
     def _finished_this_call(self, r: int) -> bool:
         """Whether peer ``r``, closed or exited, passed a barrier of the running launch that we have
-        not: it then left after the launch's last barrier, having read all it needs from us, and a
-        peer we still wait for is another rank (that rank's arrival, death or the timeout decide).
+        not, or finished a Lamport all_reduce we have not: it then left after the launch's last
+        barrier, or after pushing its data to us, having read all it needs from us; a peer we still
+        wait for is another rank (that rank's arrival, death or the timeout decide).
 
         A peer that closed before it joined the launch is behind or level with us on every program.
         """
         try:
-            theirs = self._regions.read(r, L.EPOCH, self.programs)
-            ours = self._regions.read(self.rank, L.EPOCH, self.programs)
+            p = self.programs
+            theirs = np.concatenate([self._regions.read(r, L.EPOCH, p), self._regions.read(r, L.LAMPORT_CALLS, p)])
+            ours = np.concatenate([self._regions.read(self.rank, L.EPOCH, p),
+                                   self._regions.read(self.rank, L.LAMPORT_CALLS, p)])
         except Exception:  # noqa: BLE001 - its memory is gone: treat it as not there
             return False
         return bool((theirs > ours).any())
@@ -306,41 +405,37 @@ class IPCTransport(Transport):
         raise CommunicatorBrokenError(
             f"ipc communicator is unusable after an earlier failure ({self._broken}); create a new one")
 
-    # ---- launching -----------------------------------------------------------------------------
-    def _meta(self, sig: Signature) -> torch.Tensor:
-        key = sig.meta.tobytes()
-        t = self._meta_cache.get(key)
-        if t is None:
-            if len(self._meta_cache) > 256:
-                self._meta_cache.clear()
-            t = self._meta_cache[key] = torch.from_numpy(sig.meta.copy()).to(self._device)
-        return t
+    def _check(self) -> None:
+        """Raise what our earlier kernels left in the status block, if anything (plain host loads:
+        no copy, no stream synchronization). Errors are asynchronous, as NCCL's are: on a GPU a
+        failure shows at the next call or at :meth:`synchronize`."""
+        st = self._status
+        if st[L.S_ERROR] or st[L.S_MISMATCH] or self._reason is not None:
+            self._failed()
 
-    def _launch(self, kernel: Any, *args: Any, **constants: Any) -> None:
-        """Launch one kernel on our programs and check what it left in our signal area.
-
-        Emulated: the kernel ran to its end when the launch returns. On a GPU the check waits for
-        the stream (skipped under CUDA-graph capture; a failure then shows at the next check).
-        """
-        if self._broken:
-            self._raise_broken()
-        if self._pending:
-            cls, msg, missing = self._pending
-            self._fail(cls, f"{msg} (seen by rank {self._ranks[self.rank]} during an earlier call)", missing)
-        with self._watch_lock:
-            self._deadline = time.monotonic() + self.timeout
-        try:
-            kernel[(self.programs,)](*args, **constants)
-            if self._regions.capturing():
-                return
-            self._regions.sync()
-        finally:
-            with self._watch_lock:
-                self._deadline = None
-                reason, self._reason = self._reason, None
-        error, mismatch = (int(v) for v in self._regions.read(self.rank, L.ERROR, 2))
+    def _failed(self) -> None:
+        st = self._status
         me = self._ranks[self.rank]
+        if self._reason is not None and not st[L.S_ERROR]:
+            # the watchdog set ABORT: our kernels end at their next turn; wait for them (bounded)
+            deadline = time.monotonic() + max(self.timeout, 1.0)
+            while self._busy() and not st[L.S_ERROR] and time.monotonic() < deadline:
+                time.sleep(0.001)
+        with self._watch_lock:
+            reason = self._reason
+            error = int(st[L.S_ERROR])
+            if error == 0 and reason is not None:  # every call completed all the same
+                self._reason = None
+                self._progress = None
+                self._regions.write(self.rank, L.ABORT, 0)
         if error:
+            if error == self.size + 2:  # a Lamport all_reduce met another signature: its slots hold stray data
+                self._broken = "signatures differed in a Lamport all_reduce"
+                self._regions.write(self.rank, L.STATE, L.STATE_ABORTED)
+                st[L.S_MISMATCH] = 0
+                check_agreement(self._peer_metas(), self._ranks)
+                raise ValueError(f"ipc: call signatures differ across ranks (seen by rank {me} in a Lamport "
+                                 "all_reduce); this communicator's ipc transport is closed")
             if error > self.size:  # stopped before it waited for anyone (ABORT was already set)
                 cls, msg, missing = reason or (CollectiveTimeoutError, "its abort flag was set", [])
                 self._fail(cls, f"{msg}; rank {me} abandoned its ipc collective", missing)
@@ -353,15 +448,61 @@ class IPCTransport(Transport):
                            "(stuck, deadlocked, or calling a different collective)", [peer])
             cls, msg, missing = reason
             self._fail(cls, f"{msg} while rank {me} waited for rank {peer} in an ipc collective", missing)
-        if reason is not None:  # the call completed all the same
-            if reason[0] is not CollectiveTimeoutError:
-                self._pending = reason  # but a peer is gone: the next call raises
-            self._regions.write(self.rank, L.ABORT, 0)
-        if mismatch and not constants.get("COPY_META"):
-            self._regions.write(self.rank, L.MISMATCH, 0)
-            metas = self._peer_metas()
-            check_agreement(metas, self._ranks)
+        if reason is not None and reason[0] is not CollectiveTimeoutError:  # a peer is gone all the same
+            cls, msg, missing = reason
+            self._fail(cls, f"{msg} (seen by rank {me} after its ipc collectives completed)", missing)
+        if st[L.S_MISMATCH]:
+            st[L.S_MISMATCH] = 0
+            check_agreement(self._peer_metas(), self._ranks)
             raise ValueError("ipc: call signatures differ across ranks")  # digests differ, words equal
+
+    def synchronize(self) -> None:
+        """Wait for our kernels on the current stream, then raise what they left (see :meth:`_check`)."""
+        if self._broken:
+            self._raise_broken()
+        self._regions.sync()
+        self._check()
+
+    # ---- launching -----------------------------------------------------------------------------
+    def _meta(self, sig: Signature) -> torch.Tensor:
+        key = sig.meta.tobytes()
+        t = self._meta_cache.get(key)
+        if t is None:
+            if len(self._meta_cache) > 256:
+                self._meta_cache.clear()
+            t = self._meta_cache[key] = torch.from_numpy(sig.meta.copy()).to(self._device)
+        return t
+
+    def _bind(self, kernel: Any, constants: dict) -> BoundKernel:
+        key = (kernel, *sorted(constants.items()))
+        b = self._bound.get(key)
+        if b is None:
+            if len(self._bound) > 256:
+                self._bound.clear()
+            b = self._bound[key] = BoundKernel(kernel, self.programs, constants, self.emulate)
+        return b
+
+    def _launch(self, kernel: Any, *args: Any, **constants: Any) -> None:
+        """Launch one kernel on our programs (pre-bound, :mod:`transports._ipc_launch`).
+
+        Before it, raise what earlier kernels left in the status block; after it, only when
+        ``eager_check`` (emulation: the kernel has ended when the launch returns). On a GPU the
+        host never waits for the stream here.
+        """
+        self._start()
+        self._bind(kernel, constants)(*args)
+        if self.eager_check:
+            self._check()
+
+    def _start(self) -> None:
+        """Before a launch: refuse when broken, raise earlier failures, count the launch."""
+        if self._broken:
+            self._raise_broken()
+        st = self._status
+        if st[L.S_ERROR] or st[L.S_MISMATCH] or self._reason is not None:
+            self._failed()
+        if not self._regions.capturing():  # a captured kernel runs at replays, which the host does not see
+            self._launched += 1
 
     def _peer_metas(self) -> np.ndarray:
         return self._regions.read(self.rank, L.PEER_META, self.size * META_LEN).reshape(self.size, META_LEN)
@@ -371,7 +512,8 @@ class IPCTransport(Transport):
             check_agreement(rendezvous_metas(self.group.rendezvous, sig)[0], self._ranks)
             self._host_agreed.add(sig.value)
         r = self._regions
-        return r.data_ptrs, r.sig_ptrs, self.rank, self.size, sig.value, self._meta(sig), self._max_spins
+        return (r.data_ptrs, r.sig_ptrs, self._status_arg, self.rank, self.size, sig.value, self._meta(sig),
+                self._max_spins)
 
     def _chunks(self, count: int, itemsize: int, parts: int = 1) -> list[tuple[int, int]]:
         return windows(count, max(1, self.buffer_bytes // itemsize // parts))
@@ -394,29 +536,79 @@ class IPCTransport(Transport):
     # ---- capabilities --------------------------------------------------------------------------
     def algorithm(self, opcode: OpCode, nbytes: int, dtype: torch.dtype) -> str:
         if opcode == OpCode.ALL_REDUCE:
+            if self._lamport_takes(nbytes, dtype):
+                return "lamport"
             return "one_shot" if nbytes <= self.one_shot_max else "two_shot"
         return {OpCode.ALL_GATHER: "pull", OpCode.REDUCE_SCATTER: "pull_reduce", OpCode.ALL_TO_ALL: "pull",
                 OpCode.BROADCAST: "pull", OpCode.BARRIER: "flags"}.get(opcode, "flags")
 
     # ---- collectives ---------------------------------------------------------------------------
     def exchange_meta(self, sig: Signature) -> np.ndarray:
-        self._launch(self._k.barrier_kernel, *self._common(sig)[1:], COPY_META=True)
-        self._regions.write(self.rank, L.MISMATCH, 0)
+        self._start()
+        self._bind(self._k.barrier_kernel, {"COPY_META": True})(*self._common(sig)[1:])
+        self._regions.sync()  # an error path: the host reads the peers' signatures now
+        self._status[L.S_MISMATCH] = 0  # differences are the point here
+        self._check()
         return self._peer_metas()
 
     def barrier(self, sig: Signature) -> None:
         self._launch(self._k.barrier_kernel, *self._common(sig)[1:], COPY_META=False)
 
+    def _lamport_takes(self, nbytes: int, dtype: torch.dtype) -> bool:
+        return dtype in _LAMPORT_DTYPES and 0 < nbytes <= self.lamport_max and \
+            nbytes // _ITEMSIZE[dtype] <= self.lamport_elems
+
+    def _symmetric_offset(self, t: torch.Tensor) -> int | None:
+        """Offset of ``t`` in our symmetric heap (every rank's tensor of a call sits at the same
+        one), or None when ``t`` is not wholly inside it."""
+        a = t.data_ptr()
+        if self._heap_lo <= a and a + t.numel() * t.element_size() <= self._heap_hi and t.numel():
+            return a - self._heap_lo
+        return None
+
+    def _heap_table(self, offset: int) -> torch.Tensor:
+        """Every rank's address of the symmetric tensor at ``offset`` (a device table, cached)."""
+        t = self._heap_tables.get(offset)
+        if t is None:
+            if len(self._heap_tables) > 64:
+                self._heap_tables.clear()
+            t = self._heap_tables[offset] = self._regions.sig_ptrs + (self._heap_off + offset)
+        return t
+
     def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         x, y = self._flat(send), self._flat(out)
         const = self._reduce_constants(send.dtype, op)
         common = self._common(sig)
-        if send.numel() * send.element_size() <= self.one_shot_max:
+        nbytes = send.numel() * send.element_size()
+        if self._lamport_takes(nbytes, send.dtype):
+            self._lamport_all_reduce(x, y, const, sig)
+            return
+        sym = self._symmetric_offset(x)
+        if sym is not None:  # no copy into the staging buffer: the kernels read the peers' tensors
+            table = self._heap_table(sym)
+            if x.data_ptr() == y.data_ptr():
+                kernel, const["ALIGN"] = self._k.all_reduce_two_shot, TWO_SHOT_ALIGN
+            else:
+                kernel = self._k.all_reduce_one_shot
+            self._launch(kernel, x, y, x.numel(), table, *common[1:], **const, STAGE=False)
+            return
+        if nbytes <= self.one_shot_max:
             kernel = self._k.all_reduce_one_shot
         else:
             kernel, const["ALIGN"] = self._k.all_reduce_two_shot, TWO_SHOT_ALIGN
         for lo, hi in self._chunks(x.numel(), x.element_size()):
-            self._launch(kernel, x[lo:hi], y[lo:hi], hi - lo, *common, **const)
+            self._launch(kernel, x[lo:hi], y[lo:hi], hi - lo, *common, **const, STAGE=True)
+
+    def _lamport_args(self, sig: Signature) -> tuple:
+        """The Lamport kernels' arguments after the tensors and sizes (lam_ptrs .. max_spins)."""
+        return (self._lam_ptrs, self._regions.sig_ptrs, self._status_arg, self.rank, self.size, sig.value,
+                self._meta(sig), self.lamport_elems, self._max_spins)
+
+    def _lamport_all_reduce(self, x: torch.Tensor, y: torch.Tensor, const: dict, sig: Signature) -> None:
+        """One kernel, no barrier: data carry their arrival (:mod:`transports.kernels.lamport`)."""
+        self._common(sig)  # the host-side agreement of a new signature (GPU)
+        const = {"OP": const["OP"], "OUT_BF16": const["OUT_BF16"], "BLOCK": self.block}
+        self._launch(self._k.lamport.all_reduce_lamport, x, y, x.numel(), *self._lamport_args(sig), **const)
 
     def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         x, y = self._flat(send), self._flat(out)
@@ -466,10 +658,11 @@ class IPCTransport(Transport):
 
         def pull(out: torch.Tensor, copies: list) -> None:
             table = torch.tensor(copies or [[0, 0, 0, 0]], dtype=torch.int64, device=self._device)
-            self._launch(self._k.all_to_all_pull, out, table, len(copies), *common[:4], self._max_spins,
+            self._launch(self._k.all_to_all_pull, out, table, len(copies), *common[:5], self._max_spins,
                          BLOCK=self.block)
 
         stage(0)
+        self.synchronize()  # the host reads the counts the stage kernel published
         wrong = None
         try:
             # one read per rank: its COUNTS .. RECV_COUNTS words, published before the barrier we passed
@@ -503,6 +696,36 @@ class IPCTransport(Transport):
         if wrong is not None:
             check_recv_counts(*wrong, self._ranks)
         return out
+
+    # ---- symmetric memory ----------------------------------------------------------------------
+    def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor inside our region's symmetric heap (collective: every rank calls
+        it with the same shape and dtype, in the same order). The all_reduce of such a tensor
+        reads it where it is, on every rank, without a copy into the staging buffer: in place
+        when ``out`` is the tensor itself. It is freed when the tensor is garbage collected; keep
+        frees in the same order on every rank, since the next allocation's offset must agree.
+
+        Raises ValueError on every rank when the ranks' calls differ or the heap is full.
+        """
+        if self._broken:
+            self._raise_broken()
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * itemsize
+        off = self._heap.alloc(nbytes)
+        mine = np.array([-1 if off is None else off, nbytes, Signature.of(OpCode.ALL_REDUCE, dtype=dtype).meta[1]],
+                        dtype=np.int64)
+        everyone = [np.frombuffer(b, dtype=np.int64) for b in self.group.rendezvous.allgather_bytes(mine.tobytes())]
+        if any((e != mine).any() for e in everyone) or off is None:
+            if off is not None:
+                self._heap.free(off)
+            desc = "; ".join(f"rank {self._ranks[r]}: " + (f"{e[1]} B of dtype code {e[2]} at offset {e[0]}"
+                                                            if e[0] >= 0 else f"{e[1]} B, no room")
+                             for r, e in enumerate(everyone))
+            raise ValueError(f"symmetric_empty: the ranks' allocations differ or the symmetric heap "
+                             f"({self.symmetric_bytes} B, setting ipc_symmetric_bytes) is full: {desc}")
+        heap = self._heap
+        raw = self._regions.tensor(self._heap_off + off, nbytes, lambda: heap.free(off))
+        return raw.view(dtype).reshape(shape)
 
     # ---- teardown ------------------------------------------------------------------------------
     def abort(self, why: str) -> None:

@@ -111,6 +111,10 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
        "per-rank registered buffer of the ipc transport in bytes; larger messages go in chunks "
        "(8 MiB: the buffer size of vLLM's custom all-reduce)",
        "transports.ipc", agree=True, minimum=4096),
+    _s("MOECOMM_IPC_SYMMETRIC_BYTES", int, 16 << 20,
+       "per-rank symmetric heap of the ipc transport in bytes: comm.symmetric_empty() tensors live there and "
+       "are all-reduced in place, without a copy into the staging buffer",
+       "transports.ipc", agree=True, minimum=0),
     _s("MOECOMM_IPC_EMULATE", int, 0,
        "1: the ipc transport serves CPU tensors on one node through POSIX shared memory and Triton's "
        "interpreter (TRITON_INTERPRET=1), so its kernels run without a GPU; 0: ipc serves CUDA tensors only",

@@ -69,3 +69,17 @@ STATUS_WORDS = S_DONE + MAX_PROGRAMS
 LAMPORT_SENTINEL_BITS = -(1 << 31)  # int32 view of float32 -0.0
 
 STATE_RUNNING, STATE_ABORTED, STATE_CLOSED = 0, 1, 2
+
+
+def lamport_slot_bytes(elems: int) -> int:
+    """Bytes of one Lamport slot for ``elems`` elements per source: headers, then float32 rows."""
+    return MAX_RANKS * 8 + MAX_RANKS * elems * 4
+
+
+def lamport_image(elems: int):
+    """The empty Lamport area (every slot: zero headers, sentinel rows) as a uint8 NumPy array."""
+    import numpy as np
+
+    slot = np.zeros(lamport_slot_bytes(elems), dtype=np.uint8)
+    slot[MAX_RANKS * 8 :].view(np.int32)[:] = LAMPORT_SENTINEL_BITS
+    return np.tile(slot, LAMPORT_SLOTS)

@@ -21,7 +21,6 @@ from . import layout as L
 
 _ABORT = tl.constexpr(L.ABORT)
 _ERROR = tl.constexpr(L.ERROR)
-_MISMATCH = tl.constexpr(L.MISMATCH)
 _COUNTS = tl.constexpr(L.COUNTS)
 _META = tl.constexpr(L.META)
 _RECV_COUNTS = tl.constexpr(L.RECV_COUNTS)
@@ -29,6 +28,10 @@ _DIGEST = tl.constexpr(L.DIGEST)
 _EPOCH = tl.constexpr(L.EPOCH)
 _FLAGS = tl.constexpr(L.FLAGS)
 _PEER_META = tl.constexpr(L.PEER_META)
+_CALLS = tl.constexpr(L.CALLS)
+_S_ERROR = tl.constexpr(L.S_ERROR)
+_S_MISMATCH = tl.constexpr(L.S_MISMATCH)
+_S_DONE = tl.constexpr(L.S_DONE)
 _MAX_RANKS = tl.constexpr(L.MAX_RANKS)
 _META_WORDS = tl.constexpr(L.META_WORDS)
 
@@ -47,14 +50,28 @@ def rank_ptr(table, r, DT: tl.constexpr):
 
 
 @triton.jit
-def record_error(my_sig, code):
-    """ERROR = code unless an earlier failure is recorded there (int64 compare-and-swap)."""
+def record_error(my_sig, status, code):
+    """ERROR = code unless an earlier failure is recorded there (int64 compare-and-swap); the
+    program whose swap won mirrors it into the status block, where the host reads it lazily."""
     zero = tl.load(my_sig + _ERROR, volatile=True) * 0  # an int64 0: the CAS operands match the word
-    tl.atomic_cas(my_sig + _ERROR, zero, zero + code, sem="relaxed", scope="sys")
+    old = tl.atomic_cas(my_sig + _ERROR, zero, zero + code, sem="relaxed", scope="sys")
+    if old == 0:
+        tl.store(status + _S_ERROR, zero + code)
 
 
 @triton.jit
-def wait_flag(flag, e, my_sig, peer, max_spins):
+def done(my_sig, status):
+    """The kernel's last step: CALLS += 1 for this program, mirrored into the status block's DONE
+    (a posted store to host-mapped memory: the host sees that this program finished)."""
+    pid = tl.program_id(0)
+    c = tl.load(my_sig + _CALLS + pid) + 1
+    tl.store(my_sig + _CALLS + pid, c)
+    tl.debug_barrier()  # every thread's work precedes the store the host reads
+    tl.store(status + _S_DONE + pid, c)
+
+
+@triton.jit
+def wait_flag(flag, e, my_sig, status, peer, max_spins):
     """Spin until ``*flag >= e``; 1 if it got there, else 0 with ERROR = peer + 1."""
     v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
     abort = tl.load(my_sig + _ABORT, volatile=True)
@@ -69,12 +86,12 @@ def wait_flag(flag, e, my_sig, peer, max_spins):
     v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
     arrived = v >= e
     if v < e:
-        record_error(my_sig, peer + 1)
+        record_error(my_sig, status, peer + 1)
     return arrived
 
 
 @triton.jit
-def barrier(sig_ptrs, my_sig, rank, world, pid, e, max_spins, ok):
+def barrier(sig_ptrs, my_sig, status, rank, world, pid, e, max_spins, ok):
     """Epoch barrier of program ``pid`` with the same program of every peer (skipped when not ok)."""
     tl.debug_barrier()  # every thread's stores of this program precede the release below
     if ok:
@@ -85,39 +102,39 @@ def barrier(sig_ptrs, my_sig, rank, world, pid, e, max_spins, ok):
         for r in range(0, world):
             if r != rank:
                 if ok:
-                    ok = wait_flag(my_sig + _FLAGS + pid * _MAX_RANKS + r, e, my_sig, r, max_spins)
+                    ok = wait_flag(my_sig + _FLAGS + pid * _MAX_RANKS + r, e, my_sig, status, r, max_spins)
     tl.debug_barrier()  # no thread reads peers' data before the acquire above
     return ok
 
 
 @triton.jit
-def may_start(my_sig, world):
+def may_start(my_sig, status, world):
     """1 unless an earlier wait gave up or ABORT is set; a kernel that does not start records
     ERROR = world + 1 (no peer to name), so the host never takes a skipped call for a done one."""
     ok = (tl.load(my_sig + _ERROR, volatile=True) == 0) & (tl.load(my_sig + _ABORT, volatile=True) == 0)
     if ok == 0:
-        record_error(my_sig, world + 1)
+        record_error(my_sig, status, world + 1)
     return ok
 
 
 @triton.jit
-def begin(sig_ptrs, rank, world, digest, meta, max_spins, COPY_META: tl.constexpr):
+def begin(sig_ptrs, status, rank, world, digest, meta, max_spins, COPY_META: tl.constexpr):
     """First barrier of a call, carrying its signature.
 
     Returns (my_sig, e0, ok, go): this rank's signal area, the program's epoch before the call,
     whether every wait so far succeeded, and whether to move data (ok and every peer's signature
     digest equals ours). On a difference program 0 copies the peers' full signatures into
-    PEER_META and sets MISMATCH; with COPY_META it copies them in any case (exchange_meta).
+    PEER_META and sets the status block's MISMATCH; with COPY_META it copies them in any case (exchange_meta).
     """
     pid = tl.program_id(0)
     my_sig = rank_ptr(sig_ptrs, rank, tl.int64)
     e0 = tl.load(my_sig + _EPOCH + pid)
-    ok = may_start(my_sig, world)
+    ok = may_start(my_sig, status, world)
     tl.store(my_sig + _DIGEST + pid, digest)
     if pid == 0:
         k = tl.arange(0, _META_WORDS)
         tl.store(my_sig + _META + k, tl.load(meta + k))
-    ok = barrier(sig_ptrs, my_sig, rank, world, pid, e0 + 1, max_spins, ok)
+    ok = barrier(sig_ptrs, my_sig, status, rank, world, pid, e0 + 1, max_spins, ok)
     differs = ok & (rank < 0)  # False, typed like ok
     if ok:
         for r in range(0, world):
@@ -131,17 +148,17 @@ def begin(sig_ptrs, rank, world, digest, meta, max_spins, COPY_META: tl.constexp
                     peer = rank_ptr(sig_ptrs, r, tl.int64)
                     tl.store(my_sig + _PEER_META + r * _META_WORDS + k, tl.load(peer + _META + k, volatile=True))
         if differs:
-            tl.store(my_sig + _MISMATCH, 1)
+            tl.store(status + _S_MISMATCH, 1)
     go = ok & (differs == 0)
     return my_sig, e0, ok, go
 
 
 @triton.jit
-def finish(sig_ptrs, my_sig, rank, world, e, max_spins, ok):
+def finish(sig_ptrs, my_sig, status, rank, world, e, max_spins, ok):
     """Last barrier of a call (no rank rewrites its buffer while a peer still reads it); the
     program's epoch becomes ``e``."""
     pid = tl.program_id(0)
-    ok = barrier(sig_ptrs, my_sig, rank, world, pid, e, max_spins, ok)
+    ok = barrier(sig_ptrs, my_sig, status, rank, world, pid, e, max_spins, ok)
     tl.store(my_sig + _EPOCH + pid, e)
     return ok
 
