@@ -101,7 +101,7 @@ class CallPaths:
             alias = self.rank * block * (1 if opcode == OpCode.ALL_GATHER else -1)
         staged = device not in tr.devices
         out_nbytes = math.prod(out_shape) * t.element_size()
-        by_address = tr.latency_call(opcode, t.numel(), t.dtype, rop, sig) if device == "cpu" and not staged and \
+        by_address = tr.latency_call(opcode, t.numel(), t.dtype, rop, sig) if not staged and not view and \
             opcode in (OpCode.ALL_REDUCE, OpCode.ALL_GATHER, OpCode.REDUCE_SCATTER) else None
         ent = _Entry(tr, sig, rop, out_shape, staged, call, alias, nbytes, out_nbytes, by_address)
         if len(self._cache) > 512:
@@ -149,7 +149,8 @@ class CallPaths:
     def _hot(self, opcode: OpCode, x: Array, op: Any, out: Array | None, in_place_ok: bool
              ) -> tuple[_Entry, torch.Tensor, int, int] | None:
         """(entry, tensor to write, x's address, its address) for a repeated call on a plain
-        contiguous tensor, else None (the addresses are 0 off the host: only host calls use them).
+        contiguous tensor, else None (the addresses are 0 off the host unless the entry has a
+        ``by_address`` call: the ipc transport's pre-bound launch).
 
         The latency path: a cache hit skips validation (done when the entry was made) and every
         conversion; anything unusual (NumPy, strides, grads, sparse, odd ``out``) takes :meth:`_run`.
@@ -177,7 +178,10 @@ class CallPaths:
                 if ent is None or ent.staged:
                     return None
                 if out is None:
-                    return ent, torch.empty_like(x) if opcode is OpCode.ALL_REDUCE else x.new_empty(ent.out_shape), 0, 0
+                    res = torch.empty_like(x) if opcode is OpCode.ALL_REDUCE else x.new_empty(ent.out_shape)
+                    if ent.by_address is None:
+                        return ent, res, 0, 0
+                    return ent, res, x.data_ptr(), res.data_ptr()
                 if type(out) is not torch.Tensor or out.dtype is not x.dtype or out.shape != ent.out_shape \
                         or out.requires_grad or not out.is_contiguous() or out.device != device:
                     return None

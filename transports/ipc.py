@@ -42,18 +42,19 @@ output is allocated there (and compares ``recv_counts=`` with them there, in the
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from ._host import group_settings, pid_alive
-from ._ipc_launch import BoundKernel, Pointer
+from ._ipc_launch import BoundKernel, Pointer, arg_type
 from ._ipc_regions import _CudaRegions, _HostRegions
 from ._schedule import all_to_all_pulls, staged_segments, windows
 from .base import (
@@ -153,6 +154,19 @@ def ipc_available(settings: dict) -> bool:
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+def _at(addr: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [numel] tensor of ``dtype`` at ``addr``: a CPU view of host memory (emulation); on a GPU
+    the memory of a tensor the caller holds, found through torch's allocator-independent DLPack."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if device.type == "cpu":
+        return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=dtype, count=numel)
+    import cupy
+
+    mem = cupy.cuda.UnownedMemory(addr, nbytes, None)
+    arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    return torch.as_tensor(arr, device=device).view(dtype)
 
 
 class _SymmetricHeap:
@@ -598,6 +612,51 @@ class IPCTransport(Transport):
             kernel, const["ALIGN"] = self._k.all_reduce_two_shot, TWO_SHOT_ALIGN
         for lo, hi in self._chunks(x.numel(), x.element_size()):
             self._launch(kernel, x[lo:hi], y[lo:hi], hi - lo, *common, **const, STAGE=True)
+
+    def latency_call(self, opcode: OpCode, numel: int, dtype: torch.dtype, op: ReduceOp | None, sig: Signature
+                     ) -> Callable[[int, int], None] | None:
+        """See :meth:`Transport.latency_call`: a repeated all_reduce that fits one launch, by
+        address, with everything but the two pointers prepared: the status check, the launch
+        count and the compiled kernel's launcher (after the first call) are all that run.
+        Symmetric tensors take :meth:`all_reduce`."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * itemsize
+        if opcode != OpCode.ALL_REDUCE or numel == 0 or nbytes > self.buffer_bytes:
+            return None
+        flat = torch.uint8 if dtype == torch.bool else dtype
+        const = self._reduce_constants(dtype, op)
+        if self._lamport_takes(nbytes, dtype):
+            self._common(sig)
+            kernel, rest = self._k.lamport.all_reduce_lamport, self._lamport_args(sig)
+            const = {"OP": const["OP"], "OUT_BF16": const["OUT_BF16"], "BLOCK": self.block}
+        else:
+            rest = self._common(sig)
+            kernel = self._k.all_reduce_one_shot
+            if nbytes > self.one_shot_max:
+                kernel, const["ALIGN"] = self._k.all_reduce_two_shot, TWO_SHOT_ALIGN
+            const["STAGE"] = True
+        bound = self._bind(kernel, const)
+        start, emulate, heap_lo, heap_hi = self._start, self.emulate, self._heap_lo, self._heap_hi
+        wide = tuple(arg_type(v) for v in rest)  # with the alignment of the pointers: the variant
+        compiled = bound._compiled
+
+        def call(x_addr: int, out_addr: int) -> None:
+            if heap_lo <= x_addr < heap_hi:
+                self.all_reduce(_at(x_addr, numel, flat, self._device), _at(out_addr, numel, flat, self._device),
+                                op, sig)
+                return
+            start()
+            key = (wide, x_addr & 15 == 0, out_addr & 15 == 0)
+            if emulate:
+                bound(_at(x_addr, numel, flat, self._device), _at(out_addr, numel, flat, self._device), numel, *rest)
+            elif key in compiled:
+                bound(x_addr, out_addr, numel, *rest, key=key)
+            else:  # the JIT types pointers from data_ptr() and dtype
+                bound(Pointer(x_addr, flat), Pointer(out_addr, flat), numel, *rest, key=key)
+            if self.eager_check:
+                self._check()
+
+        return call
 
     def _lamport_args(self, sig: Signature) -> tuple:
         """The Lamport kernels' arguments after the tensors and sizes (lam_ptrs .. max_spins)."""

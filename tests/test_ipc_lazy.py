@@ -1,0 +1,304 @@
+"""The ipc transport's host path: no host wait per call, errors read lazily, symmetric tensors,
+and pre-bound launches that match what Triton compiles for the GPU.
+
+Emulation (host provider + Triton's interpreter) in forked ranks; ``eager_check=False`` makes the
+transport read its status block only at the next call and at ``synchronize()``, as it does on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ipc_harness import run_ranks  # noqa: E402
+from transports.base import (  # noqa: E402
+    CollectiveTimeoutError,
+    CommunicatorBrokenError,
+    OpCode,
+    PeerFailedError,
+    ReduceOp,
+    Signature,
+)
+
+BUF = 1 << 14
+
+
+def _sig(x: torch.Tensor, op=ReduceOp.SUM) -> Signature:
+    return Signature.of(OpCode.ALL_REDUCE, dtype=x.dtype, shape=x.shape, op=op)
+
+
+def _counting(t) -> dict:
+    """Count the calling thread's signal-word reads and stream synchronizations through the
+    regions object from now on (the watchdog thread reads the peers' STATE words meanwhile)."""
+    import threading
+
+    counts = {"read": 0, "sync": 0}
+    regions = t._regions
+    read, sync = regions.read, regions.sync
+    me = threading.current_thread()
+
+    def counted_read(*a):
+        counts["read"] += threading.current_thread() is me
+        return read(*a)
+
+    def counted_sync():
+        counts["sync"] += 1
+        return sync()
+
+    regions.read, regions.sync = counted_read, counted_sync
+    return counts
+
+
+def _no_host_wait(group, eager):
+    from transports.ipc import IPCTransport
+
+    t = IPCTransport(group, buffer_bytes=BUF, eager_check=eager)
+    n, me = group.size, group.rank
+    xs = [torch.randn(37, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    ref = xs[0].clone()
+    for x in xs[1:]:
+        ref += x
+    sig = _sig(xs[me])
+    call = t.latency_call(OpCode.ALL_REDUCE, 37, torch.float32, ReduceOp.SUM, sig)
+    x = xs[me].clone()
+    out = torch.empty(37)
+    call(x.data_ptr(), out.data_ptr())  # the first call binds the launch
+    counts = _counting(t)
+    bad = 0
+    for i in range(200):
+        out.zero_()
+        if i % 2:
+            call(x.data_ptr(), out.data_ptr())
+        else:
+            t.all_reduce(x, out, ReduceOp.SUM, sig)
+        bad += not torch.equal(out, ref)
+    during = dict(counts)
+    t.synchronize()
+    after = dict(counts)
+    done = t._done()
+    t.close()
+    return bad, during, after, done
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_cached_calls_neither_read_signal_words_nor_synchronize(eager):
+    results = run_ranks(_no_host_wait, 2, eager, timeout=60.0)
+    for res in results:
+        assert res[0] == "ok", res
+        bad, during, after, done = res[1]
+        assert bad == 0
+        assert during == {"read": 0, "sync": 0}, during  # 200 calls, no host round trip
+        assert after == {"read": 0, "sync": 1}, after  # synchronize(): one
+        assert done >= 201  # every kernel reported its end in the status block
+
+
+def _lazy_failure(group, how):
+    from transports.ipc import IPCTransport
+
+    t = IPCTransport(group, buffer_bytes=BUF, eager_check=False)
+    name = t._regions.name
+    x = torch.randn(64)
+    sig = _sig(x)
+    t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM, sig)  # everybody up
+    t.synchronize()
+    if group.rank == 1:
+        if how == "killed":
+            time.sleep(0.3)  # rank 0 is inside its kernel by now
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(group.timeout + 3.0)  # never arrives
+        t.close()
+        return None
+    t0 = time.monotonic()
+    t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM, sig)  # returns: errors are read lazily
+    returned = time.monotonic() - t0
+    try:
+        if how == "sync":
+            t.synchronize()
+        else:
+            t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM, sig)
+        outcome = ("no error", "", [])
+    except Exception as e:  # noqa: BLE001 - inspected by the test
+        outcome = (type(e).__name__, str(e), getattr(e, "missing_ranks", None))
+    raised = time.monotonic() - t0
+    try:
+        t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM, sig)
+        later = "no error"
+    except CommunicatorBrokenError:
+        later = "broken"
+    t.close()
+    return outcome, returned, raised, later, name
+
+
+@pytest.mark.parametrize("how", ["next_call", "sync", "killed"])
+def test_a_failure_surfaces_at_the_next_call_or_synchronize_naming_the_rank(how):
+    results = run_ranks(_lazy_failure, 2, how, timeout=2.0)
+    assert results[0][0] == "ok", results[0]
+    (kind, msg, missing), returned, raised, later, name = results[0][1]
+    if how == "killed":
+        assert kind == "PeerFailedError" and "rank 1" in msg and "died" in msg, msg
+        assert raised < 2.0, raised  # the watchdog saw the death before the timeout
+    else:
+        assert kind == "CollectiveTimeoutError" and missing == [1], msg
+        assert 1.9 < raised < 6.0, raised  # within the timeout, plus the watchdog's period
+    assert missing == [1], missing
+    assert later == "broken"
+    assert not os.path.exists(os.path.join("/dev/shm", name))
+
+
+def _symmetric(group):
+    from transports.ipc import IPCTransport
+
+    t = IPCTransport(group, buffer_bytes=4096, symmetric_bytes=1 << 16)
+    n, me = group.size, group.rank
+    report = {}
+    for dtype, numel in ((torch.float32, 3001), (torch.bfloat16, 17), (torch.int64, 1000)):
+        xs = [(torch.randn(numel, generator=torch.Generator().manual_seed(10 * r + 1)) * 8).to(dtype)
+              for r in range(n)]
+        acc_t = torch.int64 if dtype == torch.int64 else torch.float32  # the kernels' order and accumulator
+        acc = xs[0].to(acc_t)
+        for x in xs[1:]:
+            acc = acc + x.to(acc_t)
+        ref = acc.to(dtype)
+        s = t.symmetric_empty((numel,), dtype)
+        inside = t._heap_lo <= s.data_ptr() < t._heap_hi
+        s.copy_(xs[me])
+        out = torch.empty_like(s)
+        t.all_reduce(s, out, ReduceOp.SUM, _sig(s))  # one-shot over the peers' tensors
+        t.all_reduce(s, s, ReduceOp.SUM, _sig(s))  # in place: two-shot over them
+        same = torch.equal(out, s)
+        report[str(dtype)] = (inside, same, torch.equal(out, ref), out.clone())
+        del s
+    # the ranks' allocations must agree: rank 0 asks for another size
+    try:
+        t.symmetric_empty((8 if me else 9,), torch.float32)
+        mismatch = "no error"
+    except ValueError as e:
+        mismatch = str(e)
+    after = t.symmetric_empty((4,), torch.float32)  # the communicator still works
+    after.fill_(me + 1)
+    t.all_reduce(after, after, ReduceOp.SUM, _sig(after))
+    t.close()
+    return report, mismatch, after.tolist()
+
+
+def test_symmetric_tensors_reduce_in_place_without_staging():
+    results = run_ranks(_symmetric, 3, timeout=60.0)
+    reports = []
+    for res in results:
+        assert res[0] == "ok", res
+        report, mismatch, after = res[1]
+        for dtype, (inside, same, exact, _) in report.items():
+            assert inside and same and exact, dtype
+        assert "allocations differ" in mismatch and "rank 0" in mismatch and "rank 1" in mismatch, mismatch
+        assert after == [6.0] * 4
+        reports.append(report)
+    for dtype in reports[0]:  # bitwise the same on every rank
+        assert all(torch.equal(r[dtype][3], reports[0][dtype][3]) for r in reports), dtype
+
+
+# ---- pre-bound launches against triton.compile for sm_90 ------------------------------------------
+def _record_launches(group):
+    """Every (kernel, runtime argument types, constexprs, full argument list) the transport launches."""
+    from transports import _ipc_launch
+    from transports.ipc import IPCTransport
+
+    seen = {}
+    real = _ipc_launch.BoundKernel.__call__
+
+    def record(self, *args, key=None):
+        name = self.kernel.__name__ if hasattr(self.kernel, "__name__") else self.kernel.fn.__name__
+        sig = self.signature(args)
+        full = self.full_args(args)
+        const = {k: (v.name if hasattr(v, "name") else v) for k, v in self.constexprs.items()}
+        order_ok = all(full[self.names.index(k)] is v for k, v in self.constexprs.items())
+        seen.setdefault(f"{name}{sorted(const.items())}", (name, sig, const, len(full), order_ok))
+        return real(self, *args, key=key)
+
+    _ipc_launch.BoundKernel.__call__ = record
+    t = IPCTransport(group, buffer_bytes=BUF, one_shot_max_bytes=4096)
+    x = torch.randn(5000)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        v = x[:300].to(dtype)
+        t.all_reduce(v, torch.empty_like(v), ReduceOp.SUM, _sig(v))
+        w = x.to(dtype)
+        t.all_reduce(w, torch.empty_like(w), ReduceOp.MAX, _sig(w, ReduceOp.MAX))
+    t.reduce_scatter(x[:64], torch.empty(32), ReduceOp.SUM,
+                     Signature.of(OpCode.REDUCE_SCATTER, dtype=x.dtype, shape=(64,), op=ReduceOp.SUM))
+    t.all_gather(x[:8], torch.empty(16), Signature.of(OpCode.ALL_GATHER, dtype=x.dtype, shape=(8,)))
+    t.broadcast(x[:8], torch.empty(8), 0, Signature.of(OpCode.BROADCAST, dtype=x.dtype, shape=(8,)))
+    t.all_to_all(x[:4], [2, 2], 1, lambda c: torch.empty(sum(c)),
+                 Signature.of(OpCode.ALL_TO_ALL, dtype=x.dtype, shape=(4,), compare_first_dim=False))
+    t.barrier(Signature.of(OpCode.BARRIER))
+    t.close()
+    return list(seen.values())
+
+
+def _compile_recorded(launches: list) -> dict:
+    """In a process without the interpreter: compile each recorded launch for sm_90 and read the
+    kernel's parameters from its PTX."""
+    import re
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from transports.kernels import collectives
+
+    modules = [collectives]
+    try:
+        from transports.kernels import lamport
+
+        modules.append(lamport)
+    except ImportError:
+        pass
+    types = {d.name: d for d in (tl.float32, tl.float64, tl.int32, tl.int64)}
+    report = {}
+    for name, sig, const, nfull, _ in launches:
+        fn = next(getattr(m, name) for m in modules if hasattr(m, name))
+        cx = {(fn.arg_names.index(k),): (types[v] if isinstance(v, str) else v) for k, v in const.items()}
+        compiled = triton.compile(ASTSource(fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32))
+        ptx = compiled.asm["ptx"]
+        entry = ptx[ptx.index(".entry") : ptx.index(")", ptx.index(".entry"))]
+        params = re.findall(r"\.param \.(\w+)", entry)
+        report[f"{name}{sorted(const.items())}"] = {"params": params, "names": list(fn.arg_names),
+                                                     "src_sig": list(compiled.src.signature.items())}
+    return report
+
+
+def test_pre_bound_arguments_match_the_sm90_compiled_signature(tmp_path):
+    results = run_ranks(_record_launches, 2, timeout=120.0)
+    assert results[0][0] == "ok", results[0]
+    launches = results[0][1]
+    names = {entry[0] for entry in launches}
+    assert {"all_reduce_one_shot", "all_reduce_two_shot", "reduce_scatter", "all_gather", "broadcast",
+            "all_to_all_stage", "all_to_all_pull", "barrier_kernel"} <= names, names
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + os.path.join(root, "tests") + os.pathsep + env.get("PYTHONPATH", "")
+    code = ("import json, sys; from test_ipc_lazy import _compile_recorded; "
+            "print(json.dumps(_compile_recorded(json.loads(sys.stdin.read()))))")
+    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(launches), env=env, capture_output=True,
+                          text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    width = {"i32": "u32", "i64": "u64", "i1": "pred"}
+    for name, sig, const, nfull, order_ok in launches:
+        got = report[f"{name}{sorted(const.items())}"]
+        assert list(sig) == got["names"] and nfull == len(got["names"]), name  # every parameter, in order
+        assert order_ok, name  # constexprs in their places
+        assert [k for k, v in sig.items() if v == "constexpr"] == list(const), name
+        ours = [("u64" if v.startswith("*") else width[v]) for v in sig.values() if v != "constexpr"]
+        # the compiled entry takes our runtime arguments, in order and width, then Triton's own scratch pointers
+        assert got["params"][: len(ours)] == ours, (name, got["params"], ours)
+        assert all(p == "u64" for p in got["params"][len(ours):]) and len(got["params"]) - len(ours) <= 2, name
