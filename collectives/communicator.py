@@ -472,6 +472,48 @@ class Communicator(CallPaths, PointToPoint):
         """
         self._guarded("barrier", self._barrier)
 
+    def symmetric_empty(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialized tensor in the ipc transport's symmetric heap (torch calls this
+        ``symm_mem.empty``; vLLM registers its CUDA-graph buffers for the same reason).
+
+        Collective: every rank calls it with the same shape and dtype, in the same order. An
+        ``all_reduce`` of such a tensor reads it in place on every rank, without the copy into the
+        staging buffer (``out=x`` all-reduces it in place). Freed when the tensor is garbage
+        collected; free in the same order on every rank (allocations must land at one offset).
+
+        Args:
+            shape: the tensor's shape.
+            dtype: its dtype.
+        Returns:
+            [shape] dtype on this communicator's ipc device (CUDA; CPU when ipc is emulated).
+        Raises:
+            RuntimeError: this communicator has no ipc transport.
+            ValueError (every rank): the ranks' calls differ, or the heap (setting
+                ``ipc_symmetric_bytes``) is full.
+        """
+        t = self.transports.get("ipc")
+        if t is None:
+            raise RuntimeError("symmetric_empty needs the ipc transport (one node, CUDA and triton, or "
+                               f"MOECOMM_IPC_EMULATE=1); this communicator has {sorted(self.transports)}")
+        return self._guarded("symmetric_empty", t.symmetric_empty, tuple(int(d) for d in shape), dtype)
+
+    def synchronize(self) -> None:
+        """Wait for this rank's collectives queued on the device, and raise their failures.
+
+        Our ``ipc`` kernels report errors asynchronously, as NCCL does: a call returns once its
+        kernel is queued, and a failure (a dead or late peer: ``PeerFailedError``,
+        ``CollectiveTimeoutError``; a signature difference: ``ValueError``) raises at this rank's
+        next call or here, naming the rank. Other transports finish their calls before returning.
+
+        Returns:
+            None.
+        """
+        self._guarded("synchronize", self._synchronize)
+
+    def _synchronize(self) -> None:
+        for t in dict.fromkeys(self.transports.values()):
+            t.synchronize()
+
     def _barrier(self) -> None:
         ent = self._barrier_entry
         if ent is None:

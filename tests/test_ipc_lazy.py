@@ -302,3 +302,28 @@ def test_pre_bound_arguments_match_the_sm90_compiled_signature(tmp_path):
         # the compiled entry takes our runtime arguments, in order and width, then Triton's own scratch pointers
         assert got["params"][: len(ours)] == ours, (name, got["params"], ours)
         assert all(p == "u64" for p in got["params"][len(ours):]) and len(got["params"]) - len(ours) <= 2, name
+
+
+def _communicator(comm):
+    """The Communicator's symmetric_empty, synchronize and latency path over ipc."""
+    n, me = comm.size, comm.rank
+    xs = [torch.randn(33, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    ref = xs[0] + xs[1]
+    s = comm.symmetric_empty((33,), torch.float32)
+    s.copy_(xs[me])
+    comm.all_reduce(s, out=s)
+    ok = [torch.equal(s, ref)]
+    x = xs[me].clone()
+    for _ in range(5):  # the cached entry's latency path
+        ok.append(torch.equal(comm.all_reduce(x), ref))
+    comm.synchronize()
+    return ok, str(comm.plan("all_reduce", x))
+
+
+def test_communicator_symmetric_empty_and_synchronize():
+    import collectives
+
+    results = collectives.launch(_communicator, 2, transport="ipc", options={"ipc_emulate": 1}, timeout=60.0)
+    for ok, plan in results:
+        assert all(ok), ok
+        assert "-> ipc/" in plan, plan

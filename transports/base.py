@@ -527,6 +527,10 @@ class Transport(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
+    def synchronize(self) -> None:
+        """Wait for this rank's work queued on the device and raise what it failed with (transports
+        whose errors surface asynchronously: ipc). This default has nothing queued."""
+
     def abort(self, why: str) -> None:
         """A call was interrupted on this rank (``KeyboardInterrupt``, an exception raised by a signal
         handler) and may have left it out of step with its peers: mark this rank failed where the
