@@ -3,6 +3,7 @@
 Symmetric memory: each rank owns a *region* ::
 
     [signal area: layout.SIGNAL_WORDS int64 words][data buffer: ipc_buffer_bytes]
+    [Lamport slots][symmetric heap: ipc_symmetric_bytes]
 
 and every rank maps every region. Kernels get tables of all ranks' buffer and signal-area
 addresses, stage their input in their own buffer, meet the peers in an in-kernel epoch barrier
@@ -27,17 +28,32 @@ it; on a difference it moves no data, passes its remaining barrier and sets MISM
 host raises :func:`check_agreement`'s ``ValueError`` from the peers' signatures.
 
 Never hang: waits in the kernels are bounded and stop when this rank's ABORT word is set. A
-watchdog thread per transport sets it while a call runs when a peer's process dies, a peer
-closes or aborts, or the call outlives the communicator's timeout; the host then raises
-``PeerFailedError`` / ``CollectiveTimeoutError`` naming the rank, marks its own STATE aborted
-(so the peers raise too) and refuses later calls (``CommunicatorBrokenError``).
+watchdog thread per transport sets it while our kernels are in flight (launched, by the host's
+count, and not yet DONE, by the status block) when a peer's process dies, a peer closes or aborts,
+or DONE has not moved for the communicator's timeout.
 
-Known limits (GPU path): after each launch the host waits for the stream to read ERROR/MISMATCH,
-except under CUDA-graph capture (then a failure shows at the next checked call); on the H100 that
-wait and Triton's launcher made an 8 KiB all_reduce 3x slower than NCCL, so auto never picks ipc
-(collectives/selection.py IPC_MAX_BYTES). A signature's device copy is made on its first call, so warm a call up before capturing it.
-Copy collectives move bytes (uint8 tiles); all_to_all reads the counts on the host because its
-output is allocated there (and compares ``recv_counts=`` with them there, in the same read).
+Errors are asynchronous, as NCCL's are: the kernels write ERROR, MISMATCH and DONE into this rank's
+*status block*, pinned host-mapped memory (:mod:`transports._ipc_regions`), and the host reads it
+with plain loads before each launch and at :meth:`IPCTransport.synchronize`, never waiting for the
+stream per call. A failure raises ``PeerFailedError`` / ``CollectiveTimeoutError`` naming the rank
+at the next call or at ``synchronize()``; the host then marks its STATE aborted (so the peers raise
+too) and refuses later calls (``CommunicatorBrokenError``). In emulation the launch returns when
+the kernel has ended, so the host reads the status right after it (``eager_check``).
+
+Launches are pre-bound (:mod:`transports._ipc_launch`): the JIT compiles a kernel once per
+argument types, then its launcher is called directly; a repeated all_reduce has a by-address
+``latency_call``. Small float all_reduces take a Lamport one-shot (:mod:`transports.kernels.lamport`):
+one kernel, no barrier, each rank's data pushed into its peers' slots, where the data words carry
+their own arrival. ``symmetric_empty`` tensors live in a symmetric heap at the end of every region
+and are all-reduced where they are, without a copy into the staging buffer.
+
+Known limits: between GPUs it is untried, and nothing of the lazy error path, the pre-bound launch,
+the Lamport kernel or the symmetric heap has run on a GPU yet: CI proves them in emulation. CUDA-graph
+replays run kernels the host does not count; the watchdog then only bounds what it sees (the
+in-kernel waits stay bounded). A signature's device copy is made on its first call, so warm a call
+up before capturing it. Copy collectives move bytes (uint8 tiles); all_to_all reads the counts on
+the host because its output is allocated there (and compares ``recv_counts=`` with them there, in
+the same read).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ Words written by the host (own area only):
     STATE    0 running, 1 aborted after a failure, 2 closed (peers' watchdogs read it)
     ABORT    nonzero: every wait of this rank's kernels gives up at its next turn
 Words written by the kernels:
-    ERROR    (peer group rank + 1) of the first wait that gave up; 0 when none did (sticky)
-    MISMATCH 1 when a peer's call signature digest differed from ours (reset by the host)
+    ERROR    (peer group rank + 1) of the first wait that gave up, world + 1 for a kernel that did not
+             start (an earlier failure or ABORT), world + 2 for a Lamport call that met another
+             signature; 0 when none did (sticky; mirrored into the status block)
     COUNTS   all_to_all: rows this rank sends to each rank (MAX_RANKS words)
     META     this call's full signature (META_LEN words), for the host's error message
     RECV_COUNTS all_to_all: rows this rank said (recv_counts=) it receives from each rank, -1 when
@@ -45,7 +46,6 @@ META_WORDS = 16  # == transports.base.META_LEN (checked by the transport)
 STATE = 0
 ABORT = 1
 ERROR = 2
-MISMATCH = 3
 COUNTS = 16
 META = COUNTS + MAX_RANKS  # 32
 RECV_COUNTS = META + META_WORDS  # 48
