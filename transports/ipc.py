@@ -304,6 +304,7 @@ class IPCTransport(Transport):
         self._bound: dict[tuple, BoundKernel] = {}
         self._meta_cache: dict[bytes, torch.Tensor] = {}
         self._broken: str | None = None
+        self._pending: tuple[type, str, list[int]] | None = None  # a peer failed after our calls completed
         # kernels launched eagerly (the host's count) against the status block's DONE (the kernels'):
         # work is in flight while launched + _extra > DONE; _extra (watchdog only) absorbs kernels
         # that CUDA-graph replays ran without the host
@@ -363,6 +364,7 @@ class IPCTransport(Transport):
         not moved for the timeout; the host raises at its next look (:meth:`_check`)."""
         me = self.rank
         self._regions.bind_thread()
+        gone: dict[int, int] = {}  # peer -> DONE when we first saw it gone while in flight
         while not self._stop.wait(_WATCH_PERIOD):
             with self._watch_lock:
                 if self._reason is not None:
@@ -372,6 +374,7 @@ class IPCTransport(Transport):
                     self._extra = done - self._launched
                 if self._launched + self._extra <= done:
                     self._progress = None
+                    gone.clear()
                     continue
                 now = time.monotonic()
                 if self._progress is None or self._progress[1] != done:
@@ -391,6 +394,11 @@ class IPCTransport(Transport):
                                       [self._ranks[r]])
                             break
                         if (dead or state == L.STATE_CLOSED) and not self._finished_this_call(r):
+                            # our kernel may be past its last barrier, ending: a gone peer counts
+                            # when DONE has not moved between two looks at it
+                            if gone.get(r) != done:
+                                gone[r] = done
+                                continue
                             why = "closed its communicator" if state == L.STATE_CLOSED else \
                                 f"(pid {self._pids[r]}) died"
                             reason = (PeerFailedError, f"rank {self._ranks[r]} {why}", [self._ranks[r]])
@@ -435,15 +443,19 @@ class IPCTransport(Transport):
         raise CommunicatorBrokenError(
             f"ipc communicator is unusable after an earlier failure ({self._broken}); create a new one")
 
-    def _check(self) -> None:
+    def _check(self, completed: bool = False) -> None:
         """Raise what our earlier kernels left in the status block, if anything (plain host loads:
         no copy, no stream synchronization). Errors are asynchronous, as NCCL's are: on a GPU a
-        failure shows at the next call or at :meth:`synchronize`."""
-        st = self._status
-        if st[L.S_ERROR] or st[L.S_MISMATCH] or self._reason is not None:
-            self._failed()
+        failure shows at the next call or at :meth:`synchronize`.
 
-    def _failed(self) -> None:
+        completed: right after a launch whose kernel has ended (emulation): a peer that failed
+        while this call still completed raises at the next call, and this one returns.
+        """
+        st = self._status
+        if st[L.S_ERROR] or st[L.S_MISMATCH] or self._reason is not None or self._pending is not None:
+            self._failed(completed)
+
+    def _failed(self, completed: bool = False) -> None:
         st = self._status
         me = self._ranks[self.rank]
         if self._reason is not None and not st[L.S_ERROR]:
@@ -479,7 +491,9 @@ class IPCTransport(Transport):
             cls, msg, missing = reason
             self._fail(cls, f"{msg} while rank {me} waited for rank {peer} in an ipc collective", missing)
         if reason is not None and reason[0] is not CollectiveTimeoutError:  # a peer is gone all the same
-            cls, msg, missing = reason
+            self._pending = reason
+        if self._pending is not None and not completed:
+            cls, msg, missing = self._pending
             self._fail(cls, f"{msg} (seen by rank {me} after its ipc collectives completed)", missing)
         if st[L.S_MISMATCH]:
             st[L.S_MISMATCH] = 0
@@ -491,7 +505,7 @@ class IPCTransport(Transport):
         if self._broken:
             self._raise_broken()
         self._regions.sync()
-        self._check()
+        self._check(completed=True)  # a peer that left after our calls ended raises at our next call
 
     # ---- launching -----------------------------------------------------------------------------
     def _meta(self, sig: Signature) -> torch.Tensor:
@@ -522,14 +536,14 @@ class IPCTransport(Transport):
         self._start()
         self._bind(kernel, constants)(*args)
         if self.eager_check:
-            self._check()
+            self._check(completed=True)
 
     def _start(self) -> None:
         """Before a launch: refuse when broken, raise earlier failures, count the launch."""
         if self._broken:
             self._raise_broken()
         st = self._status
-        if st[L.S_ERROR] or st[L.S_MISMATCH] or self._reason is not None:
+        if st[L.S_ERROR] or st[L.S_MISMATCH] or self._reason is not None or self._pending is not None:
             self._failed()
         if not self._regions.capturing():  # a captured kernel runs at replays, which the host does not see
             self._launched += 1
@@ -670,7 +684,7 @@ class IPCTransport(Transport):
             else:  # the JIT types pointers from data_ptr() and dtype
                 bound(Pointer(x_addr, flat), Pointer(out_addr, flat), numel, *rest, key=key)
             if self.eager_check:
-                self._check()
+                self._check(completed=True)
 
         return call
 
