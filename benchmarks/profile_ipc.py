@@ -3,11 +3,13 @@ least as fast as NCCL at <= 64 KiB, say why, with CUDA events per phase").
 
     python -m benchmarks.profile_ipc [--bytes 8192] [--calls 2000] [--nprocs 2]
 
-Every rank times, per call, on the host: the whole ``comm.using("ipc").all_reduce``; the Triton
-launch (the ``kernel[grid](...)`` call, which returns once the kernel is queued); the stream
-synchronisation that follows it; the read of this rank's ERROR/MISMATCH words. A CUDA event pair
-around the launch gives the kernel's own time on the GPU (including its wait for the peer in the
-in-kernel barrier). What is left of the whole call is moecomm's Python around the transport.
+Every rank times, per call, on the host: the whole ``comm.using("ipc").all_reduce``; the
+pre-bound launch (``transports._ipc_launch.BoundKernel``, which returns once the kernel is
+queued); any stream synchronisation and signal-word read through the regions object (none per
+call since errors are read lazily from the host-mapped status block: the "per call" column says
+how many there were; one synchronize ends the run). A CUDA event pair around the launch gives
+the kernel's own time on the GPU (including its wait for the peer). What is left of the whole call
+is moecomm's Python around the transport.
 Rank 0 prints each phase's median over the calls of every rank. Needs CUDA (exits 3 without).
 """
 
@@ -23,38 +25,31 @@ import click
 PHASES = ("call", "launch", "sync", "read_flags", "kernel_gpu")
 
 
-class _TimedKernel:
-    """A Triton kernel whose ``kernel[grid](...)`` launches are timed on the host and by CUDA events."""
+def _timed_launches(times: dict[str, list[float]], events: list[tuple[Any, Any]]) -> Callable[[], None]:
+    """Time every pre-bound ipc launch (``BoundKernel.__call__``) on the host and by CUDA events;
+    returns the undo."""
+    import torch
 
-    def __init__(self, kernel: Any, times: dict[str, list[float]], events: list[tuple[Any, Any]]):
-        self._kernel, self._times, self._events = kernel, times, events
+    from transports._ipc_launch import BoundKernel
 
-    def __getitem__(self, grid: Any) -> Callable[..., Any]:
-        import torch
+    real = BoundKernel.__call__
 
-        launcher = self._kernel[grid]
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        result = real(self, *args, **kwargs)
+        times["launch"].append(time.perf_counter() - t0)
+        end.record()
+        events.append((start, end))
+        return result
 
-        def run(*args: Any, **kwargs: Any) -> Any:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            result = launcher(*args, **kwargs)
-            self._times["launch"].append(time.perf_counter() - t0)
-            end.record()
-            self._events.append((start, end))
-            return result
+    BoundKernel.__call__ = run
 
-        return run
+    def undo() -> None:
+        BoundKernel.__call__ = real
 
-
-class _TimedKernels:
-    """The transport's kernel module with every kernel wrapped in :class:`_TimedKernel`."""
-
-    def __init__(self, module: Any, times: dict[str, list[float]], events: list[tuple[Any, Any]]):
-        self._module, self._times, self._events = module, times, events
-
-    def __getattr__(self, name: str) -> Any:
-        return _TimedKernel(getattr(self._module, name), self._times, self._events)
+    return undo
 
 
 def _timed(fn: Callable[..., Any], samples: list[float]) -> Callable[..., Any]:
@@ -78,13 +73,17 @@ def _profile_rank(comm: Any, nbytes: int, calls: int, warmup: int) -> dict[str, 
         view.all_reduce(x)
     times: dict[str, list[float]] = {p: [] for p in PHASES}
     events: list[tuple[Any, Any]] = []
-    ipc._k = _TimedKernels(ipc._k, times, events)
+    undo = _timed_launches(times, events)
     ipc._regions.sync = _timed(ipc._regions.sync, times["sync"])
     ipc._regions.read = _timed(ipc._regions.read, times["read_flags"])
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        view.all_reduce(x)
-        times["call"].append(time.perf_counter() - t0)
+    try:
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            view.all_reduce(x)
+            times["call"].append(time.perf_counter() - t0)
+        view.synchronize()
+    finally:
+        undo()
     torch.cuda.synchronize()
     times["kernel_gpu"] = [s.elapsed_time(e) / 1e3 for s, e in events]  # ms -> s
     return {p: [v * 1e6 for v in vs] for p, vs in times.items()}
