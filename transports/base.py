@@ -67,6 +67,8 @@ class OpCode(enum.IntEnum):
     ALL_TO_ALL = 5
     BROADCAST = 6
     REDUCE = 7  # only in a signature's F_VIEW: a caller's reduce that runs as an all_reduce (torch backend)
+    # only in a signature's F_VIEW: Communicator.all_reduce_rmsnorm's all_reduce (its F_ROOT: the weight's dtype code)
+    ALL_REDUCE_RMSNORM = 8
     LOCAL_ERROR = 99  # this rank rejected its own input; peers raise instead of waiting
 
 
@@ -128,6 +130,10 @@ F_ROWS = F_VIEW + 1  # all_to_all: this rank's row count (may differ across rank
 # compared like any field, because transports move the data differently with known receive counts
 # (nccl skips its count exchange): a mix across ranks would pair different messages.
 F_RECV_COUNTS_GIVEN = F_ROOT
+# all_reduce_rmsnorm (F_VIEW's collective OpCode.ALL_REDUCE_RMSNORM) has no root either: its root field
+# holds the dtype code of its weight, which decides with the shape and dtype whether a transport runs
+# the call fused (Transport.fuses_all_reduce_rmsnorm), so that every rank decides alike or raises.
+F_WEIGHT_DTYPE = F_ROOT
 _FIELD_NAMES = {F_OPCODE: "collective", F_DTYPE: "dtype", F_REDOP: "op", F_ROOT: "src", F_NDIM: "ndim",
                 F_VIEW: "dtype"}
 
@@ -276,6 +282,8 @@ def check_agreement(metas: np.ndarray, ranks: Sequence[int] | None = None) -> No
         col = metas[:, f]
         if f == F_OPCODE and len(set(calls)) > 1:
             continue
+        if f == F_WEIGHT_DTYPE and len(set(calls)) > 1 and "all_reduce_rmsnorm" in calls:
+            continue  # its root field is the weight's dtype, which the collective's difference explains
         if f == F_DTYPE and not (moved_as == moved_as[0]).all():
             col = moved_as  # the callers' dtypes (moved as bytes, the dtype that moves is uint8 on every rank)
         if not (col == col[0]).all():
@@ -286,6 +294,9 @@ def check_agreement(metas: np.ndarray, ranks: Sequence[int] | None = None) -> No
                 name = "recv_counts"
             if f == F_ROOT and calls[0] == "reduce":
                 name = "dst"
+            if f == F_WEIGHT_DTYPE and calls[0] == "all_reduce_rmsnorm":
+                name = "weight dtype"
+                per_rank = ", ".join(f"rank {names[i]}: {dtype_name(int(col[i]))}" for i in range(len(metas)))
             diffs.append(f"{name} differs ({per_rank})")
     shape_cols = metas[:, F_NDIM:F_VIEW]
     if not (shape_cols == shape_cols[0]).all():
@@ -530,6 +541,32 @@ class Transport(abc.ABC):
     def synchronize(self) -> None:
         """Wait for this rank's work queued on the device and raise what it failed with (transports
         whose errors surface asynchronously: ipc). This default has nothing queued."""
+
+    # ---- fused all_reduce + RMSNorm (Communicator.all_reduce_rmsnorm) ------------------------------
+    def fuses_all_reduce_rmsnorm(self, numel: int, hidden: int, dtype: torch.dtype, weight_dtype: torch.dtype
+                                 ) -> str | None:
+        """The algorithm name when all_reduce_rmsnorm(...) of such a call runs fused in this transport, else None
+        (the communicator composes all_reduce + torch ops). Decided from the arguments only, so every rank decides
+        alike (they agree on all four: the shape and dtype are in the call's signature, the weight's dtype in its
+        ``F_WEIGHT_DTYPE`` field).
+
+        numel: elements of x (rows * hidden); hidden: x's last dim; dtype: x's dtype (a float dtype);
+        weight_dtype: the weight's dtype (x's dtype or float32). This default: None (never fused).
+        """
+        return None
+
+    def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           out: torch.Tensor, residual_out: torch.Tensor, sig: Signature) -> None:
+        """Fused: out = rmsnorm(all_reduce(x) + residual) * weight, residual_out = all_reduce(x) + residual (see
+        Communicator.all_reduce_rmsnorm). Called only when :meth:`fuses_all_reduce_rmsnorm` named an algorithm.
+
+        x, residual, out, residual_out: contiguous [rows, H] of one float dtype on this transport's device; weight:
+        [H] contiguous (x's dtype or float32); eps: a finite float >= 0; sig: the call's signature (F_VIEW marks
+        the fused op; compare it with the peers' as :meth:`all_reduce` does, so that a peer's plain all_reduce or
+        its rejected input raises ``ValueError`` here). ``out`` may be ``x`` itself and ``residual_out`` may be
+        ``residual`` itself (in place); otherwise no two of them overlap.
+        """
+        raise NotImplementedError
 
     def abort(self, why: str) -> None:
         """A call was interrupted on this rank (``KeyboardInterrupt``, an exception raised by a signal
