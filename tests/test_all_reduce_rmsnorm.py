@@ -188,12 +188,12 @@ def _errors_body(comm, bad: int):
     """Rank ``bad`` makes each bad call while the others make a good one; then calls that differ across
     ranks: all_reduce_rmsnorm against a plain all_reduce, different weight dtypes, different shapes.
     Returns every case's outcome on this rank, and whether a good call works afterwards."""
-    n, r = comm.size, comm.rank
+    r = comm.rank
     x, res, w = (rank_input("bad", r, X_SHAPE, torch.float32, 3), rank_input("bad-res", r, X_SHAPE, torch.float32, 3),
                  rank_input("bad-w", r, (64,), torch.float32, 3))
     got = []
-    for name, call, _, _ in _bad_calls(r):
-        got.append(outcome(lambda: call(comm) if r == bad else comm.all_reduce_rmsnorm(x, res, w)))
+    for _, call, _, _ in _bad_calls(r):
+        got.append(outcome(lambda call=call: call(comm) if r == bad else comm.all_reduce_rmsnorm(x, res, w)))
     got.append(outcome(lambda: comm.all_reduce_rmsnorm(x, res, w) if r == 0 else comm.all_reduce(x)))
     xb, rb = x.bfloat16(), res.bfloat16()
     got.append(outcome(lambda: comm.all_reduce_rmsnorm(xb, rb, w if r == 0 else w.bfloat16())))
@@ -229,7 +229,7 @@ def test_bad_arguments_and_mismatches_raise_on_every_rank():
 def _fused_body(comm) -> list:
     """The shm transport made to 'fuse' float32/16-bit calls by a fake hook (all_reduce with the call's
     signature + the torch ops): what the hook receives, results, plans, and a peer's plain all_reduce."""
-    n, r = comm.size, comm.rank
+    r = comm.rank
     tr = comm.transports["shm"]
     seen = []
 
