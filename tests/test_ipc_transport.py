@@ -158,7 +158,7 @@ def _long_run(group):
     from transports.ipc import IPCTransport
     from transports.kernels import layout as L
 
-    t = IPCTransport(group, buffer_bytes=BUF)
+    t = IPCTransport(group, buffer_bytes=BUF, lamport_elems=0)  # the barrier one-shot, whose epochs we count
     bad = []
     try:
         start = t._regions.read(group.rank, L.EPOCH, 1)  # after creation's P2P probe (one all_gather)
@@ -489,7 +489,7 @@ def test_launch_with_transport_ipc():
                                  timeout=60.0)
     for plans, got in results:
         assert all("-> ipc/" in p for p in plans), plans
-        assert "ipc/one_shot" in plans[0]
+        assert "ipc/lamport" in plans[0]  # 1200 B of float32: the Lamport one-shot
         assert all(got.values()), got
 
 
@@ -507,7 +507,7 @@ def test_auto_chooses_shm_for_cpu_and_using_ipc_routes_to_ipc():
     results = collectives.launch(_auto_keeps_shm_for_cpu, 2, options={"ipc_emulate": 1}, timeout=60.0)
     for auto, forced, value in results:
         assert "-> shm/" in auto, auto
-        assert "-> ipc/one_shot" in forced, forced
+        assert "-> ipc/lamport" in forced, forced
         assert value == [float(2 * i + 1) for i in range(10)]
 
 
@@ -524,7 +524,7 @@ def test_init_with_transport_ipc_and_the_emulation_variable():
     env.update(MOECOMM_IPC_EMULATE="1", MOECOMM_LAUNCH="single", PYTHONPATH=root)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "-> ipc/one_shot" in proc.stdout and "[0.0, 1.0, 2.0, 3.0, 4.0]" in proc.stdout, proc.stdout
+    assert "-> ipc/lamport" in proc.stdout and "[0.0, 1.0, 2.0, 3.0, 4.0]" in proc.stdout, proc.stdout
     env.pop("MOECOMM_IPC_EMULATE")  # without it ipc serves CUDA tensors only: not here
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "'ipc' is not available" in proc.stderr, proc.stderr[-2000:]

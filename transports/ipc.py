@@ -115,6 +115,8 @@ CUDA_LAMPORT_ELEMS, EMULATED_LAMPORT_ELEMS = 32768, 4096
 LAMPORT_MAX_BYTES: dict[int, int] = {2: 64 << 10, 3: 64 << 10, 4: 64 << 10}
 LAMPORT_MAX_BYTES_DEFAULT = 32 << 10
 _LAMPORT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# the fused all_reduce + RMSNorm holds a row in one tile of a program (TP hidden sizes reach 8192-16384)
+RMSNORM_MAX_HIDDEN = 16384
 TWO_SHOT_ALIGN = 16  # elements; parts of a two-shot all_reduce start at multiples of it
 _REGION_ALIGN = 4096
 _WATCH_PERIOD = 0.02  # seconds between the watchdog's looks at the peers during a call
@@ -487,7 +489,7 @@ class IPCTransport(Transport):
                        else "gave up after its bounded wait")
                 self._fail(CollectiveTimeoutError,
                            f"ipc collective {why} on rank {me}: rank {peer} never arrived "
-                           "(stuck, deadlocked, or calling a different collective)", [peer])
+                           f"(stuck, deadlocked, or calling a different collective){self._last_calls()}", [peer])
             cls, msg, missing = reason
             self._fail(cls, f"{msg} while rank {me} waited for rank {peer} in an ipc collective", missing)
         if reason is not None and reason[0] is not CollectiveTimeoutError:  # a peer is gone all the same
@@ -499,6 +501,18 @@ class IPCTransport(Transport):
             st[L.S_MISMATCH] = 0
             check_agreement(self._peer_metas(), self._ranks)
             raise ValueError("ipc: call signatures differ across ranks")  # digests differ, words equal
+
+    def _last_calls(self) -> str:
+        """After a timeout: the signatures of the calls every rank last started, where they differ
+        (each kernel publishes its call's signature in its META words as it starts)."""
+        try:
+            metas = np.stack([self._regions.read(r, L.META, META_LEN) for r in range(self.size)])
+            check_agreement(metas, self._ranks)
+        except ValueError as e:
+            return f"; the calls the ranks last started differ: {e}"
+        except Exception:  # noqa: BLE001 - a peer's memory may be gone: the timeout says enough
+            pass
+        return ""
 
     def synchronize(self) -> None:
         """Wait for our kernels on the current stream, then raise what they left (see :meth:`_check`)."""
@@ -551,8 +565,10 @@ class IPCTransport(Transport):
     def _peer_metas(self) -> np.ndarray:
         return self._regions.read(self.rank, L.PEER_META, self.size * META_LEN).reshape(self.size, META_LEN)
 
-    def _common(self, sig: Signature) -> tuple:
-        if self._agree_on_host and sig.value not in self._host_agreed:
+    def _common(self, sig: Signature, host_check: bool = False) -> tuple:
+        """The kernels' common arguments; on the first call of a signature (GPU, or ``host_check``)
+        compare it with the peers' over the rendezvous first."""
+        if (self._agree_on_host or host_check) and sig.value not in self._host_agreed:
             check_agreement(rendezvous_metas(self.group.rendezvous, sig)[0], self._ranks)
             self._host_agreed.add(sig.value)
         r = self._regions
@@ -622,7 +638,7 @@ class IPCTransport(Transport):
     def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         x, y = self._flat(send), self._flat(out)
         const = self._reduce_constants(send.dtype, op)
-        common = self._common(sig)
+        common = self._common(sig, host_check=True)  # sizes that wrongly differ may pick Lamport on some ranks only
         nbytes = send.numel() * send.element_size()
         if self._lamport_takes(nbytes, send.dtype):
             self._lamport_all_reduce(x, y, const, sig)
@@ -655,8 +671,8 @@ class IPCTransport(Transport):
             return None
         flat = torch.uint8 if dtype == torch.bool else dtype
         const = self._reduce_constants(dtype, op)
+        self._common(sig, host_check=True)
         if self._lamport_takes(nbytes, dtype):
-            self._common(sig)
             kernel, rest = self._k.lamport.all_reduce_lamport, self._lamport_args(sig)
             const = {"OP": const["OP"], "OUT_BF16": const["OUT_BF16"], "BLOCK": self.block}
         else:
@@ -688,6 +704,29 @@ class IPCTransport(Transport):
 
         return call
 
+    def fuses_all_reduce_rmsnorm(self, numel: int, hidden: int, dtype: torch.dtype, weight_dtype: torch.dtype
+                                 ) -> str | None:
+        """"lamport_rmsnorm" where the Lamport all_reduce takes the message (float32/16, bfloat16,
+        within the slots) and a row fits one tile; else None (the communicator composes)."""
+        if self._k.lamport is None or numel == 0 or dtype not in _LAMPORT_DTYPES:
+            return None
+        if weight_dtype not in (dtype, torch.float32) or not 0 < hidden <= RMSNORM_MAX_HIDDEN:
+            return None
+        return "lamport_rmsnorm" if self._lamport_takes(numel * _ITEMSIZE[dtype], dtype) else None
+
+    def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           out: torch.Tensor, residual_out: torch.Tensor, sig: Signature) -> None:
+        """See :meth:`Transport.all_reduce_rmsnorm`: one Lamport kernel reduces each row over the ranks,
+        adds the residual and normalizes it (:func:`transports.kernels.lamport.all_reduce_rmsnorm_lamport`).
+        x, residual, out, residual_out: [rows, H] contiguous; weight: [H]."""
+        import triton
+
+        rows, hidden = x.shape
+        self._common(sig, host_check=True)
+        const = {"OUT_BF16": x.dtype == torch.bfloat16, "BLOCK_H": triton.next_power_of_2(hidden)}
+        self._launch(self._k.lamport.all_reduce_rmsnorm_lamport, x, residual, weight, out, residual_out, rows,
+                     hidden, float(eps), *self._lamport_args(sig), **const)
+
     def _lamport_args(self, sig: Signature) -> tuple:
         """The Lamport kernels' arguments after the tensors and sizes (lam_ptrs .. max_spins)."""
         return (self._lam_ptrs, self._regions.sig_ptrs, self._status_arg, self.rank, self.size, sig.value,
@@ -695,7 +734,6 @@ class IPCTransport(Transport):
 
     def _lamport_all_reduce(self, x: torch.Tensor, y: torch.Tensor, const: dict, sig: Signature) -> None:
         """One kernel, no barrier: data carry their arrival (:mod:`transports.kernels.lamport`)."""
-        self._common(sig)  # the host-side agreement of a new signature (GPU)
         const = {"OP": const["OP"], "OUT_BF16": const["OUT_BF16"], "BLOCK": self.block}
         self._launch(self._k.lamport.all_reduce_lamport, x, y, x.numel(), *self._lamport_args(sig), **const)
 
