@@ -213,3 +213,26 @@ def test_fused_all_reduce_rmsnorm_matches_the_composition(ranks):
         assert plans == ["lamport_rmsnorm"], plans
     for i, out in enumerate(results[0][1]):
         assert all(torch.equal(r[1][i], out) for r in results), f"case {i} differs across ranks"
+
+
+def _fused_too_big(comm):
+    """Past the Lamport slots the communicator composes all_reduce (over ipc) and the torch ops."""
+    n, me = comm.size, comm.rank
+    shape = (80, 64)  # 5120 elements: more than the emulated slots' 4096
+    xs = [torch.randn(shape, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    residual = torch.randn(shape, generator=torch.Generator().manual_seed(99))
+    weight = torch.rand(64, generator=torch.Generator().manual_seed(98)) + 0.5
+    plan = comm.plan("all_reduce_rmsnorm", xs[me], weight_dtype=torch.float32)
+    normed, new_res = comm.all_reduce_rmsnorm(xs[me], residual, weight, 1e-6)
+    want_res = _ref([x.reshape(-1) for x in xs], "sum").reshape(shape) + residual
+    want = want_res * torch.rsqrt(want_res.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    return plan.algorithm, plan.transport, torch.equal(new_res, want_res), torch.allclose(normed, want, atol=1e-5)
+
+
+def test_fused_past_the_slots_composes():
+    import collectives
+
+    for algo, transport, res_ok, normed_ok in collectives.launch(_fused_too_big, 2, transport="ipc",
+                                                                  options={"ipc_emulate": 1}, timeout=60.0):
+        assert algo == "all_reduce+rmsnorm" and transport == "ipc", (algo, transport)
+        assert res_ok and normed_ok

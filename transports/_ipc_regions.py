@@ -13,7 +13,6 @@ copy and no stream synchronization per call.
 
 from __future__ import annotations
 
-import ctypes
 import weakref
 from typing import Callable
 
@@ -103,11 +102,11 @@ class _CudaRegions:
         runtime.memset(self._own, 0, region_bytes)
         if init is not None:
             runtime.memcpy(self._own + init[0], init[1].ctypes.data, init[1].size, runtime.memcpyHostToDevice)
-        # the status block: pinned, mapped host memory; the kernels store into it by its device address
-        self._status_host = runtime.hostAlloc(L.STATUS_WORDS * 8, runtime.cudaHostAllocMapped)
-        self.status = np.ctypeslib.as_array((ctypes.c_int64 * L.STATUS_WORDS).from_address(self._status_host))
-        self.status[:] = 0
-        self.status_arg = Pointer(runtime.hostGetDevicePointer(self._status_host, 0), torch.int64)
+        # the status block: pinned host memory (cudaHostAlloc through torch's host allocator), which
+        # with unified addressing (every 64-bit CUDA platform) the device reaches at the same address
+        self._status_tensor = torch.zeros(L.STATUS_WORDS, dtype=torch.int64, pin_memory=True)
+        self.status = self._status_tensor.numpy()
+        self.status_arg = Pointer(self._status_tensor.data_ptr(), torch.int64)
         runtime.deviceSynchronize()
         self._opened: list[int] = []
         err = ""
@@ -177,12 +176,6 @@ class _CudaRegions:
         return torch.as_tensor(arr, device=self.device)
 
     def close(self) -> None:
-        if getattr(self, "_status_host", 0):
-            try:
-                self._rt.freeHost(self._status_host)
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
-            self._status_host = 0
         for p in getattr(self, "_opened", []):
             try:
                 self._rt.ipcCloseMemHandle(p)

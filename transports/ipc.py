@@ -569,7 +569,15 @@ class IPCTransport(Transport):
         """The kernels' common arguments; on the first call of a signature (GPU, or ``host_check``)
         compare it with the peers' over the rendezvous first."""
         if (self._agree_on_host or host_check) and sig.value not in self._host_agreed:
-            check_agreement(rendezvous_metas(self.group.rendezvous, sig)[0], self._ranks)
+            try:
+                metas = rendezvous_metas(self.group.rendezvous, sig)[0]
+            except CollectiveTimeoutError as e:
+                missing = list(e.missing_ranks or [])
+                raise CollectiveTimeoutError(
+                    f"ipc collective timed out on rank {self._ranks[self.rank]} after the timeout of "
+                    f"{self.timeout:.1f}s: {', '.join(f'rank {r}' for r in missing) or 'a rank'} never arrived "
+                    "(the first call of a signature compares it on the host)", missing) from e
+            check_agreement(metas, self._ranks)
             self._host_agreed.add(sig.value)
         r = self._regions
         return (r.data_ptrs, r.sig_ptrs, self._status_arg, self.rank, self.size, sig.value, self._meta(sig),
