@@ -21,10 +21,8 @@ pytest.importorskip("triton")
 
 from ipc_harness import run_ranks  # noqa: E402
 from transports.base import (  # noqa: E402
-    CollectiveTimeoutError,
     CommunicatorBrokenError,
     OpCode,
-    PeerFailedError,
     ReduceOp,
     Signature,
 )
