@@ -114,9 +114,14 @@ def _hooks_set() -> bool:
         return True
 
 
+def current_stream(device: int) -> int:
+    """The raw handle of ``device``'s current CUDA stream (what Triton's launcher takes)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
 def launch(compiled: Any, programs: int, full: list) -> None:
     """``compiled``'s launcher on the current stream, as ``JITFunction.run`` calls it."""
-    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    stream = current_stream(torch.cuda.current_device())
     compiled.run(programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *full)
 
 

@@ -162,7 +162,7 @@ class _CudaRegions:
         torch.cuda.current_stream(self.device).synchronize()
 
     def capturing(self) -> bool:
-        return torch.cuda.is_current_stream_capturing()
+        return torch._C._cuda_isCurrentStreamCapturing()  # what torch.cuda.is_current_stream_capturing() calls
 
     def tensor(self, offset: int, nbytes: int, on_free: Callable[[], None]) -> torch.Tensor:
         """uint8 [nbytes] CUDA tensor over our own region from ``offset`` (the symmetric heap's tensors);
