@@ -35,20 +35,17 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from .sync import OP_AVG, combine, rank_ptr, store_rounded
+from .sync import OP_AVG, combine, done, rank_ptr, record_error, store_rounded
 
 _ABORT = tl.constexpr(L.ABORT)
 _ERROR = tl.constexpr(L.ERROR)
 _META = tl.constexpr(L.META)
 _PEER_META = tl.constexpr(L.PEER_META)
-_CALLS = tl.constexpr(L.CALLS)
 _LAMPORT_CALLS = tl.constexpr(L.LAMPORT_CALLS)
 _LAMPORT_LEN = tl.constexpr(L.LAMPORT_LEN)
 _SLOTS = tl.constexpr(L.LAMPORT_SLOTS)
 _SENTINEL = tl.constexpr(L.LAMPORT_SENTINEL_BITS)
-_S_ERROR = tl.constexpr(L.S_ERROR)
 _S_MISMATCH = tl.constexpr(L.S_MISMATCH)
-_S_DONE = tl.constexpr(L.S_DONE)
 _MAX_RANKS = tl.constexpr(L.MAX_RANKS)
 _META_WORDS = tl.constexpr(L.META_WORDS)
 
@@ -66,16 +63,6 @@ except ImportError:  # pragma: no cover - another Triton: the interpreter then s
 
 
 # ---- bookkeeping -------------------------------------------------------------------------------
-@triton.jit
-def _record_error(my_sig, status, code):
-    """ERROR = code unless an earlier failure is recorded (int64 compare-and-swap, system scope);
-    the program whose swap won mirrors it into the status block's S_ERROR (a plain store)."""
-    zero = tl.load(my_sig + _ERROR, volatile=True) * 0  # an int64 0: the CAS operands match the word
-    old = tl.atomic_cas(my_sig + _ERROR, zero, zero + code, sem="relaxed", scope="sys")
-    if old == 0:
-        tl.store(status + _S_ERROR, zero + code)
-
-
 @triton.jit
 def _stopped(my_sig):
     """Nonzero once this rank's ABORT or ERROR word is set (a wait then gives up)."""
@@ -100,7 +87,7 @@ def _prologue(sig_ptrs, status, rank, world):
     p = (i + _SLOTS - 1) % _SLOTS
     ok = _stopped(my_sig) == 0
     if ok == 0:
-        _record_error(my_sig, status, world + 1)
+        record_error(my_sig, status, world + 1)
     return my_sig, i, s, p, ok
 
 
@@ -163,7 +150,7 @@ def _publish_and_check(lam_ptrs, sig_ptrs, my_sig, status, rank, world, digest, 
                 left -= 1
             h = tl.atomic_add(mine + q, 0, sem="acquire", scope="sys")  # it may have come with ABORT
             if h == 0:
-                _record_error(my_sig, status, q + 1)
+                record_error(my_sig, status, q + 1)
                 ok = ok & (h != 0)
             differs = differs | ((h != 0) & (h != want))
     if differs:
@@ -171,7 +158,7 @@ def _publish_and_check(lam_ptrs, sig_ptrs, my_sig, status, rank, world, digest, 
             peer = rank_ptr(sig_ptrs, r, tl.int64)
             tl.store(my_sig + _PEER_META + r * _META_WORDS + k, tl.load(peer + _META + k, volatile=True))
         tl.store(status + _S_MISMATCH, 1)
-        _record_error(my_sig, status, world + 2)
+        record_error(my_sig, status, world + 2)
     return ok & (differs == 0)
 
 
@@ -193,7 +180,7 @@ def _arrive(ptr, m, my_sig, status, src, max_spins):
         v = tl.load(ptr, mask=m, other=0, volatile=True)
         pending = tl.reduce((v == _SENTINEL).to(tl.int32), 0, _add)
         if pending != 0:
-            _record_error(my_sig, status, src + 1)
+            record_error(my_sig, status, src + 1)
     return v.to(tl.float32, bitcast=True), pending == 0
 
 
@@ -204,10 +191,7 @@ def _finish(my_sig, status, i, s, n):
     pid = tl.program_id(0)
     tl.store(my_sig + _LAMPORT_LEN + pid * _SLOTS + s, n + i * 0)
     tl.store(my_sig + _LAMPORT_CALLS + pid, i + 1)
-    c = tl.load(my_sig + _CALLS + pid) + 1
-    tl.store(my_sig + _CALLS + pid, c)
-    tl.debug_barrier()
-    tl.store(status + _S_DONE + pid, c)
+    done(my_sig, status)
 
 
 @triton.jit
