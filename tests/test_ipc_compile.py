@@ -1,4 +1,4 @@
-"""The ipc kernels compile for a GPU (sm_90 target) without one: Triton's frontend, its NVIDIA
+"""The ipc kernels, the Lamport ones included, compile for a GPU (sm_90 target) without one: Triton's frontend, its NVIDIA
 backend and the ptxas it ships run on the CPU. Catches what the interpreter accepts and the
 compiler does not (operand types of atomics, loop-carried types), and checks the barrier's PTX:
 system-scope release exchanges, acquire loads, and block-wide bar.sync around them.
@@ -27,7 +27,7 @@ def _compile_all() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from transports.kernels import collectives as K
+    from transports.kernels import collectives, lamport
 
     common = {"data_ptrs": "*i64", "sig_ptrs": "*i64", "status": "*i64", "rank": "i32", "world": "i32", "digest": "i64",
               "meta": "*i64", "max_spins": "i64"}
@@ -54,17 +54,32 @@ def _compile_all() -> dict:
                              "sig_ptrs": "*i64", "status": "*i64", "rank": "i32", "world": "i32", "max_spins": "i64",
                              "BLOCK": "constexpr"}, copy),
     ]
+    # the Lamport kernels (transports/kernels/lamport.py)
+    tail = {"lam_ptrs": "*i64", "sig_ptrs": "*i64", "status": "*i64", "rank": "i32", "world": "i32", "digest": "i64",
+            "meta": "*i64", "elems": "i32", "max_spins": "i64"}
+    lamport_jobs = []
+    for dt, bf16 in (("bf16", True), ("fp32", False)):
+        lamport_jobs.append((f"all_reduce_lamport_{dt}", "all_reduce_lamport",
+                             {"X": f"*{dt}", "OUT": f"*{dt}", "n": "i32", **tail, "OP": "constexpr",
+                              "OUT_BF16": "constexpr", "BLOCK": "constexpr"},
+                             {"OP": 1 if bf16 else 3, "OUT_BF16": bf16, "BLOCK": 1024}))
+        lamport_jobs.append((f"all_reduce_rmsnorm_lamport_{dt}", "all_reduce_rmsnorm_lamport",
+                             {"X": f"*{dt}", "RESIDUAL": f"*{dt}", "WEIGHT": "*fp32", "OUT": f"*{dt}",
+                              "RES_OUT": f"*{dt}", "rows": "i32", "H": "i32", "eps": "fp32", **tail,
+                              "OUT_BF16": "constexpr", "BLOCK_H": "constexpr"}, {"OUT_BF16": bf16, "BLOCK_H": 4096}))
+    everything = [(name, collectives, name, sig, cx) for name, sig, cx in jobs] + \
+        [(key, lamport, name, sig, cx) for key, name, sig, cx in lamport_jobs]
     report = {}
-    for name, signature, constexprs in jobs:
-        fn = getattr(K, name)
+    for name, module, kernel, signature, constexprs in everything:
+        fn = getattr(module, kernel)
         try:
             src = ASTSource(fn, signature=signature,
                             constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
             ptx = compiled.asm["ptx"]
             report[name] = {"ok": True, "cubin": "cubin" in compiled.asm,
-                            "ops": sorted(set(re.findall(r"(atom\.global\.[\w.]+|ld\.global\.sys\.acquire|bar\.sync)",
-                                                         ptx)))}
+                            "ops": sorted(set(re.findall(r"(atom\.global\.[\w.]+|ld\.volatile\.global[\w.]*|"
+                                                         r"ld\.global\.sys\.acquire[\w.]*|bar\.sync)", ptx)))}
         except Exception as e:  # noqa: BLE001 - reported together
             report[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
     return report
@@ -85,8 +100,21 @@ def test_every_kernel_compiles_for_sm90_with_system_scope_barriers(tmp_path):
     for name in ("barrier_kernel", "all_reduce_one_shot", "all_to_all_pull"):
         ops = report[name]["ops"]
         assert "atom.global.sys.release.exch.b64" in ops, (name, ops)  # the signal
-        assert "ld.global.sys.acquire" in ops, (name, ops)  # the wait
+        assert "ld.global.sys.acquire.b64" in ops, (name, ops)  # the wait
         assert "bar.sync" in ops, (name, ops)  # all threads' stores before the signal
+    # Lamport: volatile loads of the data words in the spin (a cached load could spin forever on a
+    # stale sentinel), the system-scope CAS that records ERROR, the release exchange that publishes
+    # a header and the acquire read that waits for one
+    lamport = [k for k in report if "lamport" in k]
+    assert len(lamport) == 4, sorted(report)
+    for name in lamport:
+        ops = report[name]["ops"]
+        assert "ld.volatile.global.b32" in ops, (name, ops)  # the spin on the (32-bit) data words
+        assert "ld.volatile.global.b64" in ops, (name, ops)  # ABORT/ERROR read in the waits
+        assert "atom.global.relaxed.sys.cas.b64" in ops, (name, ops)  # ERROR: first error wins, system-wide
+        assert "atom.global.sys.release.exch.b64" in ops, (name, ops)  # the header, after META
+        assert "ld.global.sys.acquire.b64" in ops, (name, ops)  # waiting for headers (then PEER_META)
+        assert "bar.sync" in ops, (name, ops)
 
 
 if __name__ == "__main__":
