@@ -205,7 +205,7 @@ def _fused(comm):
     return fails, outs, sorted(plans)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_fused_all_reduce_rmsnorm_matches_the_composition(ranks):
     import collectives
 
@@ -228,7 +228,12 @@ def _fused_too_big(comm):
     normed, new_res = comm.all_reduce_rmsnorm(xs[me], residual, weight, 1e-6)
     want_res = _ref([x.reshape(-1) for x in xs], "sum").reshape(shape) + residual
     want = want_res * torch.rsqrt(want_res.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
-    return plan.algorithm, plan.transport, torch.equal(new_res, want_res), torch.allclose(normed, want, atol=1e-5)
+    empty = torch.empty(0, 64, dtype=torch.bfloat16)  # no rows: composed, empty results
+    e_normed, e_res = comm.all_reduce_rmsnorm(empty, empty.clone(), weight.to(torch.bfloat16), 1e-6)
+    empty_ok = e_normed.shape == e_res.shape == (0, 64) and \
+        comm.plan("all_reduce_rmsnorm", empty, weight_dtype=torch.bfloat16).algorithm == "all_reduce+rmsnorm"
+    return (plan.algorithm, plan.transport, torch.equal(new_res, want_res) and empty_ok,
+            torch.allclose(normed, want, atol=1e-5))
 
 
 def test_fused_past_the_slots_composes():
