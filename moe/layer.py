@@ -118,7 +118,8 @@ class MoELayer(nn.Module):
         seed: an int >= 0.
         node_aware: None (auto: node-aware dispatch when ``comm`` spans nodes), True or False: see
             :class:`~moe.dispatcher.ExpertDispatcher`; call :meth:`close` when done with the layer.
-        router_kwargs: ``score``, ``normalize``, ``aux_loss_coef``, ``z_loss_coef`` of :class:`TopKRouter`.
+        router_kwargs: ``score``, ``normalize``, ``aux_loss_coef``, ``z_loss_coef``, ``num_groups``,
+            ``topk_groups``, ``bias``, ``routed_scaling_factor`` of :class:`TopKRouter`.
     """
 
     expert_keys = ("experts.fc1", "experts.fc2")
@@ -129,7 +130,8 @@ class MoELayer(nn.Module):
                  **router_kwargs: Any):
         super().__init__()
         check_communicator(comm, "MoELayer")
-        options = {"score": "softmax", "normalize": True, "aux_loss_coef": 0.0, "z_loss_coef": 0.0}
+        options = {"score": "softmax", "normalize": True, "aux_loss_coef": 0.0, "z_loss_coef": 0.0, "num_groups": 1,
+                   "topk_groups": None, "bias": False, "routed_scaling_factor": 1.0}
         err = None
         try:
             unknown = set(router_kwargs) - set(options)
@@ -137,7 +139,9 @@ class MoELayer(nn.Module):
                 raise TypeError(f"unknown keyword argument(s) {sorted(unknown)}")
             options.update(router_kwargs)
             check_router_arguments(hidden_size, num_experts, top_k, score=options["score"],
-                                   aux_loss_coef=options["aux_loss_coef"], z_loss_coef=options["z_loss_coef"])
+                                   aux_loss_coef=options["aux_loss_coef"], z_loss_coef=options["z_loss_coef"],
+                                   num_groups=options["num_groups"], topk_groups=options["topk_groups"],
+                                   routed_scaling_factor=options["routed_scaling_factor"])
             if activation not in _ACTIVATIONS:
                 raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
             if not is_positive_int(ffn_hidden_size):
@@ -154,7 +158,12 @@ class MoELayer(nn.Module):
                   "activation": names.index(activation) if activation in names else None,
                   "score": SCORES.index(options["score"]) if options["score"] in SCORES else None,
                   "normalize": bool(options["normalize"]), "aux_loss_coef": options["aux_loss_coef"],
-                  "z_loss_coef": options["z_loss_coef"]}
+                  "z_loss_coef": options["z_loss_coef"],
+                  "num_groups": options["num_groups"] if is_positive_int(options["num_groups"]) else None,
+                  "topk_groups": options["topk_groups"] if is_positive_int(options["topk_groups"]) else None,
+                  "bias": bool(options["bias"]),
+                  "routed_scaling_factor": (float(options["routed_scaling_factor"])
+                                            if isinstance(options["routed_scaling_factor"], (int, float)) else None)}
         agree(comm, "MoELayer", values, error=err,
               formats={"activation": lambda i: repr(names[i]), "score": lambda i: repr(SCORES[i])},
               hint="Construct the layer with the same arguments on every rank.")

@@ -1,9 +1,10 @@
-"""Top-k router with Switch/GShard load balancing and ST-MoE z-loss."""
+"""Top-k router with Switch/GShard load balancing and ST-MoE z-loss, and DeepSeek-V3's group-limited
+routing with the auxiliary-loss-free score-correction bias."""
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,11 +42,25 @@ def is_positive_int(v: object) -> bool:
 
 
 def check_router_arguments(hidden_size: int, num_experts: int, top_k: int, *, score: str, aux_loss_coef: float,
-                           z_loss_coef: float) -> None:
+                           z_loss_coef: float, num_groups: int = 1, topk_groups: int | None = None,
+                           routed_scaling_factor: float = 1.0) -> None:
     """Raise ``ValueError`` on the first invalid :class:`TopKRouter` argument (message without a prefix).
 
     Args: as :class:`TopKRouter`. Returns: None. Local (no communication).
     """
+    if not is_positive_int(num_groups):
+        raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+    if is_positive_int(num_experts) and num_experts % num_groups:
+        raise ValueError(f"num_experts={num_experts} is not divisible by num_groups={num_groups}")
+    if topk_groups is not None and not (is_positive_int(topk_groups) and topk_groups <= num_groups):
+        raise ValueError(f"topk_groups must be a positive int <= num_groups={num_groups}, got {topk_groups!r}")
+    if is_positive_int(num_experts) and is_positive_int(top_k) and num_groups > 1:
+        kept = (topk_groups or num_groups) * (num_experts // num_groups)
+        if top_k > kept:
+            raise ValueError(f"top_k={top_k} exceeds the {kept} experts of the topk_groups={topk_groups} groups kept")
+    v = routed_scaling_factor
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {v!r}")
     for name, v in (("hidden_size", hidden_size), ("num_experts", num_experts), ("top_k", top_k)):
         if not is_positive_int(v):
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -82,6 +97,14 @@ class TopKRouter(nn.Module):
     scores give ``experts``; their scores are the ``weights``, divided by their sum when
     ``normalize`` (a no-op for softmax with k = E).
 
+    DeepSeek-V3 routing (``score="sigmoid"``, ``num_groups`` G, ``topk_groups`` g, ``bias=True``):
+    the choice uses ``s + e_score_correction_bias``: experts are split into G equal groups, a group's
+    score is the sum of its two best biased scores, only the g best groups stay, and the k best
+    biased scores among their experts are picked. The weights are the unbiased scores of the picked
+    experts (the bias changes the choice, never the weights), divided by their sum (+1e-20) when
+    ``normalize``, then times ``routed_scaling_factor``. The bias is a buffer, not a parameter:
+    :meth:`update_bias` moves it (the auxiliary-loss-free balancing of DeepSeek-V3, arXiv 2412.19437).
+
     Losses (T tokens, k slots, E experts; over the whole batch of every rank in :class:`MoELayer`):
       load balancing (Switch Transformer eq. 4, GShard; k-normalised so perfect balance gives the coef):
         aux = aux_loss_coef * E * sum_e f_e * P_e,
@@ -96,28 +119,46 @@ class TopKRouter(nn.Module):
         score: "softmax" or "sigmoid". normalize: divide the k weights by their sum.
         aux_loss_coef, z_loss_coef: finite numbers >= 0 (0 disables that loss).
         seed: an int >= 0; the gate weight depends on it alone.
+        num_groups: G, dividing E (1: no groups). topk_groups: g <= G groups kept (None: all).
+        bias: keep an ``e_score_correction_bias`` [E] float32 buffer (zeros) that steers the choice.
+        routed_scaling_factor: > 0, multiplies the weights (DeepSeek-V3: 2.5).
+        norm_topk_prob: transformers' name of ``normalize``; when given, it wins.
     Local: no communication (``ValueError`` on a bad argument).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score: str = "softmax",
-                 normalize: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, seed: int = 0):
+                 normalize: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, seed: int = 0,
+                 num_groups: int = 1, topk_groups: int | None = None, bias: bool = False,
+                 routed_scaling_factor: float = 1.0, norm_topk_prob: bool | None = None):
         super().__init__()
         try:
             check_router_arguments(hidden_size, num_experts, top_k, score=score, aux_loss_coef=aux_loss_coef,
-                                   z_loss_coef=z_loss_coef)
+                                   z_loss_coef=z_loss_coef, num_groups=num_groups, topk_groups=topk_groups,
+                                   routed_scaling_factor=routed_scaling_factor)
         except ValueError as e:
             raise ValueError(f"TopKRouter: {e}") from None
+        if norm_topk_prob is not None:
+            normalize = norm_topk_prob
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.score, self.normalize = score, bool(normalize)
+        self.num_groups, self.topk_groups = num_groups, topk_groups or num_groups
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.e_score_correction_bias: torch.Tensor | None
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts) if bias else None)
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.seed = seed
         w = torch.randn(num_experts, hidden_size, generator=seeded_generator(seed, ROUTER_STREAM))
         self.weight = nn.Parameter(w / math.sqrt(hidden_size))
 
     def extra_repr(self) -> str:
+        extra = ""
+        if self.num_groups > 1 or self.e_score_correction_bias is not None or self.routed_scaling_factor != 1.0:
+            extra = (f", num_groups={self.num_groups}, topk_groups={self.topk_groups}, "
+                     f"bias={self.e_score_correction_bias is not None}, "
+                     f"routed_scaling_factor={self.routed_scaling_factor}")
         return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"score={self.score!r}, normalize={self.normalize}, aux_loss_coef={self.aux_loss_coef}, "
-                f"z_loss_coef={self.z_loss_coef}, seed={self.seed}")
+                f"z_loss_coef={self.z_loss_coef}, seed={self.seed}{extra}")
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterScores]:
         """Routing without the losses.
@@ -139,10 +180,60 @@ class TopKRouter(nn.Module):
         else:
             s = torch.sigmoid(logits)
             probs = s / s.sum(-1, keepdim=True)
-        weights, experts = torch.topk(s, self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(-1, keepdim=True)
+        if self.num_groups == 1 and self.e_score_correction_bias is None:
+            weights, experts = torch.topk(s, self.top_k, dim=-1)
+            if self.normalize:
+                weights = weights / weights.sum(-1, keepdim=True)
+        else:
+            experts = self._choose(s)
+            weights = s.gather(1, experts)
+            if self.normalize:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
         return weights, experts, RouterScores(probs, logits)
+
+    def _choose(self, s: torch.Tensor) -> torch.Tensor:
+        """[T, k] experts by group-limited top-k over the bias-corrected scores (class docstring)."""
+        biased = s.detach()
+        if self.e_score_correction_bias is not None:
+            biased = biased + self.e_score_correction_bias.to(biased.device, torch.float32)
+        T, E, G = biased.shape[0], self.num_experts, self.num_groups
+        if G > 1 and self.topk_groups < G:
+            per_group = biased.view(T, G, E // G)
+            group_score = per_group.topk(min(2, E // G), dim=-1).values.sum(-1)  # [T, G]
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(self.topk_groups, dim=-1).indices, True)
+            biased = biased.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
+        return biased.topk(self.top_k, dim=-1).indices
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor, rate: float, comm: Any = None) -> torch.Tensor:
+        """DeepSeek-V3's auxiliary-loss-free balancing: ``bias += rate * sign(mean load - load_e)``
+        (an underloaded expert becomes likelier to be picked, an overloaded one less).
+
+        Args:
+            tokens_per_expert: [E] int or float, this rank's (token, slot) pairs per expert, or the
+                whole batch's when ``comm`` is None.
+            rate: the update speed, a finite number >= 0 (DeepSeek-V3: 0.001).
+            comm: a Communicator: the counts are summed over its ranks first, so every rank applies
+                the same update (collective), as it must for the routing to stay the same everywhere.
+        Returns:
+            The new bias [E] float32 (the buffer itself).
+        """
+        if self.e_score_correction_bias is None:
+            raise ValueError("TopKRouter.update_bias: this router has no bias (construct it with bias=True)")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate < 0:
+            raise ValueError(f"TopKRouter.update_bias: rate must be a finite number >= 0, got {rate!r}")
+        if not isinstance(tokens_per_expert, torch.Tensor) or tuple(tokens_per_expert.shape) != (self.num_experts,):
+            raise ValueError(f"TopKRouter.update_bias: tokens_per_expert must be [{self.num_experts}], got "
+                             + shape_or_type(tokens_per_expert))
+        load = tokens_per_expert.detach().to(torch.float64)
+        if comm is not None:
+            load = comm.all_reduce(load.cpu()).to(load.device)
+        bias = self.e_score_correction_bias
+        bias += (rate * torch.sign(load.mean() - load)).to(bias.device, bias.dtype)
+        return bias
 
     def aux_loss(self, scores: RouterScores, tokens_per_expert: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """This batch's share of the load-balancing + z-loss (formulas in the class docstring).
