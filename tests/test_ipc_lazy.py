@@ -236,6 +236,9 @@ def _record_launches(group):
     t.all_to_all(x[:4], [2, 2], 1, lambda c: torch.empty(sum(c)),
                  Signature.of(OpCode.ALL_TO_ALL, dtype=x.dtype, shape=(4,), compare_first_dim=False))
     t.barrier(Signature.of(OpCode.BARRIER))
+    h = x[:96].reshape(3, 32)
+    t.all_reduce_rmsnorm(h, h.clone(), torch.ones(32), 1e-6, torch.empty_like(h), torch.empty_like(h),
+                         Signature.of(OpCode.ALL_REDUCE, dtype=h.dtype, shape=h.shape, op=ReduceOp.SUM))
     t.close()
     return list(seen.values())
 
@@ -269,7 +272,9 @@ def _compile_recorded(launches: list) -> dict:
         entry = ptx[ptx.index(".entry") : ptx.index(")", ptx.index(".entry"))]
         params = re.findall(r"\.param \.(\w+)", entry)
         report[f"{name}{sorted(const.items())}"] = {"params": params, "names": list(fn.arg_names),
-                                                     "src_sig": list(compiled.src.signature.items())}
+                                                     "src_sig": list(compiled.src.signature.items()),
+                                                     "not_specialized": [p.name for p in fn.params
+                                                                         if p.do_not_specialize]}
     return report
 
 
@@ -279,7 +284,8 @@ def test_pre_bound_arguments_match_the_sm90_compiled_signature(tmp_path):
     launches = results[0][1]
     names = {entry[0] for entry in launches}
     assert {"all_reduce_one_shot", "all_reduce_two_shot", "reduce_scatter", "all_gather", "broadcast",
-            "all_to_all_stage", "all_to_all_pull", "barrier_kernel"} <= names, names
+            "all_to_all_stage", "all_to_all_pull", "barrier_kernel", "all_reduce_lamport",
+            "all_reduce_rmsnorm_lamport"} <= names, names
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -290,7 +296,7 @@ def test_pre_bound_arguments_match_the_sm90_compiled_signature(tmp_path):
                           text=True, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    width = {"i32": "u32", "i64": "u64", "i1": "pred"}
+    width = {"i32": "u32", "i64": "u64", "i1": "pred", "fp32": "f32"}
     for name, sig, const, nfull, order_ok in launches:
         got = report[f"{name}{sorted(const.items())}"]
         assert list(sig) == got["names"] and nfull == len(got["names"]), name  # every parameter, in order
@@ -300,6 +306,9 @@ def test_pre_bound_arguments_match_the_sm90_compiled_signature(tmp_path):
         # the compiled entry takes our runtime arguments, in order and width, then Triton's own scratch pointers
         assert got["params"][: len(ours)] == ours, (name, got["params"], ours)
         assert all(p == "u64" for p in got["params"][len(ours):]) and len(got["params"]) - len(ours) <= 2, name
+        # no integer is specialized on its value (1, multiples of 16): a compiled variant then serves every value
+        ints = [k for k, v in sig.items() if v in ("i32", "i64")]
+        assert set(ints) <= set(got["not_specialized"]), (name, sorted(set(ints) - set(got["not_specialized"])))
 
 
 def _communicator(comm):
