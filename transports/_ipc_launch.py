@@ -14,12 +14,9 @@ Under Triton's interpreter (emulation) there is nothing compiled: every call is 
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
-
-log = logging.getLogger(__name__)
 
 _TYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
@@ -60,7 +57,6 @@ class BoundKernel:
         self.kernel = kernel
         self.programs = programs
         self.constexprs = dict(constexprs)
-        self.emulate = emulate
         names = list(kernel.arg_names)
         unknown = set(constexprs) - set(names)
         if unknown:
@@ -119,9 +115,10 @@ def current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
-def launch(compiled: Any, programs: int, full: list) -> None:
-    """``compiled``'s launcher on the current stream, as ``JITFunction.run`` calls it."""
-    stream = current_stream(torch.cuda.current_device())
+def launch(compiled: Any, programs: int, full: list, device: int | None = None) -> None:
+    """``compiled``'s launcher on ``device``'s current stream (default: the current device), as
+    ``JITFunction.run`` calls it."""
+    stream = current_stream(torch.cuda.current_device() if device is None else device)
     compiled.run(programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *full)
 
 

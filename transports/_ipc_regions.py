@@ -168,12 +168,8 @@ class _CudaRegions:
         """uint8 [nbytes] CUDA tensor over our own region from ``offset`` (the symmetric heap's tensors);
         ``on_free()`` runs when the last tensor over that memory is gone. The region itself stays
         until the transport closes."""
-        import cupy
-
-        owner = _Owner(on_free)  # held by the memory, the array, and through DLPack by torch's storage
-        mem = cupy.cuda.UnownedMemory(self._own + offset, nbytes, owner)
-        arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-        return torch.as_tensor(arr, device=self.device)
+        # the owner is held by the memory, the array, and through torch's storage
+        return cuda_bytes(self._own + offset, nbytes, self.device, _Owner(on_free))
 
     def close(self) -> None:
         for p in getattr(self, "_opened", []):
@@ -189,6 +185,15 @@ class _CudaRegions:
                 pass
             self._own = 0
 
+
+def cuda_bytes(addr: int, nbytes: int, device: torch.device, owner: object = None) -> torch.Tensor:
+    """uint8 [nbytes] CUDA tensor over device memory at ``addr`` that torch did not allocate (cupy's
+    UnownedMemory, handed over through ``__cuda_array_interface__``); ``owner`` lives as long as it."""
+    import cupy
+
+    mem = cupy.cuda.UnownedMemory(addr, nbytes, owner)
+    arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    return torch.as_tensor(arr, device=device)
 
 
 class _Owner:

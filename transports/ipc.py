@@ -70,9 +70,8 @@ import numpy as np
 import torch
 
 from ._host import group_settings, pid_alive
-from . import _ipc_launch
-from ._ipc_launch import BoundKernel, Pointer, arg_type
-from ._ipc_regions import _CudaRegions, _HostRegions
+from ._ipc_launch import BoundKernel, Pointer, arg_type, launch
+from ._ipc_regions import _CudaRegions, _HostRegions, cuda_bytes
 from ._schedule import all_to_all_pulls, staged_segments, windows
 from .base import (
     META_LEN,
@@ -87,6 +86,7 @@ from .base import (
     Transport,
     check_agreement,
     check_recv_counts,
+    dtype_code,
     rendezvous_metas,
 )
 from .kernels import layout as L
@@ -178,14 +178,10 @@ def _align(n: int, a: int) -> int:
 def _at(addr: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A [numel] tensor of ``dtype`` at ``addr``: a CPU view of host memory (emulation); on a GPU
     the memory of a tensor the caller holds, found through torch's allocator-independent DLPack."""
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if device.type == "cpu":
         return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=dtype, count=numel)
-    import cupy
-
-    mem = cupy.cuda.UnownedMemory(addr, nbytes, None)
-    arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-    return torch.as_tensor(arr, device=device).view(dtype)
+    return cuda_bytes(addr, nbytes, device).view(dtype)
 
 
 class _SymmetricHeap:
@@ -221,7 +217,6 @@ class _SymmetricHeap:
 _ACC = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float32", torch.bfloat16: "float32",
         torch.int64: "int64", torch.int32: "int32", torch.uint8: "int32", torch.bool: "int32"}
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-_ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
 class IPCTransport(Transport):
@@ -557,9 +552,7 @@ class IPCTransport(Transport):
         """Before a launch: refuse when broken, raise earlier failures, count the launch."""
         if self._broken:
             self._raise_broken()
-        st = self._status
-        if st[L.S_ERROR] or st[L.S_MISMATCH] or self._reason is not None or self._pending is not None:
-            self._failed()
+        self._check()
         if not self._regions.capturing():  # a captured kernel runs at replays, which the host does not see
             self._launched += 1
 
@@ -625,7 +618,7 @@ class IPCTransport(Transport):
 
     def _lamport_takes(self, nbytes: int, dtype: torch.dtype) -> bool:
         return dtype in _LAMPORT_DTYPES and 0 < nbytes <= self.lamport_max and \
-            nbytes // _ITEMSIZE[dtype] <= self.lamport_elems
+            nbytes // dtype.itemsize <= self.lamport_elems
 
     def _symmetric_offset(self, t: torch.Tensor) -> int | None:
         """Offset of ``t`` in our symmetric heap (every rank's tensor of a call sits at the same
@@ -674,18 +667,16 @@ class IPCTransport(Transport):
         address, with everything but the two pointers prepared: the status check, the launch
         count and the compiled kernel's launcher (after the first call) are all that run.
         Symmetric tensors take :meth:`all_reduce`."""
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        nbytes = numel * itemsize
+        nbytes = numel * dtype.itemsize
         if opcode != OpCode.ALL_REDUCE or numel == 0 or nbytes > self.buffer_bytes:
             return None
         flat = torch.uint8 if dtype == torch.bool else dtype
         const = self._reduce_constants(dtype, op)
-        self._common(sig, host_check=True)
+        rest = self._common(sig, host_check=True)
         if self._lamport_takes(nbytes, dtype):
             kernel, rest = self._k.lamport.all_reduce_lamport, self._lamport_args(sig)
-            const = {"OP": const["OP"], "OUT_BF16": const["OUT_BF16"], "BLOCK": self.block}
+            const = self._lamport_constants(const)
         else:
-            rest = self._common(sig)
             kernel = self._k.all_reduce_one_shot
             if nbytes > self.one_shot_max:
                 kernel, const["ALIGN"] = self._k.all_reduce_two_shot, TWO_SHOT_ALIGN
@@ -711,8 +702,7 @@ class IPCTransport(Transport):
             c = compiled.get(key)
             if c is not None:  # the compiled kernel's launcher, nothing else
                 full[0], full[1] = x_addr, out_addr
-                c.run(programs, 1, 1, _ipc_launch.current_stream(device), c.function, c.packed_metadata, None,
-                      None, None, *full)
+                launch(c, programs, full, device)
             elif emulate:
                 bound(_at(x_addr, numel, flat, self._device), _at(out_addr, numel, flat, self._device), numel, *rest)
             else:  # the JIT compiles this variant (it types pointers from data_ptr() and dtype)
@@ -730,7 +720,7 @@ class IPCTransport(Transport):
             return None
         if weight_dtype not in (dtype, torch.float32) or not 0 < hidden <= RMSNORM_MAX_HIDDEN:
             return None
-        return "lamport_rmsnorm" if self._lamport_takes(numel * _ITEMSIZE[dtype], dtype) else None
+        return "lamport_rmsnorm" if self._lamport_takes(numel * dtype.itemsize, dtype) else None
 
     def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                            out: torch.Tensor, residual_out: torch.Tensor, sig: Signature) -> None:
@@ -752,8 +742,12 @@ class IPCTransport(Transport):
 
     def _lamport_all_reduce(self, x: torch.Tensor, y: torch.Tensor, const: dict, sig: Signature) -> None:
         """One kernel, no barrier: data carry their arrival (:mod:`transports.kernels.lamport`)."""
-        const = {"OP": const["OP"], "OUT_BF16": const["OUT_BF16"], "BLOCK": self.block}
-        self._launch(self._k.lamport.all_reduce_lamport, x, y, x.numel(), *self._lamport_args(sig), **const)
+        self._launch(self._k.lamport.all_reduce_lamport, x, y, x.numel(), *self._lamport_args(sig),
+                     **self._lamport_constants(const))
+
+    def _lamport_constants(self, const: dict) -> dict:
+        """The Lamport kernel's constexprs from :meth:`_reduce_constants`' (it accumulates in float32)."""
+        return {"OP": const["OP"], "OUT_BF16": const["OUT_BF16"], "BLOCK": self.block}
 
     def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         x, y = self._flat(send), self._flat(out)
@@ -854,11 +848,9 @@ class IPCTransport(Transport):
         """
         if self._broken:
             self._raise_broken()
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        nbytes = math.prod(shape) * itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         off = self._heap.alloc(nbytes)
-        mine = np.array([-1 if off is None else off, nbytes, Signature.of(OpCode.ALL_REDUCE, dtype=dtype).meta[1]],
-                        dtype=np.int64)
+        mine = np.array([-1 if off is None else off, nbytes, dtype_code(dtype)], dtype=np.int64)
         everyone = [np.frombuffer(b, dtype=np.int64) for b in self.group.rendezvous.allgather_bytes(mine.tobytes())]
         if any((e != mine).any() for e in everyone) or off is None:
             if off is not None:
