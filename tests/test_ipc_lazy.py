@@ -334,3 +334,28 @@ def test_communicator_symmetric_empty_and_synchronize():
     for ok, plan in results:
         assert all(ok), ok
         assert "-> ipc/" in plan, plan
+
+
+def test_bound_launch_is_used_unless_a_launch_hook_is_set():
+    # Triton keeps each launch hook as a HookChain that is never None: an empty one must not send every
+    # GPU launch back through the JIT (the first GPU run found the bound launcher never used).
+    from triton import knobs
+
+    from transports._ipc_launch import BoundKernel, _hooks_set
+    from transports.kernels.collectives import barrier_kernel
+
+    assert not _hooks_set()
+    assert not BoundKernel(barrier_kernel, 1, {}, emulate=False)._jit_only
+
+    def hook(metadata):
+        return None
+
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            assert _hooks_set()
+            assert BoundKernel(barrier_kernel, 1, {}, emulate=False)._jit_only
+        finally:
+            chain.remove(hook)
+    assert not _hooks_set()

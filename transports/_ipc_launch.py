@@ -101,11 +101,15 @@ class BoundKernel:
 
 
 def _hooks_set() -> bool:
-    """Whether a profiler set Triton's launch hooks (launches then go through the JIT, which calls them)."""
+    """Whether a profiler set Triton's launch hooks (launches then go through the JIT, which calls them).
+
+    Triton 3.6+ keeps each hook as a ``HookChain`` that is never None; it is set when it holds calls.
+    """
     try:
         from triton import knobs
 
-        return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+        return any(h is not None and bool(getattr(h, "calls", True))
+                   for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
     except Exception:  # noqa: BLE001 - a Triton without knobs: stay on the JIT
         return True
 
