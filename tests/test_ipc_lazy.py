@@ -359,3 +359,79 @@ def test_bound_launch_is_used_unless_a_launch_hook_is_set():
         finally:
             chain.remove(hook)
     assert not _hooks_set()
+
+
+def _stand_in_compiler():
+    """Run ipc's bound launches as on a GPU, under the interpreter: the first launch of a variant
+    returns a stand-in for Triton's CompiledKernel that remembers the pointer dtypes it was compiled
+    for, and its launcher reads the X/OUT addresses as those dtypes (as a compiled kernel would)."""
+    import transports._ipc_launch as launch_mod
+    import transports.ipc as ipc_mod
+
+    class Compiled:
+        def __init__(self, kernel, args, constexprs):
+            self.kernel, self.constexprs = kernel, constexprs
+            self.dtypes = [getattr(v, "dtype", None) if hasattr(v, "data_ptr") else None for v in args]
+
+    class Jit:
+        def __init__(self, kernel):
+            self.kernel, self.__name__ = kernel, kernel.__name__
+
+        def __getitem__(self, grid):
+            def run(*args, **constexprs):
+                self.kernel[grid](*args, **constexprs)
+                return Compiled(self.kernel, args, constexprs)
+            return run
+
+    def launch(c, programs, full, device=None):
+        runtime = [v for v, name in zip(full, c.kernel.arg_names) if name not in c.constexprs]
+        n = runtime[2]  # every all_reduce kernel: X, OUT, n, ...
+        args = [ipc_mod._at(v, n, dt, torch.device("cpu")) if isinstance(v, int) and dt is not None else v
+                for v, dt in zip(runtime, c.dtypes)]
+        c.kernel[(programs,)](*args, **c.constexprs)
+
+    init = launch_mod.BoundKernel.__init__
+
+    def bound_init(self, kernel, programs, constexprs, emulate):
+        init(self, kernel, programs, constexprs, emulate)
+        self.kernel, self._jit_only = Jit(kernel), False
+
+    launch_mod.BoundKernel.__init__ = bound_init
+    launch_mod.launch = ipc_mod.launch = launch
+
+
+def _closures_per_dtype(group):
+    from transports.ipc import IPCTransport
+
+    _stand_in_compiler()
+    t = IPCTransport(group, buffer_bytes=BUF)
+    n, me = group.size, group.rank
+    bad = []
+    # float32 first: its compiled variant exists when float16 (same kernel and constexprs) comes
+    for dtype, numel in ((torch.float32, 1000), (torch.float16, 777), (torch.float32, 1000), (torch.bfloat16, 333)):
+        xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(n)]
+        ref = sum((x.float() for x in xs), torch.zeros(numel)).to(dtype)
+        sig = _sig(xs[me])
+        call = t.latency_call(OpCode.ALL_REDUCE, numel, dtype, ReduceOp.SUM, sig)
+        # room after each tensor: a variant of a wider dtype reads and writes past a narrower one's end
+        x = torch.empty(4 * numel, dtype=dtype)[:numel].copy_(xs[me])
+        out = torch.zeros(4 * numel, dtype=dtype)[:numel]
+        for i in range(4):  # the first call compiles (the stand-in JIT), the rest launch the variant
+            out.zero_()
+            call(x.data_ptr(), out.data_ptr())
+            if not torch.equal(out, ref):
+                bad.append((str(dtype), i))
+    t.synchronize()
+    launched = sum(len(b._compiled) for b in t._bound.values())
+    t.close()
+    return bad, launched
+
+
+def test_latency_closures_launch_the_variant_of_their_dtype():
+    # The GPU run found a float16 all_reduce launched with the float32 variant of the same kernel.
+    results = run_ranks(_closures_per_dtype, 2, timeout=120.0)
+    for status, value in results:
+        assert status == "ok", value
+        bad, launched = value
+        assert bad == [], bad
+        assert launched >= 3, launched  # the stand-in compiled a variant per dtype: the bound path ran

@@ -14,6 +14,7 @@ Under Triton's interpreter (emulation) there is nothing compiled: every call is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +44,15 @@ def _variant(args: tuple) -> tuple:
     """What makes the JIT pick another compiled kernel for these arguments (constexprs aside):
     types, and 16-byte alignment of pointers (it specializes on that; our integers never)."""
     return tuple((arg_type(v), v.data_ptr() % 16 == 0) if hasattr(v, "data_ptr") else arg_type(v) for v in args)
+
+
+def pointer_variant(dtype: torch.dtype) -> Callable[[int], tuple]:
+    """``f(addr)``: :func:`_variant`'s entry for a ``dtype`` pointer at ``addr``, for callers that
+    key by address (the pointee's dtype is part of the variant: a kernel compiled for float32 reads
+    float16 data as float32)."""
+    t = "*" + _TYPES[dtype]
+    aligned, unaligned = (t, True), (t, False)
+    return lambda addr: unaligned if addr & 15 else aligned
 
 
 class BoundKernel:

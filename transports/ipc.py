@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from ._host import group_settings, pid_alive
-from ._ipc_launch import BoundKernel, Pointer, arg_type, launch
+from ._ipc_launch import BoundKernel, Pointer, _variant, launch, pointer_variant
 from ._ipc_regions import _CudaRegions, _HostRegions, cuda_bytes
 from ._schedule import all_to_all_pulls, staged_segments, windows
 from .base import (
@@ -683,7 +683,9 @@ class IPCTransport(Transport):
             const["STAGE"] = True
         bound = self._bind(kernel, const)
         start, emulate, heap_lo, heap_hi = self._start, self.emulate, self._heap_lo, self._heap_hi
-        wide = tuple(arg_type(v) for v in rest)  # with the alignment of the pointers: the variant
+        # the variant key, as BoundKernel computes it from the arguments: X's and OUT's dtype and
+        # alignment, then the fixed rest (a float32 variant must never run float16 data)
+        ptr, tail = pointer_variant(flat), _variant((numel, *rest))
         compiled = bound._compiled
         programs = self.programs
         device = self._device.index
@@ -698,13 +700,14 @@ class IPCTransport(Transport):
                                 op, sig)
                 return
             start()
-            key = (wide, x_addr & 15 == 0, out_addr & 15 == 0)
+            key = (ptr(x_addr), ptr(out_addr), *tail)
             c = compiled.get(key)
             if c is not None:  # the compiled kernel's launcher, nothing else
                 full[0], full[1] = x_addr, out_addr
                 launch(c, programs, full, device)
             elif emulate:
-                bound(_at(x_addr, numel, flat, self._device), _at(out_addr, numel, flat, self._device), numel, *rest)
+                bound(_at(x_addr, numel, flat, self._device), _at(out_addr, numel, flat, self._device), numel, *rest,
+                      key=key)
             else:  # the JIT compiles this variant (it types pointers from data_ptr() and dtype)
                 bound(Pointer(x_addr, flat), Pointer(out_addr, flat), numel, *rest, key=key)
             if self.eager_check:
