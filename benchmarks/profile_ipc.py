@@ -18,7 +18,8 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -26,28 +27,29 @@ PHASES = ("call", "launch", "sync", "read_flags", "kernel_gpu")
 
 
 def _timed_launches(times: dict[str, list[float]], events: list[tuple[Any, Any]]) -> Callable[[], None]:
-    """Time every pre-bound ipc launch (``BoundKernel.__call__``) on the host and by CUDA events;
-    returns the undo."""
+    """Time every compiled ipc launch (``transports._ipc_launch.launch``, through which the bound
+    kernels and the latency closures go) on the host and by CUDA events; returns the undo."""
     import torch
 
-    from transports._ipc_launch import BoundKernel
+    import transports._ipc_launch as launch_mod
+    import transports.ipc as ipc_mod
 
-    real = BoundKernel.__call__
+    real = launch_mod.launch
 
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
-        result = real(self, *args, **kwargs)
+        result = real(*args, **kwargs)
         times["launch"].append(time.perf_counter() - t0)
         end.record()
         events.append((start, end))
         return result
 
-    BoundKernel.__call__ = run
+    launch_mod.launch = ipc_mod.launch = run
 
     def undo() -> None:
-        BoundKernel.__call__ = real
+        launch_mod.launch = ipc_mod.launch = real
 
     return undo
 
@@ -62,8 +64,10 @@ def _timed(fn: Callable[..., Any], samples: list[float]) -> Callable[..., Any]:
     return run
 
 
-def _profile_rank(comm: Any, nbytes: int, calls: int, warmup: int) -> dict[str, list[float]]:
-    """On every rank: ``calls`` timed ipc all_reduces of ``nbytes`` float32 bytes; phase samples in µs."""
+def _profile_rank(comm: Any, nbytes: int, calls: int, warmup: int, sync_every: int) -> dict[str, list[float]]:
+    """On every rank: ``calls`` timed ipc all_reduces of ``nbytes`` float32 bytes; phase samples in µs.
+    Every ``sync_every`` calls (0: never) the GPU catches up, outside the timed calls, so that a full
+    launch queue does not make the host wait inside one."""
     import torch
 
     ipc = comm.transports["ipc"]
@@ -77,7 +81,9 @@ def _profile_rank(comm: Any, nbytes: int, calls: int, warmup: int) -> dict[str, 
     ipc._regions.sync = _timed(ipc._regions.sync, times["sync"])
     ipc._regions.read = _timed(ipc._regions.read, times["read_flags"])
     try:
-        for _ in range(calls):
+        for i in range(calls):
+            if sync_every and i % sync_every == 0:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             view.all_reduce(x)
             times["call"].append(time.perf_counter() - t0)
@@ -94,7 +100,10 @@ def _profile_rank(comm: Any, nbytes: int, calls: int, warmup: int) -> dict[str, 
 @click.option("--calls", type=click.IntRange(min=1), default=2000, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=200, show_default=True)
 @click.option("--nprocs", type=click.IntRange(min=1), default=2, show_default=True)
-def main(nbytes: int, calls: int, warmup: int, nprocs: int) -> None:
+@click.option("--sync-every", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Let the GPU catch up every this many calls, untimed (0: never; then a full launch "
+                   "queue can stall a call and its host time includes the GPU's).")
+def main(nbytes: int, calls: int, warmup: int, nprocs: int, sync_every: int) -> None:
     """Per-phase medians of a small ipc all_reduce on the GPU (every rank on this machine's GPUs)."""
     import torch
 
@@ -103,9 +112,9 @@ def main(nbytes: int, calls: int, warmup: int, nprocs: int) -> None:
     if not torch.cuda.is_available():
         click.echo("profile_ipc needs a CUDA GPU", err=True)
         sys.exit(3)
-    per_rank = collectives.launch(_profile_rank, nprocs, nbytes, calls, warmup, transport="ipc")
-    click.echo(f"# ipc all_reduce of {nbytes} B float32, {nprocs} ranks, {calls} calls per rank "
-               f"({torch.cuda.get_device_name(0)}); medians over every rank's calls, us")
+    per_rank = collectives.launch(_profile_rank, nprocs, nbytes, calls, warmup, sync_every, transport="ipc")
+    click.echo(f"# ipc all_reduce of {nbytes} B float32, {nprocs} ranks, {calls} calls per rank, GPU caught up "
+               f"every {sync_every or 'never'} ({torch.cuda.get_device_name(0)}); medians over every rank's calls, us")
     click.echo(f"# {'phase':<12} {'median':>9} {'p10':>9} {'p90':>9} {'per call':>9}")
     for p in PHASES:
         vs = sorted(v for r in per_rank for v in r[p])

@@ -27,3 +27,17 @@ def test_timed_records_every_call_and_passes_results_and_errors_through():
     with pytest.raises(OSError, match="peer gone"):
         profile_ipc._timed(fail, samples)()
     assert len(samples) == 2
+
+
+def test_launch_timer_covers_the_bound_kernels_and_the_latency_closures():
+    # both go through the launcher by their module's name for it: the timer must replace both, and undo both
+    import transports._ipc_launch as launch_mod
+    import transports.ipc as ipc_mod
+
+    real = launch_mod.launch
+    undo = profile_ipc._timed_launches({"launch": []}, [])
+    try:
+        assert launch_mod.launch is ipc_mod.launch is not real
+    finally:
+        undo()
+    assert launch_mod.launch is ipc_mod.launch is real
