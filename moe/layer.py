@@ -94,6 +94,71 @@ class SharedExpert(nn.Module):
         return _ACTIVATIONS[self.activation](x.to(self.fc1.dtype) @ self.fc1) @ self.fc2
 
 
+# The transformers MoE blocks MoELayer.from_hf takes (matched by class name along the MRO, so transformers
+# need not be importable here), and the MoELayer keywords it passes on (the rest comes from the block).
+_HF_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE")
+_HF_OPTIONS = ("capacity_factor", "node_aware", "aux_loss_coef", "z_loss_coef")
+
+
+def _hf_gated(act: object, where: str) -> str:
+    """Our gated activation for a transformers ``act_fn`` module (ValueError for one we lack)."""
+    kind = type(act).__name__
+    if kind in ("SiLUActivation", "SiLU"):
+        return "swiglu"
+    if (kind == "GELUActivation" and getattr(act, "act", F.gelu) is F.gelu) or (
+            kind == "GELU" and getattr(act, "approximate", "none") == "none"):
+        return "geglu"
+    raise ValueError(f"{where}: activation {kind} is not supported (silu and exact gelu are)")
+
+
+def _hf_spec(block: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(MoELayer arguments, full tensors by our state-dict name, experts [E, ...] in our layout)`` of a
+    transformers MoE block. Local; TypeError for a block or keyword from_hf does not take, ValueError
+    for a block it cannot reproduce."""
+    name = type(block).__qualname__
+    family = next((c.__name__ for c in type(block).__mro__ if c.__name__ in _HF_BLOCKS), None)
+    if family is None:
+        raise TypeError(f"unsupported block class {name} (supported: {', '.join(_HF_BLOCKS)})")
+    unknown = set(kwargs) - set(_HF_OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown keyword argument(s) {sorted(unknown)} (from_hf takes {', '.join(_HF_OPTIONS)}; "
+                        f"the rest comes from the block)")
+    experts, gate = getattr(block, "experts", None), getattr(block, "gate", None)
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    weight = getattr(gate, "weight", None)
+    layout = {"is_transposed": False, "is_concatenated": True, "has_bias": False, "has_gate": True}
+    if not (all(isinstance(t, torch.Tensor) and t.dim() == d for t, d in ((gate_up, 3), (down, 3), (weight, 2)))
+            and all(getattr(experts, k, v) == v for k, v in layout.items())):
+        raise TypeError(f"{name}: expected the experts of transformers >= 5 (3-D gate_up_proj [E, 2I, H], "
+                        f"[gate; up] concatenated, and down_proj [E, H, I], no biases) and a gate.weight [E, H]")
+    E, two_i, H = gate_up.shape
+    ffn = two_i // 2
+    if two_i % 2 or tuple(down.shape) != (E, H, ffn) or tuple(weight.shape) != (E, H):
+        raise ValueError(f"{name}: inconsistent shapes gate_up_proj {tuple(gate_up.shape)}, down_proj "
+                         f"{tuple(down.shape)}, gate.weight {tuple(weight.shape)}")
+    args: dict[str, Any] = {"hidden_size": H, "ffn_hidden_size": ffn, "num_experts": E, "top_k": gate.top_k,
+                            "activation": _hf_gated(experts.act_fn, name)}
+    # our layout: fc1 [E, H, 2I] (x @ fc1, gate half first), fc2 [E, I, H]; transformers applies F.linear
+    full = {"experts.fc1": gate_up.detach().transpose(1, 2), "experts.fc2": down.detach().transpose(1, 2),
+            "router.weight": weight.detach()}
+    if family == "MixtralSparseMoeBlock":
+        args["normalize"] = True
+    elif family == "Qwen3MoeSparseMoeBlock":
+        args["normalize"] = bool(gate.norm_topk_prob)
+    else:  # DeepseekV3MoE: group-limited sigmoid routing, correction bias, scaling, one shared MLP
+        args.update(score="sigmoid", normalize=bool(gate.norm_topk_prob), num_groups=gate.num_group,
+                    topk_groups=gate.topk_group, bias=True, routed_scaling_factor=float(gate.routed_scaling_factor))
+        full["router.weight"] = weight.detach().float()  # transformers runs this gate in float32 whatever its dtype
+        full["router.e_score_correction_bias"] = gate.e_score_correction_bias.detach()
+        mlp = block.shared_experts
+        if _hf_gated(mlp.act_fn, name) != args["activation"]:
+            raise ValueError(f"{name}: the shared experts' activation differs from the routed experts'")
+        args["shared_ffn_hidden_size"] = mlp.gate_proj.out_features
+        full["shared.fc1"] = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().t()
+        full["shared.fc2"] = mlp.down_proj.weight.detach().t()
+    return args, full
+
+
 class MoELayer(nn.Module):
     """Router -> dispatch -> local experts -> combine (+ shared expert), expert-parallel over ``comm``.
 
@@ -120,6 +185,8 @@ class MoELayer(nn.Module):
             :class:`~moe.dispatcher.ExpertDispatcher`; call :meth:`close` when done with the layer.
         router_kwargs: ``score``, ``normalize``, ``aux_loss_coef``, ``z_loss_coef``, ``num_groups``,
             ``topk_groups``, ``bias``, ``routed_scaling_factor`` of :class:`TopKRouter`.
+
+    :meth:`from_hf` builds one from a transformers MoE block (Mixtral, Qwen3-MoE, DeepSeek-V3), weights included.
     """
 
     expert_keys = ("experts.fc1", "experts.fc2")
@@ -178,6 +245,62 @@ class MoELayer(nn.Module):
         self.shared = (SharedExpert(hidden_size, shared_ffn_hidden_size, activation, seed)
                        if shared_ffn_hidden_size else None)
         self.last_handle = None
+
+    @classmethod
+    def from_hf(cls, block: nn.Module, comm: CommunicatorLike, **kwargs: Any) -> MoELayer:
+        """An expert-parallel layer computing what a transformers (>= 5) MoE block computes (collective).
+
+        Supported blocks (and subclasses): ``MixtralSparseMoeBlock`` (softmax top-k, renormalised),
+        ``Qwen3MoeSparseMoeBlock`` (softmax top-k, renormalised when ``norm_topk_prob``) and
+        ``DeepseekV3MoE`` (group-limited sigmoid routing over ``n_group`` groups keeping
+        ``topk_group``, ``e_score_correction_bias``, ``norm_topk_prob``, ``routed_scaling_factor``,
+        and the shared experts as this layer's shared expert). Experts must be gated silu or exact
+        gelu ("swiglu"/"geglu"). Mixtral's ``router_jitter_noise`` (training only) is not applied.
+
+        The weights are copied in the block's dtype and device: expert ``e`` of this rank (``e`` in
+        ``[rank * L, (rank + 1) * L)``, L = E / P) gets ``fc1 = gate_up_proj[e].T`` [H, 2I] and
+        ``fc2 = down_proj[e].T`` [I, H]; the router ``gate.weight`` [E, H] (float32 for DeepSeek-V3,
+        whose gate transformers runs in float32) and its bias; the shared MLP ``fc1 = [gate_proj;
+        up_proj].T`` [H, 2I_s], ``fc2 = down_proj.T`` [I_s, H]. The copies are independent of the block.
+        With a float32 or float64 block, ``layer(x)[0]`` equals ``block(x)`` up to the order of float
+        sums (and the same expert choice); 16-bit blocks round their gate differently (our gate runs
+        in float32). Routing: see :class:`~moe.router.TopKRouter`.
+
+        Args:
+            block: the transformers MoE block, the same on every rank (its class and expert count are
+                checked to agree).
+            comm: the expert-parallel group (every rank calls from_hf).
+            kwargs: ``capacity_factor``, ``node_aware``, ``aux_loss_coef``, ``z_loss_coef`` of
+                :class:`MoELayer` (defaults: dropless, auto, no losses); the rest comes from the block.
+
+        Returns:
+            A :class:`MoELayer` holding this rank's experts. An unsupported block class (or unknown
+            keyword) raises ``TypeError``, naming the class; a block it cannot reproduce, or E not
+            divisible by ``comm.size``, ``ValueError``: on every rank.
+        """
+        check_communicator(comm, "MoELayer.from_hf")
+        err, args, full = None, {}, {}
+        try:
+            args, full = _hf_spec(block, kwargs)
+        except (TypeError, ValueError) as e:
+            err = e
+        except AttributeError as e:  # a block of a supported class, changed: not one we know how to copy
+            err = TypeError(f"{type(block).__qualname__}: {e}")
+        E = args.get("num_experts")
+        agree(comm, "MoELayer.from_hf", {"num_experts": E}, error=err,
+              hint="Pass the same block to from_hf on every rank.")
+        if E % comm.size:  # agreed: every rank raises
+            raise ValueError(f"MoELayer.from_hf: {type(block).__qualname__} has {E} experts, not divisible by the "
+                             f"{comm.size} ranks of comm; each rank must hold the same number of experts")
+        layer = cls(comm, **args, **kwargs)
+        first, L = layer.dispatcher.first_local_expert, layer.num_local_experts
+        with torch.no_grad():
+            for key, t in full.items():
+                path, attr = key.rsplit(".", 1)
+                owner = layer.get_submodule(path)
+                t = (t[first: first + L] if key in cls.expert_keys else t).clone(memory_format=torch.contiguous_format)
+                setattr(owner, attr, nn.Parameter(t) if isinstance(getattr(owner, attr), nn.Parameter) else t)
+        return layer
 
     def close(self) -> None:
         """Close the dispatcher's sub-groups (the node-aware path's; collective like their creation)."""

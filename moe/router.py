@@ -92,8 +92,9 @@ class RouterScores(NamedTuple):
 class TopKRouter(nn.Module):
     """Picks ``top_k`` experts per token from a linear gate.
 
-    logits = x @ W^T (in float32, W: [E, H] drawn from ``seed`` alone, N(0, 1/H)).
-    score="softmax": s = softmax(logits); score="sigmoid": s = sigmoid(logits). The k largest
+    logits = x @ W^T (W: [E, H] drawn from ``seed`` alone, N(0, 1/H); the product in float32, or in
+    float64 for a float64 W, then rounded to float32, as transformers' Mixtral and Qwen3-MoE gates do).
+    score="softmax": s = softmax(logits); score="sigmoid": s = sigmoid(logits), in float32. The k largest
     scores give ``experts``; their scores are the ``weights``, divided by their sum when
     ``normalize`` (a no-op for softmax with k = E).
 
@@ -120,7 +121,8 @@ class TopKRouter(nn.Module):
         aux_loss_coef, z_loss_coef: finite numbers >= 0 (0 disables that loss).
         seed: an int >= 0; the gate weight depends on it alone.
         num_groups: G, dividing E (1: no groups). topk_groups: g <= G groups kept (None: all).
-        bias: keep an ``e_score_correction_bias`` [E] float32 buffer (zeros) that steers the choice.
+        bias: keep an ``e_score_correction_bias`` [E] float32 buffer (zeros) that steers the choice
+            (added to the float32 scores in the buffer's dtype, if wider).
         routed_scaling_factor: > 0, multiplies the weights (DeepSeek-V3: 2.5).
         norm_topk_prob: transformers' name of ``normalize``; when given, it wins.
     Local: no communication (``ValueError`` on a bad argument).
@@ -164,7 +166,7 @@ class TopKRouter(nn.Module):
         """Routing without the losses.
 
         Args:
-            x: [T, H] float (any float dtype; the gate runs in float32).
+            x: [T, H] float (any float dtype; the gate product runs in float32, float64 for a float64 weight).
 
         Returns:
             ``(weights, experts, scores)``: weights [T, k] float32, experts [T, k] int64 global
@@ -173,7 +175,8 @@ class TopKRouter(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"TopKRouter: x must be [num_tokens, {self.hidden_size}], got "
                              + shape_or_type(x))
-        logits = x.float() @ self.weight.float().t()
+        gemm = torch.promote_types(self.weight.dtype, torch.float32)  # float32, float64 for a float64 weight
+        logits = (x.to(gemm) @ self.weight.to(gemm).t()).float()
         if self.score == "softmax":
             s = torch.softmax(logits, dim=-1)
             probs = s
@@ -197,7 +200,8 @@ class TopKRouter(nn.Module):
         """[T, k] experts by group-limited top-k over the bias-corrected scores (class docstring)."""
         biased = s.detach()
         if self.e_score_correction_bias is not None:
-            biased = biased + self.e_score_correction_bias.to(biased.device, torch.float32)
+            # float32 + a float32 bias; a float64 bias makes the sum float64 (as in transformers)
+            biased = biased + self.e_score_correction_bias.to(biased.device)
         T, E, G = biased.shape[0], self.num_experts, self.num_groups
         if G > 1 and self.topk_groups < G:
             per_group = biased.view(T, G, E // G)
