@@ -22,7 +22,8 @@ communicator's: every wait raises within it, naming the ranks that did not arriv
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch.distributed as dist
 
@@ -30,9 +31,12 @@ from ..rendezvous import StoreRendezvous
 from ._group import BACKEND_NAME, MoecommProcessGroup
 from ._mpi import mpi_communicator
 
-__all__ = ["register", "BACKEND_NAME", "MoecommProcessGroup"]
+__all__ = ["BACKEND_NAME", "MoecommProcessGroup", "group_communicator", "register"]
 
 log = logging.getLogger("collectives")
+
+# communicators made over the ranks of groups of other backends (group_communicator), by group name
+_OVER_GROUP: dict[str, Any] = {}
 
 
 def register() -> bool:
@@ -89,3 +93,37 @@ def create_process_group(opts: Any, backend_options: Mapping[str, Any] | None = 
     log.debug("moecomm process group %s: rank %d of %d, transports %s", opts.group_id, rank, size,
               sorted(comm.transports))
     return MoecommProcessGroup(comm, store, prefix, global_ranks, mpi_comm=mpi_comm)
+
+
+def group_communicator(group: Any = None, *, timeout: float = 300.0, transport: str = "auto", device: Any = None) -> Any:
+    """The moecomm :class:`~collectives.Communicator` of a torch.distributed group.
+
+    A group of the "moecomm" backend has one already (``group.comm``). For a group of another backend
+    (gloo, nccl), one is made over the group's ranks the first time (collective over them: every rank
+    of the group calls this), meeting through torch's default store, and kept for later calls.
+
+    Args:
+        group: a ProcessGroup (a DeviceMesh dimension's ``get_group()``); None: the default group.
+        timeout, transport, device: for a communicator made here, as for :func:`collectives.init`.
+
+    Returns:
+        The Communicator; ``comm.rank`` is this process's rank in ``group``.
+    """
+    from .. import _build
+
+    if not dist.is_initialized():
+        raise RuntimeError("group_communicator: torch.distributed is not initialized (init_process_group first)")
+    group = dist.group.WORLD if group is None else group
+    if isinstance(group, MoecommProcessGroup):
+        return group.comm
+    name = group.group_name
+    comm = _OVER_GROUP.get(name)
+    if comm is None or comm.closed:
+        store = dist.distributed_c10d._get_default_store()
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        key = f"{BACKEND_NAME}/over/{name}"
+        generation = (store.add(f"{key}/arrivals", 1) - 1) // size  # a group name reused after destroy: new keys
+        rdv = StoreRendezvous(store, rank, size, timeout, f"{key}/g{generation}", dist.get_process_group_ranks(group))
+        comm = _OVER_GROUP[name] = _build(rdv, transport, timeout, "torch.distributed", device=device)
+        log.debug("moecomm communicator over %s group %s: rank %d of %d", dist.get_backend(group), name, rank, size)
+    return comm
