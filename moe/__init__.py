@@ -5,6 +5,9 @@
     disp = ExpertDispatcher(comm, E)
     recv_x, tokens_per_expert, handle = disp.dispatch(x, r.experts)
     y = disp.combine(expert_fn(recv_x), handle, r.weights)
+
+Hugging Face transformers MoE models: :mod:`moe.hf` (``expert_parallel(model, comm)``; importing it
+registers ``DistributedConfig(ep_implementation="moecomm")``). It needs the ``hf`` extra.
 """
 
 from .dispatcher import ExpertDispatcher
