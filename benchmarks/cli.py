@@ -31,6 +31,7 @@ main.add_command(doctor)
 
 # Commands that live in their own modules.
 from .bench_ddp import bench_ddp  # noqa: E402
+from .bench_hf import bench_hf  # noqa: E402
 from .bench_moe import bench_moe  # noqa: E402
 from .bench_p2p import bench_p2p
 from .bench_tp import bench_tp  # noqa: E402
@@ -40,6 +41,7 @@ from .testbed_cli import testbed  # noqa: E402
 from .topo import topo  # noqa: E402
 
 main.add_command(bench_ddp)
+main.add_command(bench_hf)
 main.add_command(bench_moe)
 main.add_command(bench_p2p)
 main.add_command(bench_tp)

@@ -1,0 +1,353 @@
+"""``moecomm bench-hf``: step time of a transformers MoE model made expert-parallel, moecomm against
+transformers' own all-to-all (issue 40's speed point).
+
+One small Qwen3-MoE (random weights, saved once to a temporary folder; every variant loads that
+checkpoint) and one set of token ids (``--tokens`` per rank, as ``--batch`` sequences), measured in
+one invocation for each rank count P of ``--nprocs``, every variant on P CPU ranks
+(``collectives.launch``) unless said:
+
+- ``moecomm-gloo``: ``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=P,
+  ep_size=P, ep_implementation="moecomm"))`` (moe.hf.MoecommEP), torch.distributed over gloo. The
+  experts' exchange goes over a moecomm communicator on the group's ranks, FSDP's all-gathers and
+  reduce-scatters over gloo.
+- ``a2a-gloo``: the same with transformers' ``ep_implementation="all_to_all"`` (AllToAllEP), every
+  collective over gloo. The baseline: "x faster" = t(a2a-gloo) / t(variant).
+- ``a2a-moecomm``: ``"all_to_all"`` over the moecomm torch.distributed backend
+  (``init_process_group("moecomm")``), FSDP's collectives too.
+- ``moecomm-moecomm`` (not run by default): ``"moecomm"`` over the moecomm backend.
+- ``expert-parallel``: ``moe.hf.expert_parallel(model, comm)`` on the model loaded whole, no FSDP:
+  the rest of the model is replicated and no gradient is reduced (the in-memory entry point).
+- ``unsharded``: the model in one process on all P ranks' tokens at once (P x ``--tokens``).
+
+The unsharded runs go first, in one process that also builds and saves the model; then, per P,
+one launch of P ranks runs the other variants one after another (transformers is imported once per
+rank), each with its own process group, initialised from a new ``file://`` in the temporary folder
+and destroyed after it. Each rank runs ``--warmup`` untimed steps, then ``--iters`` timed ones; a step
+is ``model(input_ids, labels=input_ids)`` (fwd: until the loss is there, autograd recording) then
+``loss.backward()`` (fwd+bwd: the whole step), started together on every rank (a barrier before
+each). Times: each rank's median over the timed steps, then the slowest rank. Each EP step does the
+global batch (every rank its share, at the same time, on the same CPUs as ``unsharded``), so the
+times compare as they are; tok/s = global tokens / fwd+bwd time.
+
+Before timing, every variant's logits (one forward, no autograd) are compared with the unsharded
+model's on the same tokens: max |logits - reference| / max |reference| over the rank's tokens, the
+largest over ranks. Above 1e-4 (float32) the command exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from .options import COUNT, NONNEGATIVE, SECONDS, comma_list
+from .ranks import launch_logged
+from .table import Column, Table
+
+# name -> (ep_implementation, torch.distributed backend, what it is); None: no DistributedConfig
+VARIANTS: dict[str, tuple[str | None, str | None, str]] = {
+    "moecomm-gloo": ("moecomm", "gloo", 'ep_implementation="moecomm", DistributedConfig(fsdp=P, ep=P), gloo'),
+    "a2a-gloo": ("all_to_all", "gloo", 'ep_implementation="all_to_all", DistributedConfig(fsdp=P, ep=P), gloo'),
+    "a2a-moecomm": ("all_to_all", "moecomm",
+                    'ep_implementation="all_to_all", DistributedConfig(fsdp=P, ep=P), moecomm backend'),
+    "moecomm-moecomm": ("moecomm", "moecomm",
+                        'ep_implementation="moecomm", DistributedConfig(fsdp=P, ep=P), moecomm backend'),
+    "expert-parallel": (None, None, "moe.hf.expert_parallel(model, comm), no FSDP (replicated rest, no grad reduce)"),
+    "unsharded": (None, None, "the model in one process, P x tokens (the same global batch)"),
+}
+DEFAULT_VARIANTS = ("moecomm-gloo", "a2a-gloo", "a2a-moecomm", "expert-parallel", "unsharded")
+BASELINE = "a2a-gloo"
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
+TOLERANCE = 1e-4  # max relative logits error, float32
+# --quick: a tiny configuration (the test's)
+QUICK = {"layers": 2, "experts": 8, "top_k": 2, "hidden": 64, "tokens": 32, "batch": 1, "vocab": 128, "iters": 2,
+         "warmup": 1}
+
+TABLE = Table([Column("P", 3), Column("variant", 15, align="<"), Column("fwd", 9, ".2f", unit="ms"),
+               Column("fwd+bwd", 9, ".2f", unit="ms"), Column("fwd_x", 6, ".2f", unit="faster"),
+               Column("f+b_x", 6, ".2f", unit="faster"), Column("tok/s", 8, ".0f", unit="f+b"),
+               Column("thr", 3, unit="/rank"), Column("max_rel_err", 11, ".2e"), Column("check", 5)])
+
+
+def _dims(o: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen3MoeConfig arguments of ``o``: every layer MoE, heads of min(64, hidden/2)."""
+    H = o["hidden"]
+    head_dim = min(64, max(H // 2, 1))
+    heads = max(H // head_dim, 1)
+    return {"vocab_size": o["vocab"], "hidden_size": H, "intermediate_size": 4 * H,
+            "moe_intermediate_size": max(H // 2, 1), "num_experts": o["experts"], "num_experts_per_tok": o["top_k"],
+            "num_hidden_layers": o["layers"], "num_attention_heads": heads, "num_key_value_heads": max(heads // 2, 1),
+            "head_dim": head_dim, "max_position_embeddings": max(o["tokens"] // o["batch"], 64),
+            "norm_topk_prob": True, "tie_word_embeddings": False}
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _load(o: dict[str, Any], path: str, distributed_config: Any = None):
+    from transformers import AutoModelForCausalLM
+
+    kw = {} if distributed_config is None else {"distributed_config": distributed_config}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                experts_implementation=o["experts_implementation"], **kw)
+
+
+def _steps(comm, model, ids: torch.Tensor, o: dict[str, Any]) -> dict[str, Any]:
+    """The model's logits on ``ids`` (no autograd), then ``o["warmup"]`` + ``o["iters"]`` training steps
+    (collective: a barrier before each). Returns the logits and the timed steps' seconds."""
+    model.train()  # no dropout in Qwen3-MoE: the same math as eval
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.detach().float().clone()
+    fwd, step = [], []
+    for it in range(o["warmup"] + o["iters"]):
+        model.zero_grad(set_to_none=True)
+        comm.barrier()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if it >= o["warmup"]:
+            fwd.append(t1 - t0)
+            step.append(t2 - t0)
+    comm.barrier()
+    return {"logits": logits, "fwd": fwd, "step": step, "threads": torch.get_num_threads()}
+
+
+def _unsharded_rank(comm, o: dict[str, Any], path: str, inputs: dict[int, torch.Tensor]) -> dict[str, Any]:
+    """One process: build the random model (seeded), save it to ``path``, load it back and run the
+    unsharded variant on every P's global batch ``inputs[P]`` (its logits are the reference)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    _quiet_transformers()
+    torch.manual_seed(o["seed"])
+    built = Qwen3MoeForCausalLM(Qwen3MoeConfig(**_dims(o))).to(torch.float32)
+    built.save_pretrained(path)
+    params = sum(p.numel() for p in built.parameters())
+    del built
+    model = _load(o, path)
+    out = {"params": params, "runs": {}}
+    for P, ids in inputs.items():
+        try:
+            out["runs"][P] = dict(_steps(comm, model, ids, o), local_experts=o["experts"])
+        except Exception as e:  # noqa: BLE001 - reported as the variant's row
+            out["runs"][P] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def _ep_rank(comm, o: dict[str, Any], variants: list[str], path: str, ids_all: torch.Tensor,
+             tmp: str) -> dict[str, dict[str, Any]]:
+    """Every expert-parallel variant in turn on this rank (collective over ``comm``), each with its own
+    process group (a new ``file://`` init) where it needs one.
+
+    Returns:
+        ``{variant: {"logits": [B, S, V] float32, "fwd": [s per step], "step": [s per step], "threads": n,
+        "local_experts": experts per module on this rank}}``, or ``{variant: {"error": text}}``.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import collectives  # noqa: F401 - registers the "moecomm" torch.distributed backend
+    import moe.hf
+
+    _quiet_transformers()
+    B = ids_all.shape[0] // comm.size
+    ids = ids_all[comm.rank * B:(comm.rank + 1) * B]
+    out: dict[str, dict[str, Any]] = {}
+    for variant in variants:
+        ep_implementation, backend, _ = VARIANTS[variant]
+        model = None
+        try:
+            if backend is not None:
+                from transformers.distributed import DistributedConfig
+
+                dist.init_process_group(backend, init_method=f"file://{tmp}/init-{variant}-{comm.size}",
+                                        rank=comm.rank, world_size=comm.size, timeout=timedelta(seconds=o["timeout"]))
+                model = _load(o, path, DistributedConfig(fsdp_size=comm.size, ep_size=comm.size,
+                                                         ep_implementation=ep_implementation))
+            else:
+                model = moe.hf.expert_parallel(_load(o, path), comm)
+            local = sorted({m.num_experts for _, m in moe.hf.experts_modules(model)})
+            out[variant] = dict(_steps(comm, model, ids, o), local_experts=local)
+        except Exception as e:  # noqa: BLE001 - reported as the variant's row
+            out[variant] = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            del model
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return out
+
+
+def _summary(variant: str, P: int, per_rank: list[dict[str, Any]], ref: torch.Tensor | None) -> dict[str, Any]:
+    """The row of one variant: the slowest rank's median times, the largest logits error."""
+    errors = [r["error"] for r in per_rank if "error" in r]
+    if errors or ref is None:
+        return {"P": P, "variant": variant, "ranks": len(per_rank), "ok": False,
+                "error": errors[0] if errors else "no reference (the unsharded run failed)"}
+    B = ref.shape[0] // len(per_rank)
+    errs = []
+    for r, res in enumerate(per_rank):
+        want, got = ref[r * B:(r + 1) * B], res["logits"]
+        errs.append(float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+                    if got.shape == want.shape else float("inf"))
+    fwd = [statistics.median(res["fwd"]) for res in per_rank]
+    step = [statistics.median(res["step"]) for res in per_rank]
+    return {"P": P, "variant": variant, "ranks": len(per_rank), "fwd_s": max(fwd), "step_s": max(step),
+            "fwd_s_per_rank": fwd, "step_s_per_rank": step,
+            "fwd_s_steps": [res["fwd"] for res in per_rank], "step_s_steps": [res["step"] for res in per_rank],
+            "threads": per_rank[0]["threads"], "local_experts": per_rank[0]["local_experts"],
+            "max_rel_err": max(errs), "ok": max(errs) <= TOLERANCE}
+
+
+def _print_rows(rows: list[dict[str, Any]], o: dict[str, Any], P: int) -> None:
+    base = next((r for r in rows if r["variant"] == BASELINE and "error" not in r), None)
+    for r in rows:
+        if "error" in r:
+            click.echo(f"   {P:>1} {r['variant']:<15} FAILED: {r['error']}")
+            continue
+        fx = base["fwd_s"] / r["fwd_s"] if base else "-"
+        sx = base["step_s"] / r["step_s"] if base else "-"
+        click.echo(TABLE.line(P, r["variant"], r["fwd_s"] * 1e3, r["step_s"] * 1e3, fx, sx,
+                              o["tokens"] * P / r["step_s"], r["threads"], r["max_rel_err"],
+                              "ok" if r["ok"] else "WRONG"))
+
+
+def _parse_nprocs(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in comma_list(text)]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of ints", param_hint="--nprocs") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise click.BadParameter(f"{text!r}: give rank counts >= 1", param_hint="--nprocs")
+    return list(dict.fromkeys(sizes))
+
+
+def _parse_variants(text: str | None) -> list[str]:
+    names = comma_list(text) if text else list(DEFAULT_VARIANTS)
+    bad = [n for n in names if n not in VARIANTS]
+    if bad or not names:
+        raise click.BadParameter(f"{', '.join(bad) or repr(text)}: choose from {', '.join(VARIANTS)}",
+                                 param_hint="--variants")
+    return [v for v in VARIANTS if v in names]  # the table's order
+
+
+@click.command("bench-hf")
+@click.option("--nprocs", default="2", show_default=True,
+              help="Ranks per expert-parallel variant; a comma-separated list (2,4) measures each.")
+@click.option("--layers", type=COUNT, default=4, show_default=True, help="Decoder layers (every one MoE).")
+@click.option("--experts", type=COUNT, default=32, show_default=True, help="Experts per layer (divisible by P).")
+@click.option("-k", "--top-k", "top_k", type=COUNT, default=4, show_default=True, help="Experts per token.")
+@click.option("--hidden", type=COUNT, default=512, show_default=True,
+              help="Hidden size (expert intermediate hidden/2, heads of min(64, hidden/2)).")
+@click.option("--tokens", type=COUNT, default=512, show_default=True, help="Tokens per rank per step.")
+@click.option("--batch", type=COUNT, default=1, show_default=True,
+              help="Sequences per rank (of --tokens / --batch tokens each).")
+@click.option("--vocab", type=COUNT, default=2048, show_default=True, help="Vocabulary size.")
+@click.option("--experts-implementation", type=click.Choice(EXPERTS_IMPLEMENTATIONS), default="grouped_mm",
+              show_default=True, help="transformers' experts_implementation (the same in every variant). grouped_mm "
+                                      "runs on CPU float32 (torch 2.13); batched_mm gathers every (token, expert)'s "
+                                      "weights (GBs at the default size).")
+@click.option("-n", "--iters", type=COUNT, default=10, show_default=True, help="Timed steps per variant.")
+@click.option("-w", "--warmup", type=NONNEGATIVE, default=3, show_default=True, help="Untimed steps first.")
+@click.option("--variants", default=None,
+              help=f"Comma-separated subset of {', '.join(VARIANTS)} [default: {','.join(DEFAULT_VARIANTS)}].")
+@click.option("--quick", is_flag=True,
+              help="A tiny configuration (2 layers, 8 experts top-2, hidden 64, 32 tokens, vocab 128, -n 2 -w 1); "
+                   "overrides those options.")
+@click.option("--seed", type=NONNEGATIVE, default=0, show_default=True, help="Seed of the weights and tokens.")
+@click.option("--timeout", type=SECONDS, default=600.0, show_default=True, help="Communicator timeout in seconds.")
+@click.option("-J", "--json", "json_path", default=None, metavar="FILE", help="Write the rows and environment as JSON.")
+def bench_hf(nprocs: str, layers: int, experts: int, top_k: int, hidden: int, tokens: int, batch: int, vocab: int,
+             experts_implementation: str, iters: int, warmup: int, variants: str | None, quick: bool, seed: int,
+             timeout: float, json_path: str | None) -> None:
+    """Forward and forward+backward step time of a small transformers MoE model (Qwen3-MoE), expert-parallel
+    over moecomm and over transformers' all_to_all, side by side, with a logits check against one process."""
+    import importlib.metadata
+    import importlib.util
+
+    import collectives
+
+    if importlib.util.find_spec("transformers") is None:
+        raise click.UsageError("bench-hf needs transformers and accelerate (pip install 'moecomm[hf]')")
+    if collectives.detect_launch() in ("mpi", "torchrun"):
+        raise click.UsageError("bench-hf starts its own ranks for each variant; run it without mpirun/torchrun")
+    o = {"layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden, "tokens": tokens, "batch": batch,
+         "vocab": vocab, "iters": iters, "warmup": warmup}
+    if quick:
+        o.update(QUICK)
+    o.update(experts_implementation=experts_implementation, seed=seed, timeout=timeout, quick=quick)
+    sizes = _parse_nprocs(nprocs)
+    names = _parse_variants(variants)
+    if o["top_k"] > o["experts"]:
+        raise click.BadParameter(f"top-k {o['top_k']} exceeds --experts {o['experts']}", param_hint="--top-k")
+    for P in sizes:
+        if o["experts"] % P:
+            raise click.BadParameter(f"--experts {o['experts']} is not divisible by {P} ranks", param_hint="--nprocs")
+    if o["tokens"] % o["batch"]:
+        raise click.BadParameter(f"--tokens {o['tokens']} is not divisible by --batch {o['batch']}",
+                                 param_hint="--batch")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    seq = o["tokens"] // o["batch"]
+    dims = _dims(o)
+    ep_names = [v for v in names if v != "unsharded"]
+    # every P's global batch: P x batch sequences; rank r of P takes rows [r*batch, (r+1)*batch)
+    inputs = {P: torch.randint(0, o["vocab"], (P * o["batch"], seq), generator=torch.Generator().manual_seed(
+        o["seed"] + 1000 * P)) for P in sizes}
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="moecomm-bench-hf-") as tmp:
+        path = str(Path(tmp) / "model")
+        # first: build and save the model, and the unsharded runs (the reference logits), in one process
+        base = launch_logged(_unsharded_rank, 1, o, path, inputs, timeout=timeout)[0]
+        click.echo(f"# moecomm bench-hf: Qwen3-MoE {o['layers']} layers, {o['experts']} experts top-{o['top_k']}, "
+                   f"hidden {o['hidden']} (expert {dims['moe_intermediate_size']}, {dims['num_attention_heads']} "
+                   f"heads x {dims['head_dim']}, {dims['num_key_value_heads']} kv), vocab {o['vocab']}, "
+                   f"{base['params'] / 1e6:.2f}M params, float32, experts_implementation="
+                   f"{o['experts_implementation']!r}" + (" (--quick)" if quick else ""))
+        click.echo(f"# {o['tokens']} tokens per rank ({o['batch']} x {seq}); step = forward with labels (fwd) + "
+                   f"backward; iters {o['iters']}, warmup {o['warmup']}; {cpus} CPUs here, torch threads: "
+                   "CPUs / ranks (thr)")
+        click.echo("# time: each rank's median step, then the slowest rank; every variant runs the same global batch "
+                   "(P x tokens) on the same CPUs, unsharded in one process with all the threads")
+        click.echo(f"# x faster = t({BASELINE}) / t(variant); tok/s = P x tokens / fwd+bwd; max_rel_err = max "
+                   f"|logits - unsharded| / max |unsharded| (fails above {TOLERANCE:g})")
+        for v in names:
+            click.echo(f"#   {v:<16} {VARIANTS[v][2]}")
+        for line in TABLE.header():
+            click.echo(line)
+        for P in sizes:
+            if P > cpus:
+                click.echo(f"# P={P}: {P} ranks on {cpus} CPUs (oversubscribed): times include waiting for a CPU")
+            results = {"unsharded": [base["runs"][P]]}
+            if ep_names:
+                per_rank = launch_logged(_ep_rank, P, o, ep_names, path, inputs[P], tmp, timeout=timeout)
+                results.update({v: [r[v] for r in per_rank] for v in ep_names})
+            ref = base["runs"][P].get("logits")
+            p_rows = [_summary(v, P, results[v], ref) for v in names]
+            _print_rows(p_rows, o, P)
+            rows.extend(p_rows)
+    ok = all(r["ok"] for r in rows)
+    if json_path:
+        from .output import environment, save_json
+
+        doc = {"schema": "moecomm-bench-hf/1", "env": environment({"cpus_affinity": cpus}),
+               "options": dict(o, nprocs=sizes, variants=names, baseline=BASELINE, tolerance=TOLERANCE,
+                               params=base["params"], model=dict(dims, model_type="qwen3_moe"),
+                               transformers=importlib.metadata.version("transformers")),
+               "variants": {v: VARIANTS[v][2] for v in names}, "rows": rows}
+        click.echo(f"# wrote {save_json(json_path, doc).resolve()}")
+    if not ok:
+        click.echo("# FAILED: " + "; ".join(
+            f"P={r['P']} {r['variant']}: " + (r["error"] if "error" in r else
+                                              f"logits differ by {r['max_rel_err']:.2e} > {TOLERANCE:g}")
+            for r in rows if not r["ok"]), err=True)
+        raise SystemExit(1)
