@@ -32,6 +32,21 @@ times compare as they are; tok/s = global tokens / fwd+bwd time.
 Before timing, every variant's logits (one forward, no autograd) are compared with the unsharded
 model's on the same tokens: max |logits - reference| / max |reference| over the rank's tokens, the
 largest over ranks. Above 1e-4 (float32) the command exits 1.
+
+A second section, "EP exchange per MoE layer" (``--no-exchange`` skips it, ``--exchange-only`` runs
+only it), times what an EP implementation controls, without the rest of the model: per P, in the
+same launch as the variants (after them), moe.hf.MoecommEP and transformers' AllToAllEP built
+directly on ``init_device_mesh("cpu", (P, 1), mesh_dim_names=("ep", "tp"))`` over gloo, on one
+Qwen3MoeExperts of this rank's E/P experts (the model's hidden and expert sizes, random weights),
+called as transformers calls them: ``y = impl(x, top_k_index, top_k_weights)`` (fwd) then
+``y.backward(dy)`` (bwd), with random ``x`` [tokens, hidden] and ``dy`` per rank and top-k of a
+softmax over random router logits. Twice: "exchange", the experts' forward replaced by
+``x * w`` (the exchange alone), and "with experts", the module's own forward
+(``--experts-implementation``). Times as above (each rank's median, the slowest rank; fwd+bwd is
+its own median); x faster = fwd+bwd t(all_to_all) / t. Before timing, both implementations run once
+on the same inputs: their outputs and the gradients of x, of the routing weights and of the
+experts' weights must agree within 1e-5 (max |moecomm - all_to_all| / max |all_to_all|, the
+largest over ranks), else the command exits 1.
 """
 
 from __future__ import annotations
@@ -65,6 +80,9 @@ DEFAULT_VARIANTS = ("moecomm-gloo", "a2a-gloo", "a2a-moecomm", "expert-parallel"
 BASELINE = "a2a-gloo"
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
 TOLERANCE = 1e-4  # max relative logits error, float32
+EXCHANGE_TOLERANCE = 1e-5  # max relative difference, moecomm vs all_to_all (outputs and gradients), float32
+EXCHANGE_IMPLS = ("moecomm", "all_to_all")  # the exchange section's rows; the last one is its baseline
+EXCHANGE_MODES = ("exchange", "with_experts")  # experts forward x * w, the experts' own forward
 # --quick: a tiny configuration (the test's)
 QUICK = {"layers": 2, "experts": 8, "top_k": 2, "hidden": 64, "tokens": 32, "batch": 1, "vocab": 128, "iters": 2,
          "warmup": 1}
@@ -73,6 +91,16 @@ TABLE = Table([Column("P", 3), Column("variant", 15, align="<"), Column("fwd", 9
                Column("fwd+bwd", 9, ".2f", unit="ms"), Column("fwd_x", 6, ".2f", unit="faster"),
                Column("f+b_x", 6, ".2f", unit="faster"), Column("tok/s", 8, ".0f", unit="f+b"),
                Column("thr", 3, unit="/rank"), Column("max_rel_err", 11, ".2e"), Column("check", 5)])
+
+
+def _exchange_columns() -> list[Column]:
+    return [Column("fwd", 8, ".2f", unit="ms", gap=2), Column("bwd", 8, ".2f", unit="ms"),
+            Column("fwd+bwd", 8, ".2f", unit="ms"), Column("x", 6, ".2f", unit="faster")]
+
+
+EXCHANGE_TABLE = Table([Column("P", 3), Column("impl", 10, align="<"), *_exchange_columns(), *_exchange_columns(),
+                        Column("thr", 3, unit="/rank", gap=2), Column("max_rel_err", 11, ".2e"), Column("check", 5)],
+                       groups=[("exchange", 2, 5), ("with experts", 6, 9)])
 
 
 def _dims(o: dict[str, Any]) -> dict[str, Any]:
@@ -145,13 +173,15 @@ def _unsharded_rank(comm, o: dict[str, Any], path: str, inputs: dict[int, torch.
 
 
 def _ep_rank(comm, o: dict[str, Any], variants: list[str], path: str, ids_all: torch.Tensor,
-             tmp: str) -> dict[str, dict[str, Any]]:
+             tmp: str, exchange: bool = False) -> dict[str, Any]:
     """Every expert-parallel variant in turn on this rank (collective over ``comm``), each with its own
-    process group (a new ``file://`` init) where it needs one.
+    process group (a new ``file://`` init) where it needs one; then, with ``exchange``, the exchange
+    section (:func:`_exchange_rank`).
 
     Returns:
-        ``{variant: {"logits": [B, S, V] float32, "fwd": [s per step], "step": [s per step], "threads": n,
-        "local_experts": experts per module on this rank}}``, or ``{variant: {"error": text}}``.
+        ``{"variants": {variant: {"logits": [B, S, V] float32, "fwd": [s per step], "step": [s per step],
+        "threads": n, "local_experts": experts per module on this rank}} (or ``{variant: {"error": text}}``),
+        "exchange": _exchange_rank's result, or None}``.
     """
     from datetime import timedelta
 
@@ -185,7 +215,114 @@ def _ep_rank(comm, o: dict[str, Any], variants: list[str], path: str, ids_all: t
             del model
             if dist.is_initialized():
                 dist.destroy_process_group()
-    return out
+    return {"variants": out, "exchange": _exchange_rank(comm, o, tmp) if exchange else None}
+
+
+class _TimesWeights(torch.nn.Module):
+    """The "exchange" rows' experts: ``x * w``, no weights (every EP implementation hands its experts
+    unit weights, so the output is the rows that came in)."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return x * top_k_weights
+
+
+def _rel_diff(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
+    """max |got - want| / max |want| (0 for two missing gradients, inf for a shape mismatch or one missing)."""
+    if got is None or want is None:
+        return 0.0 if got is None and want is None else float("inf")
+    if got.shape != want.shape:
+        return float("inf")
+    if want.numel() == 0:
+        return 0.0
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def _exchange_rank(comm, o: dict[str, Any], tmp: str) -> dict[str, Any]:
+    """The exchange section on this rank (collective over ``comm``): MoecommEP and AllToAllEP on a
+    ``(P, 1)`` ("ep", "tp") DeviceMesh over gloo (its own process group), for the experts forward
+    ``x * w`` ("exchange") and the experts' own ("with_experts"): once on the same inputs (the check),
+    then ``o["warmup"]`` + ``o["iters"]`` timed calls each (a barrier before each).
+
+    Returns:
+        ``{"times": {mode: {impl: {"fwd": [s], "bwd": [s], "step": [s]}}}, "diffs": {mode: {quantity:
+        max relative difference moecomm vs all_to_all}}, "threads": n, "local_experts": L}``, or ``{"error": text}``.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen3MoeConfig
+    from transformers.distributed.expert_parallel import AllToAllEP
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    import moe.hf
+
+    P, rank = comm.size, comm.rank
+    L, T, H, E, k = o["experts"] // P, o["tokens"], o["hidden"], o["experts"], o["top_k"]
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/init-exchange-{P}", rank=rank, world_size=P,
+                                timeout=timedelta(seconds=o["timeout"]))
+        mesh = init_device_mesh("cpu", (P, 1), mesh_dim_names=("ep", "tp"))
+        g = torch.Generator().manual_seed(o["seed"] + 7919 * P + rank)
+        config = Qwen3MoeConfig(**dict(_dims(o), num_experts=L))  # this rank's experts only
+        config._experts_implementation = o["experts_implementation"]
+        experts = Qwen3MoeExperts(config)
+        with torch.no_grad():
+            for param in experts.parameters():
+                param.copy_(torch.randn(param.shape, generator=g) * 0.02)
+        experts._is_expert_parallel = True  # the forward skips the off-rank sentinel ids
+        x = torch.randn(T, H, generator=g).requires_grad_()
+        weights, index = torch.softmax(torch.randn(T, E, generator=g), -1).topk(k, -1)
+        weights.requires_grad_()
+        dy = torch.randn(T, H, generator=g)
+        classes = {"moecomm": moe.hf.MoecommEP, "all_to_all": AllToAllEP}
+        modules = {"exchange": _TimesWeights(L), "with_experts": experts}
+        out: dict[str, Any] = {"times": {}, "diffs": {}, "threads": torch.get_num_threads(), "local_experts": L}
+
+        def call(impl: Any, module: torch.nn.Module) -> tuple[torch.Tensor, float, float, float]:
+            x.grad = weights.grad = None
+            module.zero_grad(set_to_none=True)
+            comm.barrier()
+            t0 = time.perf_counter()
+            y = impl(x, index, weights)
+            t1 = time.perf_counter()
+            y.backward(dy)
+            t2 = time.perf_counter()
+            return y.detach(), t0, t1, t2
+
+        for mode in EXCHANGE_MODES:
+            module = modules[mode]
+            impls = {name: classes[name](module, mesh["ep"], mesh["tp"]) for name in EXCHANGE_IMPLS}
+            # the check: the same inputs and dy through both
+            got = {}
+            for name, impl in impls.items():
+                y = call(impl, module)[0]
+                got[name] = {"out": y, "x_grad": x.grad, "weights_grad": weights.grad,
+                             **{f"{n}_grad": p.grad for n, p in module.named_parameters()}}
+            ref = got[EXCHANGE_IMPLS[-1]]
+            out["diffs"][mode] = {q: max(_rel_diff(got[name][q], ref[q]) for name in EXCHANGE_IMPLS[:-1])
+                                  for q in ref}
+            out["times"][mode] = {}
+            for name, impl in impls.items():
+                fwd, bwd, step = [], [], []
+                for it in range(o["warmup"] + o["iters"]):
+                    _, t0, t1, t2 = call(impl, module)
+                    if it >= o["warmup"]:
+                        fwd.append(t1 - t0)
+                        bwd.append(t2 - t1)
+                        step.append(t2 - t0)
+                out["times"][mode][name] = {"fwd": fwd, "bwd": bwd, "step": step}
+        comm.barrier()
+        return out
+    except Exception as e:  # noqa: BLE001 - reported as the section's rows
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _summary(variant: str, P: int, per_rank: list[dict[str, Any]], ref: torch.Tensor | None) -> dict[str, Any]:
@@ -220,6 +357,64 @@ def _print_rows(rows: list[dict[str, Any]], o: dict[str, Any], P: int) -> None:
         click.echo(TABLE.line(P, r["variant"], r["fwd_s"] * 1e3, r["step_s"] * 1e3, fx, sx,
                               o["tokens"] * P / r["step_s"], r["threads"], r["max_rel_err"],
                               "ok" if r["ok"] else "WRONG"))
+
+
+def _exchange_summary(P: int, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The exchange section's rows at P ranks, one per implementation (EXCHANGE_IMPLS' order): per mode
+    the slowest rank's median fwd, bwd and fwd+bwd, and x faster (fwd+bwd against the last, the
+    baseline); the check (the largest difference over ranks) on every row but the baseline's."""
+    errors = [r["error"] for r in per_rank if "error" in r]
+    if errors:
+        return [{"P": P, "impl": name, "ranks": len(per_rank), "ok": False, "error": errors[0]}
+                for name in EXCHANGE_IMPLS]
+    rows = []
+    for name in EXCHANGE_IMPLS:
+        row: dict[str, Any] = {"P": P, "impl": name, "ranks": len(per_rank), "threads": per_rank[0]["threads"],
+                               "local_experts": per_rank[0]["local_experts"]}
+        for mode in EXCHANGE_MODES:
+            times = [res["times"][mode][name] for res in per_rank]
+            base = [res["times"][mode][EXCHANGE_IMPLS[-1]] for res in per_rank]
+            m: dict[str, Any] = {}
+            for key in ("fwd", "bwd", "step"):
+                m[f"{key}_s_per_rank"] = [statistics.median(t[key]) for t in times]
+                m[f"{key}_s"] = max(m[f"{key}_s_per_rank"])
+                m[f"{key}_s_steps"] = [t[key] for t in times]
+            m["x_faster"] = max(statistics.median(t["step"]) for t in base) / m["step_s"]
+            row[mode] = m
+        if name == EXCHANGE_IMPLS[-1]:
+            row.update(max_rel_err=None, rel_errs=None, ok=True)  # the reference of the check
+        else:
+            rel = {mode: {q: max(res["diffs"][mode][q] for res in per_rank) for q in per_rank[0]["diffs"][mode]}
+                   for mode in EXCHANGE_MODES}
+            worst = max(v for d in rel.values() for v in d.values())
+            row.update(max_rel_err=worst, rel_errs=rel, ok=worst <= EXCHANGE_TOLERANCE)
+        rows.append(row)
+    return rows
+
+
+def _print_exchange_rows(rows: list[dict[str, Any]], P: int) -> None:
+    for r in rows:
+        if "error" in r:
+            click.echo(f"   {P:>1} {r['impl']:<10} FAILED: {r['error']}")
+            continue
+        cells = [v for mode in EXCHANGE_MODES for v in (r[mode]["fwd_s"] * 1e3, r[mode]["bwd_s"] * 1e3,
+                                                         r[mode]["step_s"] * 1e3, r[mode]["x_faster"])]
+        err, check = ("-", "ref") if r["max_rel_err"] is None else (r["max_rel_err"], "ok" if r["ok"] else "WRONG")
+        click.echo(EXCHANGE_TABLE.line(P, r["impl"], *cells, r["threads"], err, check))
+
+
+def _failures(rows: list[dict[str, Any]], exchange_rows: list[dict[str, Any]]) -> list[str]:
+    """One line per failed row of either section."""
+    out = [f"P={r['P']} {r['variant']}: " + (r["error"] if "error" in r else
+                                             f"logits differ by {r['max_rel_err']:.2e} > {TOLERANCE:g}")
+           for r in rows if not r["ok"]]
+    out += [f"P={r['P']} exchange {r['impl']}: " + (
+        r["error"] if "error" in r else
+        f"differs from {EXCHANGE_IMPLS[-1]} by {r['max_rel_err']:.2e} > {EXCHANGE_TOLERANCE:g} (" + ", ".join(
+            f"{mode} {q} {v:.2e}" for mode, d in r["rel_errs"].items() for q, v in d.items()
+            if v > EXCHANGE_TOLERANCE) + ")")
+        for r in exchange_rows if not r["ok"]]
+    return out
 
 
 def _parse_nprocs(text: str) -> list[int]:
@@ -264,14 +459,19 @@ def _parse_variants(text: str | None) -> list[str]:
 @click.option("--quick", is_flag=True,
               help="A tiny configuration (2 layers, 8 experts top-2, hidden 64, 32 tokens, vocab 128, -n 2 -w 1); "
                    "overrides those options.")
+@click.option("--no-exchange", is_flag=True, help="Skip the section \"EP exchange per MoE layer\".")
+@click.option("--exchange-only", is_flag=True,
+              help="Run only the section \"EP exchange per MoE layer\" (MoecommEP vs AllToAllEP on one experts "
+                   "module, no model).")
 @click.option("--seed", type=NONNEGATIVE, default=0, show_default=True, help="Seed of the weights and tokens.")
 @click.option("--timeout", type=SECONDS, default=600.0, show_default=True, help="Communicator timeout in seconds.")
 @click.option("-J", "--json", "json_path", default=None, metavar="FILE", help="Write the rows and environment as JSON.")
 def bench_hf(nprocs: str, layers: int, experts: int, top_k: int, hidden: int, tokens: int, batch: int, vocab: int,
-             experts_implementation: str, iters: int, warmup: int, variants: str | None, quick: bool, seed: int,
-             timeout: float, json_path: str | None) -> None:
+             experts_implementation: str, iters: int, warmup: int, variants: str | None, quick: bool,
+             no_exchange: bool, exchange_only: bool, seed: int, timeout: float, json_path: str | None) -> None:
     """Forward and forward+backward step time of a small transformers MoE model (Qwen3-MoE), expert-parallel
-    over moecomm and over transformers' all_to_all, side by side, with a logits check against one process."""
+    over moecomm and over transformers' all_to_all, side by side, with a logits check against one process;
+    then the exchange alone per MoE layer (MoecommEP vs AllToAllEP), with and without the experts' compute."""
     import importlib.metadata
     import importlib.util
 
@@ -281,6 +481,8 @@ def bench_hf(nprocs: str, layers: int, experts: int, top_k: int, hidden: int, to
         raise click.UsageError("bench-hf needs transformers and accelerate (pip install 'moecomm[hf]')")
     if collectives.detect_launch() in ("mpi", "torchrun"):
         raise click.UsageError("bench-hf starts its own ranks for each variant; run it without mpirun/torchrun")
+    if no_exchange and exchange_only:
+        raise click.UsageError("--no-exchange and --exchange-only exclude each other")
     o = {"layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden, "tokens": tokens, "batch": batch,
          "vocab": vocab, "iters": iters, "warmup": warmup}
     if quick:
@@ -299,55 +501,86 @@ def bench_hf(nprocs: str, layers: int, experts: int, top_k: int, hidden: int, to
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     seq = o["tokens"] // o["batch"]
     dims = _dims(o)
+    if exchange_only:
+        names = []
     ep_names = [v for v in names if v != "unsharded"]
     # every P's global batch: P x batch sequences; rank r of P takes rows [r*batch, (r+1)*batch)
     inputs = {P: torch.randint(0, o["vocab"], (P * o["batch"], seq), generator=torch.Generator().manual_seed(
         o["seed"] + 1000 * P)) for P in sizes}
     rows: list[dict[str, Any]] = []
+    exchange_rows: list[dict[str, Any]] = []
+    params = None
     with tempfile.TemporaryDirectory(prefix="moecomm-bench-hf-") as tmp:
         path = str(Path(tmp) / "model")
-        # first: build and save the model, and the unsharded runs (the reference logits), in one process
-        base = launch_logged(_unsharded_rank, 1, o, path, inputs, timeout=timeout)[0]
-        click.echo(f"# moecomm bench-hf: Qwen3-MoE {o['layers']} layers, {o['experts']} experts top-{o['top_k']}, "
-                   f"hidden {o['hidden']} (expert {dims['moe_intermediate_size']}, {dims['num_attention_heads']} "
-                   f"heads x {dims['head_dim']}, {dims['num_key_value_heads']} kv), vocab {o['vocab']}, "
-                   f"{base['params'] / 1e6:.2f}M params, float32, experts_implementation="
-                   f"{o['experts_implementation']!r}" + (" (--quick)" if quick else ""))
-        click.echo(f"# {o['tokens']} tokens per rank ({o['batch']} x {seq}); step = forward with labels (fwd) + "
-                   f"backward; iters {o['iters']}, warmup {o['warmup']}; {cpus} CPUs here, torch threads: "
-                   "CPUs / ranks (thr)")
-        click.echo("# time: each rank's median step, then the slowest rank; every variant runs the same global batch "
-                   "(P x tokens) on the same CPUs, unsharded in one process with all the threads")
-        click.echo(f"# x faster = t({BASELINE}) / t(variant); tok/s = P x tokens / fwd+bwd; max_rel_err = max "
-                   f"|logits - unsharded| / max |unsharded| (fails above {TOLERANCE:g})")
-        for v in names:
-            click.echo(f"#   {v:<16} {VARIANTS[v][2]}")
-        for line in TABLE.header():
-            click.echo(line)
+        if names:
+            # first: build and save the model, and the unsharded runs (the reference logits), in one process
+            base = launch_logged(_unsharded_rank, 1, o, path, inputs, timeout=timeout)[0]
+            params = base["params"]
+            click.echo(f"# moecomm bench-hf: Qwen3-MoE {o['layers']} layers, {o['experts']} experts top-{o['top_k']}, "
+                       f"hidden {o['hidden']} (expert {dims['moe_intermediate_size']}, {dims['num_attention_heads']} "
+                       f"heads x {dims['head_dim']}, {dims['num_key_value_heads']} kv), vocab {o['vocab']}, "
+                       f"{params / 1e6:.2f}M params, float32, experts_implementation="
+                       f"{o['experts_implementation']!r}" + (" (--quick)" if quick else ""))
+            click.echo(f"# {o['tokens']} tokens per rank ({o['batch']} x {seq}); step = forward with labels (fwd) + "
+                       f"backward; iters {o['iters']}, warmup {o['warmup']}; {cpus} CPUs here, torch threads: "
+                       "CPUs / ranks (thr)")
+            click.echo("# time: each rank's median step, then the slowest rank; every variant runs the same global "
+                       "batch (P x tokens) on the same CPUs, unsharded in one process with all the threads")
+            click.echo(f"# x faster = t({BASELINE}) / t(variant); tok/s = P x tokens / fwd+bwd; max_rel_err = max "
+                       f"|logits - unsharded| / max |unsharded| (fails above {TOLERANCE:g})")
+            for v in names:
+                click.echo(f"#   {v:<16} {VARIANTS[v][2]}")
+            for line in TABLE.header():
+                click.echo(line)
+        exchange_per_p = {}
         for P in sizes:
             if P > cpus:
                 click.echo(f"# P={P}: {P} ranks on {cpus} CPUs (oversubscribed): times include waiting for a CPU")
-            results = {"unsharded": [base["runs"][P]]}
-            if ep_names:
-                per_rank = launch_logged(_ep_rank, P, o, ep_names, path, inputs[P], tmp, timeout=timeout)
-                results.update({v: [r[v] for r in per_rank] for v in ep_names})
-            ref = base["runs"][P].get("logits")
-            p_rows = [_summary(v, P, results[v], ref) for v in names]
-            _print_rows(p_rows, o, P)
-            rows.extend(p_rows)
-    ok = all(r["ok"] for r in rows)
+            results = {"unsharded": [base["runs"][P]]} if names else {}
+            if ep_names or not no_exchange:
+                # one launch per P: the variants, then the exchange section (transformers imported once per rank)
+                per_rank = launch_logged(_ep_rank, P, o, ep_names, path, inputs[P], tmp, not no_exchange,
+                                         timeout=timeout)
+                results.update({v: [r["variants"][v] for r in per_rank] for v in ep_names})
+                if not no_exchange:
+                    exchange_per_p[P] = [r["exchange"] for r in per_rank]
+            if names:
+                ref = base["runs"][P].get("logits")
+                p_rows = [_summary(v, P, results[v], ref) for v in names]
+                _print_rows(p_rows, o, P)
+                rows.extend(p_rows)
+        if exchange_per_p:
+            click.echo(f"# EP exchange per MoE layer: moe.hf.MoecommEP vs transformers' AllToAllEP (the baseline), "
+                       f"torch.distributed over gloo, DeviceMesh (P, 1) (\"ep\", \"tp\"), called on one Qwen3MoeExperts "
+                       f"of {o['experts']}/P experts (hidden {o['hidden']}, expert {dims['moe_intermediate_size']}), "
+                       f"{o['tokens']} random tokens per rank, top-{o['top_k']} of a softmax over random logits, "
+                       "float32" + (" (--quick)" if quick else ""))
+            click.echo("# exchange: the experts' forward is x * w (the exchange alone); with experts: the experts' own "
+                       f"(experts_implementation={o['experts_implementation']!r})")
+            click.echo("# fwd = impl(x, top_k_index, top_k_weights), bwd = y.backward(dy); iters "
+                       f"{o['iters']}, warmup {o['warmup']}; each rank's median, then the slowest rank; "
+                       f"x faster = fwd+bwd t({EXCHANGE_IMPLS[-1]}) / t")
+            click.echo("# check: output and gradients (x, routing weights, experts' weights) on the same inputs, max "
+                       f"|moecomm - {EXCHANGE_IMPLS[-1]}| / max |{EXCHANGE_IMPLS[-1]}| over both (fails above "
+                       f"{EXCHANGE_TOLERANCE:g})")
+            for line in EXCHANGE_TABLE.header():
+                click.echo(line)
+            for P, per_rank in exchange_per_p.items():
+                p_rows = _exchange_summary(P, per_rank)
+                _print_exchange_rows(p_rows, P)
+                exchange_rows.extend(p_rows)
+    failures = _failures(rows, exchange_rows)
     if json_path:
         from .output import environment, save_json
 
         doc = {"schema": "moecomm-bench-hf/1", "env": environment({"cpus_affinity": cpus}),
                "options": dict(o, nprocs=sizes, variants=names, baseline=BASELINE, tolerance=TOLERANCE,
-                               params=base["params"], model=dict(dims, model_type="qwen3_moe"),
+                               exchange=not no_exchange, exchange_only=exchange_only,
+                               exchange_tolerance=EXCHANGE_TOLERANCE, params=params,
+                               model=dict(dims, model_type="qwen3_moe"),
                                transformers=importlib.metadata.version("transformers")),
-               "variants": {v: VARIANTS[v][2] for v in names}, "rows": rows}
+               "variants": {v: VARIANTS[v][2] for v in names}, "rows": rows, "exchange_rows": exchange_rows}
         click.echo(f"# wrote {save_json(json_path, doc).resolve()}")
-    if not ok:
-        click.echo("# FAILED: " + "; ".join(
-            f"P={r['P']} {r['variant']}: " + (r["error"] if "error" in r else
-                                              f"logits differ by {r['max_rel_err']:.2e} > {TOLERANCE:g}")
-            for r in rows if not r["ok"]), err=True)
+    if failures:
+        click.echo("# FAILED: " + "; ".join(failures), err=True)
         raise SystemExit(1)
