@@ -68,9 +68,12 @@ def output_paths(gpu_name: str, date: str, results_dir: str | Path = RESULTS_DIR
 
 
 def _has_option(command_name: str, option: str) -> bool:
-    from .cli import main
+    """Whether the bench command ``moecomm <command_name>`` has ``option``, read from the command object
+    in its own module (the CLI registers the commands; a command does not import the CLI)."""
+    from .bench_moe import bench_moe
+    from .bench_tp import bench_tp
 
-    cmd = main.commands[command_name]
+    cmd = {c.name: c for c in (bench_moe, bench_tp)}[command_name]
     return any(option in getattr(p, "opts", ()) for p in cmd.params)
 
 

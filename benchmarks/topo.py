@@ -31,6 +31,7 @@ def topo(as_json: bool, probe: bool, copy: bool, nvml: bool, cross_check: bool, 
     (a --record directory that cannot be written, a --from directory that holds no recording).
     """
     from collectives import topology as gt
+    from collectives.topology.render import render
 
     if record_dir:
         try:
@@ -66,7 +67,7 @@ def topo(as_json: bool, probe: bool, copy: bool, nvml: bool, cross_check: bool, 
             d["cross_check"] = {"done": why is None, "why_not": why, "differences": problems}
         click.echo(json.dumps(d, indent=1))
     else:
-        click.echo(t.render())
+        click.echo(render(t))
         if cross_check:
             verdict = f"not done: {why}" if why else "differs" if problems else "agrees"
             click.echo(f"\nCross-check with nvidia-smi topo -m: {verdict}")

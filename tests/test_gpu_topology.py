@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from benchmarks.cli import main as cli_main
 from collectives import topology as gt
+from collectives.topology import render as gtr
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "gpu_topology")
 HGX = os.path.join(FIX, "hgx_h100_8gpu")
@@ -360,13 +361,13 @@ def test_build_from_nvidia_smi_only_matches_nvml_path():
                             smi_query=_text(os.path.join(HGX, "nvidia-smi-query-gpu.csv")), hostname="hgx_h100_8gpu")
     nvml = gt.load_recording(HGX)
     assert smi.sources == ("sysfs", "nvidia-smi")
-    assert smi.render_matrix() == nvml.render_matrix()
+    assert gtr.render_matrix(smi) == gtr.render_matrix(nvml)
     assert [g.pci_bus_id for g in smi.gpus] == HGX_GPU_BUS and smi.gpus[0].nvlinks == ()
     assert (smi.peers[0][1].source, smi.peers[0][1].nvlinks, smi.peers[0][1].pci) == ("nvidia-smi", 18, "NODE")
-    assert smi.p2p_usable(0, 1) is None and "?" in smi.render_p2p()
+    assert smi.p2p_usable(0, 1) is None and "?" in gtr.render_p2p(smi)
     # without --query-gpu the GPUs are matched to sysfs in bus order, which works when the counts agree
     noq = gt.build_topology(root=HGX, smi_topo=_text(os.path.join(HGX, "nvidia-smi-topo-m.txt")), hostname="x")
-    assert noq.render_matrix() == nvml.render_matrix() and noq.gpus[0].name == "NVIDIA device 0x2330"
+    assert gtr.render_matrix(noq) == gtr.render_matrix(nvml) and noq.gpus[0].name == "NVIDIA device 0x2330"
     bad = gt.build_topology(root=PCIE, smi_topo=_text(os.path.join(HGX, "nvidia-smi-topo-m.txt")), hostname="x")
     assert len(bad.gpus) == 2 and "nvidia-smi's matrix was not used" in bad.notes[0]
 
@@ -415,7 +416,7 @@ def test_cross_check():
 
 @pytest.mark.parametrize("name", ["hgx_h100_8gpu", "pcie_2gpu", "no_gpu_vm"])
 def test_render_matches_expected_text(name):
-    got = gt.load_recording(os.path.join(FIX, name)).render().splitlines()
+    got = gtr.render(gt.load_recording(os.path.join(FIX, name))).splitlines()
     want = _text(os.path.join(FIX, "expected", f"{name}.txt")).splitlines()
     for k, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"line {k + 1} of expected/{name}.txt"
@@ -425,7 +426,7 @@ def test_render_matches_expected_text(name):
 def test_render_matrix_rows_line_up_with_nvidia_smi():
     """Our GPU rows are nvidia-smi's rows with tabs expanded, plus the column of eno1 (no RDMA, so not in
     nvidia-smi's list) and without GPU NUMA ID (known only to newer NVML)."""
-    ours = gt.load_recording(HGX).render_matrix().splitlines()
+    ours = gtr.render_matrix(gt.load_recording(HGX)).splitlines()
     smi = _text(os.path.join(HGX, "nvidia-smi-topo-m.txt")).splitlines()
     for k in range(8):
         cells = smi[k + 1].split("\t")  # label, 8 GPUs, 10 NICs, CPU Affinity, NUMA Affinity, "", GPU NUMA ID
@@ -446,7 +447,7 @@ def test_probe_marks_probed_pairs():
     assert p.peers[2][5].probed is False and p.peers[2][5].p2p_reported is True and p.p2p_usable(2, 5) is False
     assert p.p2p_usable(5, 2) is True and p.peers[0][1].probe == "fake copy"
     assert [g.cuda_device for g in p.gpus] == list(range(10, 18))
-    grid = p.render_p2p().splitlines()
+    grid = gtr.render_p2p(p).splitlines()
     assert grid[0] == "P2P read/write (as NVML reports it; * = probed: fake copy)"
     assert grid[4].split() == ["GPU2", "OK*", "OK*", "X", "OK*", "OK*", "NS*", "OK*", "OK*"]
     one = gt.probe_p2p(t, probe=probe, cuda_devices={3: 0})
@@ -521,7 +522,7 @@ def test_moecomm_topo_on_this_machine():
     r = CliRunner().invoke(cli_main, ["topo", "--no-probe"])
     assert r.exit_code == 0, r.output
     t = gt.detect()
-    assert t.render_cpus() in r.output
+    assert gtr.render_cpus(t) in r.output
     for nic in t.nics:
         assert nic.name in r.output
     if not t.gpus:

@@ -2,7 +2,9 @@
 
 Plain frozen dataclasses, filled by :func:`~collectives.topology.detect.build_topology` and serialisable
 to JSON (:meth:`GpuTopology.to_dict` / :meth:`GpuTopology.from_dict`). Matrix cells use the words of
-``nvidia-smi topo -m``: X, NV#, PIX, PXB, PHB, NODE, SYS, and N/A for unknown.
+``nvidia-smi topo -m``: X, NV#, PIX, PXB, PHB, NODE, SYS, and N/A for unknown. The text form lives in
+:mod:`collectives.topology.render` (``render(topo)``, ``render_matrix(topo)``, ...), which reads this model;
+the model does not import its renderer.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import render as _render
 from .formats import cpulist_count, natural_key, normalize_bus_id
 
 # PCI relations from nearest to farthest (see sysfs.pci_relation)
@@ -271,12 +272,3 @@ class GpuTopology:
     def to_json(self, **kwargs: Any) -> str:
         """:meth:`to_dict` as JSON; ``kwargs`` go to :func:`json.dumps` (e.g. ``indent=1``)."""
         return json.dumps(self.to_dict(), **kwargs)
-
-    # -- rendering: the functions of collectives.topology.render, as methods
-    render_matrix = _render.render_matrix
-    render_gpus = _render.render_gpus
-    render_p2p = _render.render_p2p
-    render_nics = _render.render_nics
-    render_cpus = _render.render_cpus
-    render = _render.render
-    __str__ = _render.render
