@@ -31,17 +31,20 @@ slots it picked there, and the receiver expands the rows into one row per (token
 grouped by local expert. ``combine`` reduces the weighted expert outputs of each received token
 on the expert rank, sends one row per (token, rank) back, and sums them on the token's rank.
 
-Wire format of a dispatched row (``uint8``, every part starting at a multiple of 8 bytes):
-``[k x int32 local expert id or -1 | k x weight (when dispatch got weights) | H x x.dtype]``.
-Packing the slot ids (and weights) into the row keeps dispatch to one count exchange plus one
-all-to-all, and lets ``combine`` run as a single all-to-all when dispatch was given the weights.
+:class:`ExpertDispatcher` checks and agrees on its arguments and forwards each call to one of two
+sibling strategies, which share the interface ``layout`` / ``dispatch`` / ``combine`` / ``reject`` /
+``close``:
 
-When the group spans several nodes (equal ranks per node), the dispatcher takes the node-aware
-path of :mod:`moe.internode` instead: a token crosses the network once per destination node and is
-forwarded inside the node; its layout and handle have the same attributes. The records and the
-all-to-all helpers both paths use are in :mod:`moe.records`.
+* the flat path, :class:`moe.flat.FlatPath`: one row per (token, destination rank) over one
+  all-to-all (its wire format is in :mod:`moe.flat`);
+* the node-aware path, :class:`moe.internode.NodeAwarePath`, taken when the group spans several
+  nodes (equal ranks per node): a token crosses the network once per destination node and is
+  forwarded inside the node by a flat path over the node's ranks; its layout and handle have the
+  same attributes.
 
-Collective calls per step: dispatch = 1 all_gather (counts; + 1 when capacity dropping has to
+The records and the all-to-all helpers the paths share are in :mod:`moe.records`.
+
+Collective calls per step (the flat path): dispatch = 1 all_gather (counts; + 1 when capacity dropping has to
 rank an over-full expert) + 1 all_to_all; combine = 1 all_to_all (+1 small one for the weights
 when dispatch did not get them); backward: dispatch 1, combine 2 (rows out, weight grads back).
 Every all_to_all passes the receive counts the layout already knows (``recv_counts=``), so a
@@ -54,124 +57,25 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import NoReturn
 
 import torch
 
-from collectives.agreement import agree, rank_label, reject
+from collectives.agreement import agree, rank_label
 from collectives.protocols import CommunicatorLike, check_communicator
-from transports.base import dtype_code, dtype_name
 
-from .records import (DispatchHandle, DispatchLayout, DispatchTraffic, _acc_dtype, _all_to_all, _round8,
-                      _sum_rows, _tensor_id)
+from .flat import FlatPath, check_inputs
+from .internode import NodeAwareHandle, NodeAwareLayout, NodeAwarePath, node_placement
+from .records import _FLOATS, DispatchHandle, DispatchLayout, _tensor_id
 from .router import is_positive_int, shape_or_type
 
-if TYPE_CHECKING:
-    from .internode import NodeAwareHandle, NodeAwareLayout
-
 log = logging.getLogger("moe")
-
-_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two float tensors of one shape and dtype hold the same values, NaN equal to NaN (``torch.equal``
     says NaN != NaN, which rejected NaN router weights passed alike to dispatch and combine)."""
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
-
-
-class _DispatchAllToAll(torch.autograd.Function):
-    """Forward: send token rows to their experts' ranks and expand them into (token, expert) pairs.
-    Backward: sum each received row's pair gradients, send them back (reverse all-to-all), sum per token."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, handle: DispatchHandle, comm: CommunicatorLike) -> torch.Tensor:
-        lay = handle.layout
-        k, hidden = lay.top_k, lay.hidden
-        ids_b = 4 * k
-        w_off = _round8(ids_b)
-        w_b = 0 if lay.send_weights is None else k * lay.send_weights.element_size()
-        meta_b = _round8(w_off + w_b)
-        row_b = hidden * x.element_size()
-        width = _round8(meta_b + row_b)
-        s = lay.send_token_idx.numel()
-        buf = torch.empty((s, width), dtype=torch.uint8, device=x.device)
-        buf[:, :ids_b] = lay.send_slot_ids.view(torch.uint8)
-        if w_b:
-            buf[:, w_off: w_off + w_b] = lay.send_weights.view(torch.uint8)
-        for a, b in ((ids_b, w_off), (w_off + w_b, meta_b), (meta_b + row_b, width)):
-            if b > a:
-                buf[:, a:b] = 0  # padding: keep the wire deterministic
-        # Gather the token rows straight into the wire buffer (no temporary).
-        torch.index_select(x.detach().contiguous().view(torch.uint8), 0, lay.send_token_idx,
-                           out=buf[:, meta_b: meta_b + row_b])
-        recv, recv_counts = _all_to_all(comm, buf, lay.send_counts, lay.recv_counts, return_counts=True)
-        ids = recv[:, :ids_b].view(torch.int32)
-        rows = recv[:, meta_b: meta_b + row_b].view(x.dtype)
-        row, slot = (ids >= 0).nonzero(as_tuple=True)            # pairs in (source, token, slot) order
-        order = torch.argsort(ids[row, slot], stable=True)       # group by local expert, keep that order
-        handle.pair_row, handle.pair_slot = row[order], slot[order]
-        if w_b:
-            w_recv = recv[:, w_off: w_off + w_b].view(lay.send_weights.dtype)
-            handle.pair_weight = w_recv[handle.pair_row, handle.pair_slot]
-        handle.recv_counts = recv_counts
-        ctx.handle, ctx.comm, ctx.num_tokens, ctx.dtype = handle, comm, x.shape[0], x.dtype
-        return rows.index_select(0, handle.pair_row)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        h, comm = ctx.handle, ctx.comm
-        g_rows = _sum_rows(grad, h.pair_row, h.num_recv_rows)          # pairs -> received rows
-        back = _all_to_all(comm, g_rows, h.recv_counts, h.layout.send_counts)
-        return _sum_rows(back, h.layout.send_token_idx, ctx.num_tokens), None, None
-
-
-class _CombineAllToAll(torch.autograd.Function):
-    """Forward: weight and sum each received token's expert outputs on the expert rank, send one row
-    per (token, rank) back, sum per token. Backward: send the output gradient to the expert ranks,
-    form the expert-output and weight gradients there, send the weight gradients back."""
-
-    @staticmethod
-    def forward(ctx, expert_out: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle, comm: CommunicatorLike):
-        lay = handle.layout
-        w_dtype = weights.dtype
-        if handle.pair_weight is not None:
-            w_pair = handle.pair_weight          # travelled with the tokens (combine checked they match)
-        else:
-            # The expert rank needs the weights of the pairs it holds: one small exchange, same layout.
-            ok = lay.send_slot_ids >= 0
-            w_rows = torch.where(ok, weights.detach().index_select(0, lay.send_token_idx),
-                                 torch.zeros((), dtype=w_dtype, device=weights.device))
-            w_recv = _all_to_all(comm, w_rows, lay.send_counts, handle.recv_counts)
-            w_pair = w_recv[handle.pair_row, handle.pair_slot]
-        eo = expert_out.detach()
-        acc = _acc_dtype(eo.dtype)
-        weighted = eo.to(acc, copy=True).mul_(w_pair.to(acc).unsqueeze(1))
-        partial = _sum_rows(weighted, handle.pair_row, handle.num_recv_rows, out_dtype=eo.dtype)
-        del weighted
-        back = _all_to_all(comm, partial, handle.recv_counts, lay.send_counts)
-        ctx.save_for_backward(eo, w_pair)
-        ctx.handle, ctx.comm, ctx.w_dtype = handle, comm, w_dtype
-        return _sum_rows(back, lay.send_token_idx, lay.num_tokens)
-
-    @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
-        eo, w_pair = ctx.saved_tensors
-        h, comm = ctx.handle, ctx.comm
-        lay = h.layout
-        acc = _acc_dtype(eo.dtype)
-        g_send = grad_y.to(eo.dtype).index_select(0, lay.send_token_idx)
-        g_recv = _all_to_all(comm, g_send, lay.send_counts, h.recv_counts)
-        g_pair = g_recv.index_select(0, h.pair_row).to(acc)
-        # Weight gradients are born on the expert rank; the k-wide grid mirrors the dispatched rows.
-        gw_grid = torch.zeros((h.num_recv_rows, lay.top_k), dtype=ctx.w_dtype, device=eo.device)
-        # (a * b).sum(-1): 2.4x faster than linalg.vecdot for [N, H] rows on the CPU (torch 2.13, one thread)
-        gw_grid[h.pair_row, h.pair_slot] = (g_pair * eo.to(acc)).sum(-1).to(ctx.w_dtype)
-        grad_eo = g_pair.mul_(w_pair.to(acc).unsqueeze(1)).to(eo.dtype)
-        gw_back = _all_to_all(comm, gw_grid, h.recv_counts, lay.send_counts)
-        grad_w = torch.zeros((lay.num_tokens, lay.top_k), dtype=ctx.w_dtype, device=eo.device)
-        grad_w.index_add_(0, lay.send_token_idx, gw_back)
-        return grad_eo, grad_w, None, None
 
 
 class ExpertDispatcher:
@@ -203,8 +107,6 @@ class ExpertDispatcher:
 
     def __init__(self, comm: CommunicatorLike, num_experts: int, *, capacity_factor: float | None = None,
                  node_aware: bool | None = None):
-        from .internode import node_of_ranks, node_placement
-
         check_communicator(comm, "ExpertDispatcher")
         err = None
         placement = node_placement(comm)
@@ -230,64 +132,30 @@ class ExpertDispatcher:
         self.num_local_experts = num_experts // comm.size
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.first_local_expert = comm.rank * self.num_local_experts
-        # the node of each rank (None: one node): for the traffic counters of either path, from the topology
-        # itself (placement is None for nodes of unequal rank counts, which still have a node boundary)
-        self._node_of = node_of_ranks(comm)
         self.node_aware = placement is not None and node_aware is not False
-        self._path = None
+        # the strategy every call goes to; the flat one over the whole group also serves the node-aware one
+        self._flat = FlatPath(comm, num_experts, self.capacity_factor)
+        self._path: FlatPath | NodeAwarePath = self._flat
         if self.node_aware:
-            from .internode import NodeAwarePath
-
-            self._path = NodeAwarePath(comm, placement, self.num_local_experts)
+            self._path = NodeAwarePath(self._flat, placement)
             log.debug("rank %d: node-aware dispatch over %d nodes x %d ranks", comm.global_ranks[comm.rank],
                       self._path.num_nodes, self._path.ranks_per_node)
 
     def _reject(self, error: Exception, *, step: str, on: torch.Tensor) -> NoReturn:
         """Raise ``error`` here, skipping ``step``; the peers' next collective raises too (on the node-aware
         path: in each sub-group where they are next; see :meth:`moe.internode.NodeAwarePath.reject`)."""
-        if self._path is not None:
-            self._path.reject(error, step=step, on=on)
-        reject(self.comm, error, on=on)
+        self._path.reject(error, step=step, on=on)
 
     def close(self) -> None:
         """Close the node-aware path's sub-groups (collective with the other ranks' close; no-op on the flat path)."""
-        if self._path is not None:
-            self._path.close()
-            self._path = None
+        self._path.close()
+        self._path = self._flat
 
     def __repr__(self) -> str:
         return (f"ExpertDispatcher(rank={self.comm.rank}, size={self.comm.size}, num_experts={self.num_experts}, "
                 f"capacity_factor={self.capacity_factor}, node_aware={self.node_aware})")
 
     # ---- layout ---------------------------------------------------------------------------------
-    def _check_inputs(self, x: Any, experts: Any, weights: Any, *, need_weights: bool) -> str | None:
-        """The first problem with dispatch's arguments on this rank (a message without the rank), or None."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            return f"x must be a 2-D tensor [num_tokens, hidden], got {shape_or_type(x)}"
-        if x.dtype not in _FLOATS:
-            return f"x must be float64/32/16 or bfloat16, got {x.dtype}"
-        if not isinstance(experts, torch.Tensor) or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
-            return f"experts must be an int tensor [num_tokens={x.shape[0]}, top_k], got {shape_or_type(experts)}"
-        if experts.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            return f"experts must be an integer tensor, got {experts.dtype}"
-        if experts.device != x.device:
-            return f"experts is on {experts.device} but x is on {x.device}"
-        if experts.numel():
-            lo, hi = int(experts.min()), int(experts.max())
-            if lo < -1 or hi >= self.num_experts:
-                return (f"expert indices must lie in [0, {self.num_experts}) (or -1 for an unused slot), "
-                        f"got values in [{lo}, {hi}]")
-        if weights is not None:
-            if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != tuple(experts.shape) \
-                    or weights.dtype not in _FLOATS or weights.device != x.device:
-                return (f"weights must be a float tensor of the experts' shape {tuple(experts.shape)} on "
-                        f"{x.device}, got " + (f"{tuple(weights.shape)} {weights.dtype} on {weights.device}"
-                                               if isinstance(weights, torch.Tensor) else type(weights).__name__))
-        elif need_weights:
-            return ("capacity_factor is set, so dispatch needs weights=... (the router weights, [T, k]) "
-                    "to decide which pairs to drop")
-        return None
-
     def get_dispatch_layout(self, x: torch.Tensor, experts: torch.Tensor, *,
                             weights: torch.Tensor | None = None) -> DispatchLayout | NodeAwareLayout:
         """The one count exchange of a dispatch (collective): who sends what where, after capacity dropping.
@@ -309,148 +177,7 @@ class ExpertDispatcher:
             nodes. Every rank raises ``ValueError`` (naming the ranks and values) if any rank's
             arguments are invalid or they disagree.
         """
-        flat = self._flat_layout(x, experts, weights)
-        if self._path is None:
-            return flat
-        return self._path.relay("layout", self._path.layout, flat, experts, weights)
-
-    def _flat_layout(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor | None) -> DispatchLayout:
-        """The flat path's layout (the count exchange; see :meth:`get_dispatch_layout`)."""
-        comm, E, L, P = self.comm, self.num_experts, self.num_local_experts, self.comm.size
-        err = self._check_inputs(x, experts, weights, need_weights=self.capacity_factor is not None)
-        ok_shapes = err is None
-        T = x.shape[0] if ok_shapes else 0
-        k = experts.shape[1] if ok_shapes else 0
-        hidden = x.shape[1] if ok_shapes else 0
-        requires_grad = bool(ok_shapes and torch.is_grad_enabled() and x.requires_grad)
-        if ok_shapes:
-            e = experts.to(torch.int64)
-            valid = e >= 0
-            counts_local = torch.bincount(e[valid], minlength=E).cpu()
-            dest, to_rank = self._rows_to_ranks(e, valid)
-            rows_local = to_rank[:, :P].sum(0).cpu()
-        else:
-            counts_local = torch.zeros(E, dtype=torch.int64)
-            rows_local = torch.zeros(P, dtype=torch.int64)
-        # each rank's rows per destination ride along: they are everyone's receive counts
-        header = torch.cat([torch.tensor([T], dtype=torch.int64), counts_local, rows_local])
-        gathered = agree(comm, "dispatch", {"hidden size (x.shape[1])": hidden, "top_k (experts.shape[1])": k,
-                                            "x.dtype": dtype_code(x.dtype) if ok_shapes else 0,
-                                            "x.requires_grad": int(requires_grad),
-                                            "weights.dtype (0: no weights passed)":
-                                                dtype_code(weights.dtype) if ok_shapes and weights is not None else 0},
-                         error=err and ValueError(err), extra=header,
-                         formats={"x.dtype": dtype_name, "weights.dtype (0: no weights passed)": dtype_name},
-                         hint="Every rank must pass x [T, H] with the same H and dtype, experts [T, k] with the "
-                              "same k, and x.requires_grad set alike, and pass weights= on all ranks or on "
-                              "none (T may differ).")
-        num_global_tokens = int(gathered[:, 0].sum())
-        counts = gathered[:, 1:1 + E].clone()                  # [P, E] pairs per (source rank, expert)
-        recv_counts = gathered[:, 1 + E:][:, comm.rank].tolist()  # rows from each rank (before dropping)
-        global_tpe = counts.sum(0)
-        dropped = torch.zeros((T, k), dtype=torch.bool, device=x.device)
-        capacity = None
-        if self.capacity_factor is not None:
-            capacity = math.ceil(self.capacity_factor * num_global_tokens * k / E)
-            over = global_tpe > capacity
-            if bool(over.any()):
-                keep_local, counts = self._capacity_keep(e, valid, weights, counts, over, capacity)
-                dropped = valid & ~keep_local
-                valid = valid & keep_local
-                dest, to_rank = self._rows_to_ranks(e, valid)
-                recv_counts = None  # rows changed after the exchange: dispatch's all_to_all learns them
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("rank %d: capacity %d per expert, %d experts over it, %d of this rank's pairs dropped",
-                              comm.global_ranks[comm.rank], capacity, int(over.sum()), int(dropped.sum()))
-        rank_of_row, send_tok = to_rank[:, :P].t().nonzero(as_tuple=True)
-        send_counts = torch.bincount(rank_of_row, minlength=P).cpu().tolist()
-        slot_here = valid.index_select(0, send_tok) & (dest.index_select(0, send_tok) == rank_of_row.unsqueeze(1))
-        # Fresh row-major storage: the rows are later viewed as bytes (an empty result may have 0 strides).
-        slot_ids = torch.empty((send_tok.numel(), k), dtype=torch.int32, device=x.device)
-        slot_ids.copy_(torch.where(slot_here, e.index_select(0, send_tok) - (rank_of_row * L).unsqueeze(1),
-                                   torch.full((), -1, dtype=torch.int64, device=x.device)))
-        send_w = w_copy = w_id = None
-        if weights is not None:
-            w = weights.detach()
-            send_w = torch.empty((send_tok.numel(), k), dtype=w.dtype, device=x.device)
-            send_w.copy_(torch.where(slot_here, w.index_select(0, send_tok), torch.zeros((), dtype=w.dtype,
-                                                                                         device=x.device)))
-            w_copy, w_id = w.clone(), _tensor_id(weights)
-        r = comm.rank
-        row_bytes = hidden * x.element_size() if ok_shapes else 0
-        node_of = self._node_of or [0] * P
-        mine = node_of[r]
-        traffic = DispatchTraffic(
-            internode_bytes=sum(c for d, c in enumerate(send_counts) if node_of[d] != mine) * row_bytes,
-            intranode_bytes=sum(c for d, c in enumerate(send_counts) if node_of[d] == mine and d != r) * row_bytes,
-            flat_internode_bytes=sum(c for d, c in enumerate(send_counts) if node_of[d] != mine) * row_bytes)
-        return DispatchLayout(num_tokens=T, top_k=k, hidden=hidden, dtype=x.dtype, requires_grad=requires_grad,
-                              send_token_idx=send_tok, send_slot_ids=slot_ids, send_counts=send_counts,
-                              send_weights=send_w, weights=w_copy, weights_id=w_id,
-                              dropped=dropped, counts=counts, global_tokens_per_expert=global_tpe,
-                              num_global_tokens=num_global_tokens, capacity=capacity,
-                              tokens_per_expert=counts[:, r * L:(r + 1) * L].sum(0), recv_counts=recv_counts,
-                              traffic=traffic)
-
-    def _rows_to_ranks(self, e: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row per (token, destination rank); the token's slots for that rank ride in the row.
-
-        Args:
-            e: [T, k] int64 global expert ids; valid: [T, k] bool, the slots that are sent.
-        Returns:
-            ``(dest, to_rank)``: dest [T, k] int64, each slot's rank (P for a slot not sent);
-            to_rank [T, P + 1] bool, whether the token goes to each rank (column P: nowhere).
-        """
-        P, L = self.comm.size, self.num_local_experts
-        dest = torch.where(valid, torch.div(e, L, rounding_mode="floor"), torch.full_like(e, P))
-        to_rank = torch.zeros((e.shape[0], P + 1), dtype=torch.bool, device=e.device)
-        to_rank.scatter_(1, dest, True)
-        return dest, to_rank
-
-    def _capacity_keep(self, e: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                       over: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global lowest-weight dropping for the over-capacity experts.
-
-        Every rank all-gathers the weights of its pairs routed to over-capacity experts (ordered by
-        expert, then token, then slot; padded to the longest), then ranks all of them identically:
-        by expert, weight descending, then (rank, token, slot). Returns this rank's keep mask
-        [T, k] bool and the kept counts [P, E] (identical on every rank).
-        """
-        comm, P, E = self.comm, self.comm.size, self.num_experts
-        dev = e.device
-        flat_e = e.reshape(-1)
-        over_dev = over.to(dev)
-        mine = valid.reshape(-1) & over_dev[flat_e.clamp(min=0)]
-        idx = mine.nonzero(as_tuple=True)[0]                          # (token, slot) order
-        idx = idx[torch.argsort(flat_e[idx], stable=True)]            # -> (expert, token, slot)
-        w_mine = weights.detach().reshape(-1)[idx].to(torch.float64)
-        over_e = over.nonzero(as_tuple=True)[0]                       # CPU, ascending
-        per_rank = counts[:, over_e]                                  # [P, n_over]
-        n = per_rank.sum(1)                                           # pairs each rank contributes
-        width = int(n.max())
-        padded = torch.zeros(width, dtype=torch.float64)
-        padded[: w_mine.numel()] = w_mine.cpu()
-        all_w = comm.all_gather(padded.reshape(1, -1)) if P > 1 else padded.reshape(1, -1)
-        valid_e = torch.arange(width).unsqueeze(0) < n.unsqueeze(1)   # [P, width]
-        w_flat = all_w[valid_e]                                       # (rank, expert, token, slot) order
-        exp_flat = torch.repeat_interleave(over_e.repeat(P), per_rank.reshape(-1))
-        rank_flat = torch.repeat_interleave(torch.arange(P), n)
-        # Stable sorts, last key first: weight descending, then expert ascending.
-        o = torch.argsort(-w_flat, stable=True)
-        o = o[torch.argsort(exp_flat[o], stable=True)]
-        e_sorted = exp_flat[o]
-        seg_start = torch.searchsorted(e_sorted, e_sorted, side="left")
-        keep_sorted = (torch.arange(o.numel()) - seg_start) < capacity
-        keep_flat = torch.empty_like(keep_sorted)
-        keep_flat[o] = keep_sorted
-        kept = counts.clone()
-        kept[:, over_e] = 0
-        kept.view(-1).index_add_(0, rank_flat * E + exp_flat, keep_flat.to(torch.int64))
-        start = int(n[: comm.rank].sum())
-        keep_mine = keep_flat[start: start + int(n[comm.rank])].to(dev)
-        keep = torch.ones(flat_e.numel(), dtype=torch.bool, device=dev)
-        keep[idx] = keep_mine
-        return keep.view_as(e), kept
+        return self._path.layout(x, experts, weights)
 
     # ---- dispatch / combine ---------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, experts: torch.Tensor, *, weights: torch.Tensor | None = None,
@@ -474,7 +201,7 @@ class ExpertDispatcher:
         if layout is None:
             layout = self.get_dispatch_layout(x, experts, weights=weights)
         else:
-            err = self._check_inputs(x, experts, weights, need_weights=False)
+            err = check_inputs(x, experts, weights, self.num_experts, need_weights=False)
             if err is None and (x.shape[0] != layout.num_tokens or x.shape[1] != layout.hidden
                                 or x.dtype != layout.dtype or tuple(experts.shape) != (layout.num_tokens, layout.top_k)
                                 or (torch.is_grad_enabled() and x.requires_grad) != layout.requires_grad):
@@ -484,11 +211,7 @@ class ExpertDispatcher:
                        f"requires_grad={layout.requires_grad}, k={layout.top_k}); recompute the layout")
             if err is not None:  # the peers are already in dispatch's all-to-all
                 self._reject(ValueError(f"dispatch on {rank_label(self.comm)}: {err}"), step="dispatch", on=x)
-        if self._path is not None:
-            return self._path.dispatch(x, layout)
-        handle = DispatchHandle(layout)
-        recv_x = _DispatchAllToAll.apply(x, handle, self.comm)
-        return recv_x, layout.tokens_per_expert, handle
+        return self._path.dispatch(x, layout)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle | NodeAwareHandle,
                 weights: torch.Tensor) -> torch.Tensor:
@@ -525,6 +248,4 @@ class ExpertDispatcher:
             self._reject(ValueError(f"combine on {rank_label(self.comm)}: {err}"),
                          step="combine" if getattr(lay, "recv_weights", None) is not None else "combine_weights",
                          on=expert_out)
-        if self._path is not None:
-            return self._path.combine(expert_out, handle, weights)
-        return _CombineAllToAll.apply(expert_out, weights, handle, self.comm)
+        return self._path.combine(expert_out, handle, weights)

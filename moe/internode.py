@@ -1,5 +1,9 @@
 """Node-aware dispatch/combine for an expert-parallel group that spans nodes (DeepEP's internode design).
 
+:class:`NodeAwarePath` is the strategy :class:`~moe.dispatcher.ExpertDispatcher` takes for such a group,
+the sibling of the flat :class:`~moe.flat.FlatPath`, which it runs for two of its steps: the count
+exchange over the whole group, and the forwarding inside each node.
+
 Notation as in :mod:`moe.dispatcher`, plus: G nodes of Q ranks each (equal on every node); rank r
 sits on node ``node_of[r]`` at local index ``local_of[r]``. Two sub-groups per rank:
 
@@ -12,8 +16,8 @@ Dispatch: (1) over the rail group, each token goes once to every node that holds
 its kept experts, to the rank there with the sender's local index (the forwarder), together with
 the node-local expert ids of its slots on that node (``local_of[owner] * L + e % L``; -1 for slots
 elsewhere) and their weights; (2) over the node group, the forwarder passes each row on with the
-flat :class:`~moe.dispatcher.ExpertDispatcher` (num_experts = Q * L), which again sends a row once
-per rank that holds its experts. A token thus crosses the network at most once per destination
+flat path (:class:`~moe.flat.FlatPath`, num_experts = Q * L), which again sends a row once per rank
+that holds its experts. A token thus crosses the network at most once per destination
 node, however many of its k experts live there.
 
 Combine mirrors it: the node group's combine sums the weighted expert outputs of the node's experts
@@ -34,9 +38,19 @@ from typing import Any, NoReturn
 
 import torch
 
-from collectives.protocols import CommunicatorLike
+from collectives.agreement import agree
+from collectives.protocols import CommunicatorLike, check_communicator
 
-from .records import DispatchHandle, DispatchLayout, DispatchTraffic, _all_to_all, _round8, _sum_rows
+from .flat import FlatPath
+from .records import (
+    DispatchHandle,
+    DispatchLayout,
+    DispatchTraffic,
+    _all_to_all,
+    _round8,
+    _sum_rows,
+    node_of_ranks,  # noqa: F401 - re-exported: moe.internode.node_of_ranks, where it was
+)
 
 log = logging.getLogger("moe")
 
@@ -55,20 +69,6 @@ def node_placement(comm: CommunicatorLike) -> tuple[list[int], list[int]] | None
         for i, r in enumerate(ranks):
             node_of[r], local_of[r] = g, i
     return node_of, local_of
-
-
-def node_of_ranks(comm: CommunicatorLike) -> list[int] | None:
-    """The node (index in ``comm.topology.nodes``) of each rank of ``comm`` when it spans several nodes, of any
-    sizes, else None (one node, or no topology). For the traffic counters, which need the real node boundary
-    also where the node-aware path does not apply (nodes with unequal rank counts)."""
-    nodes = getattr(getattr(comm, "topology", None), "nodes", None)
-    if not nodes or len(nodes) < 2:
-        return None
-    node_of = [0] * comm.size
-    for g, ranks in enumerate(nodes):
-        for r in ranks:
-            node_of[r] = g
-    return node_of
 
 
 def node_rows(owner: torch.Tensor, node_of: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -221,19 +221,20 @@ class _RailWeights(torch.autograd.Function):
 
 
 class NodeAwarePath:
-    """The rail and node groups of one :class:`~moe.dispatcher.ExpertDispatcher`, and its node-aware steps.
+    """The node-aware strategy of one :class:`~moe.dispatcher.ExpertDispatcher`: its rail and node groups and steps.
 
-    Construction is collective over ``comm`` (two splits and the node group's dispatcher).
+    Construction is collective over ``comm`` (two splits, and the node group's agreement on its flat path).
 
     Args:
-        comm: the expert-parallel group. placement: ``(node_of, local_of)`` from :func:`node_placement`.
-        num_local_experts: L.
+        flat: the flat path over the whole expert-parallel group (``flat.comm``): the count exchange,
+            checks and capacity dropping of each layout. placement: ``(node_of, local_of)`` from
+            :func:`node_placement`.
     """
 
-    def __init__(self, comm: CommunicatorLike, placement: tuple[list[int], list[int]], num_local_experts: int):
-        from .dispatcher import ExpertDispatcher
-
+    def __init__(self, flat: FlatPath, placement: tuple[list[int], list[int]]):
+        comm, num_local_experts = flat.comm, flat.num_local_experts
         node_of, local_of = placement
+        self.flat = flat
         self.comm, self.L = comm, num_local_experts
         self.node, self.local = node_of[comm.rank], local_of[comm.rank]
         self.num_nodes = max(node_of) + 1
@@ -242,7 +243,14 @@ class NodeAwarePath:
         self.local_of = torch.tensor(local_of + [0], dtype=torch.int64)
         self.rail = comm.split(self.local, key=self.node)
         self.node_group = comm.split(self.node, key=self.local)
-        self.inner = ExpertDispatcher(self.node_group, self.ranks_per_node * num_local_experts, node_aware=False)
+        # the node group's flat path; its members agree on it as on a flat dispatcher's construction (one
+        # all_gather over the node group; the values follow from agreed ones, so a mismatch means a bad split)
+        inner_experts = self.ranks_per_node * num_local_experts
+        check_communicator(self.node_group, "ExpertDispatcher")
+        agree(self.node_group, "ExpertDispatcher", {"num_experts": inner_experts, "capacity_factor": None,
+                                                    "node_aware (-1: auto)": 0},
+              hint="Construct the dispatcher with the same num_experts, capacity_factor and node_aware on every rank.")
+        self.inner = FlatPath(self.node_group, inner_experts)
 
     # The collective stages of each step, in order: a rank that stops in one stage must tell the
     # groups of the later stages, whose peers would otherwise wait there for it (a rejection is a
@@ -296,15 +304,20 @@ class NodeAwarePath:
             if hasattr(c, "close"):
                 c.close()
 
-    def layout(self, flat: DispatchLayout, experts: torch.Tensor, weights: torch.Tensor | None) -> NodeAwareLayout:
-        """The rail rows' metadata exchange and the node group's layout (collective; see the module docstring).
+    def layout(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor | None) -> NodeAwareLayout:
+        """The flat path's count exchange over the whole group (checks, agreement, capacity dropping), then the
+        rail rows' metadata exchange and the node group's layout (collective; see the module docstring).
 
-        Args:
-            flat: the flat layout of this call (checked, agreed, capacity applied).
-            experts: [T, k] int global expert ids; weights: [T, k] float or None.
+        Args: as :meth:`moe.dispatcher.ExpertDispatcher.get_dispatch_layout`.
         Returns:
             A :class:`NodeAwareLayout`.
         """
+        flat = self.flat.layout(x, experts, weights)
+        return self.relay("layout", self._layout, flat, experts, weights)
+
+    def _layout(self, flat: DispatchLayout, experts: torch.Tensor, weights: torch.Tensor | None) -> NodeAwareLayout:
+        """Args: flat, the flat layout of this call (checked, agreed, capacity applied); experts: [T, k] int
+        global expert ids; weights: [T, k] float or None."""
         P, L, k, dev = self.comm.size, self.L, flat.top_k, flat.dropped.device
         e = experts.to(torch.int64)
         valid = (e >= 0) & ~flat.dropped
@@ -332,8 +345,7 @@ class NodeAwarePath:
         # only shape, dtype and requires_grad of x matter to the layout: a stride-0 stand-in for the rows
         stand_in = torch.empty((1, 1), dtype=flat.dtype, device=dev).expand(recv_ids.shape[0], flat.hidden)
         with torch.set_grad_enabled(flat.requires_grad):
-            inner = self.inner.get_dispatch_layout(stand_in.requires_grad_(flat.requires_grad), recv_ids,
-                                                   weights=recv_w)
+            inner = self.inner.layout(stand_in.requires_grad_(flat.requires_grad), recv_ids, recv_w)
         row_bytes = flat.hidden * flat.dtype.itemsize
         traffic = DispatchTraffic(
             internode_bytes=sum(c for g, c in enumerate(send_counts) if g != self.node) * row_bytes,
@@ -350,7 +362,7 @@ class NodeAwarePath:
     def _dispatch(self, x: torch.Tensor, lay: NodeAwareLayout) -> tuple[torch.Tensor, torch.Tensor, NodeAwareHandle]:
         x1 = _RailRows.apply(x, lay, self.rail)
         self.stage = 1
-        recv_x, tokens_per_expert, inner = self.inner.dispatch(x1, lay.recv_ids, layout=lay.inner)
+        recv_x, tokens_per_expert, inner = self.inner.dispatch(x1, lay.inner)
         return recv_x, tokens_per_expert, NodeAwareHandle(lay, inner)
 
     def combine(self, expert_out: torch.Tensor, handle: NodeAwareHandle, weights: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The records of a dispatch (layout, handle, traffic counters) and the all-to-all / row-sum helpers
-shared by the flat path (:mod:`moe.dispatcher`) and the node-aware one (:mod:`moe.internode`).
+"""The records of a dispatch (layout, handle, traffic counters) and the helpers shared by the flat path
+(:mod:`moe.flat`), the node-aware one (:mod:`moe.internode`) and :class:`~moe.dispatcher.ExpertDispatcher`
+in front of them: all-to-all, row sums, dtypes, the node of each rank.
 
 Notation in :mod:`moe.dispatcher`'s docstring.
 """
@@ -20,6 +21,9 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _round8(n: int) -> int:
     return (n + 7) // 8 * 8
+
+
+_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)  # the dtypes of tokens, expert outputs, weights
 
 
 @dataclass
@@ -158,3 +162,17 @@ def _sum_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int, *,
 def _tensor_id(t: torch.Tensor) -> tuple:
     """Same storage, view and version => same values (detach() and views of one tensor share the version)."""
     return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t._version)
+
+
+def node_of_ranks(comm: CommunicatorLike) -> list[int] | None:
+    """The node (index in ``comm.topology.nodes``) of each rank of ``comm`` when it spans several nodes, of any
+    sizes, else None (one node, or no topology). For the traffic counters, which need the real node boundary
+    also where the node-aware path does not apply (nodes with unequal rank counts)."""
+    nodes = getattr(getattr(comm, "topology", None), "nodes", None)
+    if not nodes or len(nodes) < 2:
+        return None
+    node_of = [0] * comm.size
+    for g, ranks in enumerate(nodes):
+        for r in ranks:
+            node_of[r] = g
+    return node_of

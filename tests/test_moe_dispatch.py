@@ -227,11 +227,16 @@ def test_errors_raise_on_every_rank():
 def test_one_dtype_code_table():
     """moe compares dtypes across ranks with the codes of transports.base, the library's one table (bug 4)."""
     import moe.dispatcher
+    import moe.flat
+    import moe.internode
+    import moe.records
     import transports.base
 
-    assert moe.dispatcher.dtype_code is transports.base.dtype_code
-    assert moe.dispatcher.dtype_name is transports.base.dtype_name
-    assert not any(isinstance(v, dict) and torch.float32 in v for m in (moe.dispatcher, moe.layer, moe.router)
+    # the dispatch agreement (dtypes included) runs in the flat path's count exchange
+    assert moe.flat.dtype_code is transports.base.dtype_code
+    assert moe.flat.dtype_name is transports.base.dtype_name
+    assert not any(isinstance(v, dict) and torch.float32 in v
+                   for m in (moe.dispatcher, moe.flat, moe.internode, moe.records, moe.layer, moe.router)
                    for v in vars(m).values()), "a second dtype table in moe"
 
 
