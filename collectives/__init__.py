@@ -12,15 +12,16 @@ import logging
 import os
 from typing import Any, Mapping
 
-from transports.base import CollectiveTimeoutError, CommunicatorBrokenError, PeerFailedError, Rendezvous
+from transports.base import CollectiveTimeoutError, CommunicatorBrokenError, PeerFailedError
 from transports.settings import check_timeout, parse_options
 
+from ._factory import build_communicator as _build
 from ._p2p import P2POp, P2PWork
 from .communicator import Communicator
 from .launcher import RankFailedError, RemoteTraceback, launch
 from .rendezvous import detect_launch
 from .selection import Plan
-from .topology import Topology, local_facts
+from .topology import Topology
 
 __all__ = ["init", "launch", "Communicator", "P2POp", "P2PWork", "Topology", "Plan", "CollectiveTimeoutError", "PeerFailedError",
            "CommunicatorBrokenError", "RankFailedError", "RemoteTraceback", "detect_launch"]
@@ -37,31 +38,6 @@ def _torchrun_key_base() -> str:
     the run id and restart count keep a restarted job clear of the previous attempt's keys."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     return f"moecomm/init/{run_id}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
-def _build(rdv: Rendezvous, transport: str, timeout: float, launch_mode: str, mpi_comm: Any = None,
-           settings: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None,
-           device: Any = None) -> Communicator:
-    """The Communicator of ``rdv``'s group: exchange topology facts, then create it.
-
-    Args:
-        rdv: the world rendezvous of this launch.
-        transport: "auto" or a transport name (overrides ``settings["transport"]``).
-        timeout: seconds any wait may take; positive and finite.
-        launch_mode: "mpi", "torchrun", "launch" or "single" (recorded in the topology).
-        mpi_comm: the mpi4py world communicator under mpiexec, else None.
-        settings: resolved :mod:`transports.settings` values (None: resolved by the Communicator
-            from ``options`` and the environment, so that a bad value on one rank reaches every rank).
-        options: settings by option name (used when ``settings`` is None).
-        device: the device each rank binds to (see :func:`init`); None: cuda:local_rank.
-
-    Returns:
-        The world Communicator.
-    """
-    facts = rdv.allgather_bytes(local_facts())
-    topo = Topology.from_facts(rdv.rank, facts, launch_mode)
-    return Communicator(rdv, topo, timeout=timeout, transport=transport, mpi_comm=mpi_comm, settings=settings,
-                        options=options, device=device)
 
 
 def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[str, Any] | None = None,

@@ -1,29 +1,87 @@
 """The implementation of :meth:`Communicator.all_to_all`: its latency path for repeated calls, the
 fully checked general path, and the checks of its counts.
 
-Functions of the communicator (they use its entry cache, transports and collective error path),
-kept apart from communicator.py because uneven all-to-all has most of the argument handling.
+Functions of a communicator, kept apart from communicator.py because uneven all-to-all has most of
+the argument handling. What they need of the communicator is :class:`AllToAllHost` (the group, its
+call machinery, two slots kept for this module); this module does not import communicator.py.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import numpy as np
 import torch
 
-from transports.base import OpCode
+from transports.base import OpCode, Signature, Transport
 
 from ._arrays import Array, as_int, dtype_device, overlaps, write_out
 
-if TYPE_CHECKING:
-    from .communicator import Communicator
+
+class CallEntry(Protocol):
+    """What this module reads of a cached call (``collectives._calls._Entry`` is one)."""
+
+    @property
+    def transport(self) -> Transport: ...  # the transport that serves the call
+
+    @property
+    def sig(self) -> Signature: ...  # the call's signature, checked against the peers'
+
+    @property
+    def staged(self) -> bool: ...  # device tensors go through host memory (no latency path)
+
+    @property
+    def call(self) -> Callable[..., Any]: ...  # the transport's bound all_to_all
+
+
+class AllToAllHost(Protocol):
+    """What this module needs of its communicator; :class:`collectives.Communicator` is one.
+
+    The group; the communicator's call machinery (collectives/_calls.py: the cached entry of a call,
+    its checked input, ``out=`` view and collective error path); and two slots the communicator keeps
+    for this module and empties whenever it drops its cached calls (``_forget_calls``), so that no
+    plan outlives its entry. The latency path reads the slots and the group as plain attributes.
+    Nothing else of the communicator is used here.
+    """
+
+    rank: int
+    size: int
+
+    @property
+    def global_ranks(self) -> Sequence[int]: ...  # the world rank of each group rank, for messages
+
+    # the latency path's plans of CPU calls, by (x.shape, x.dtype, recv_counts given: 0/1)
+    _a2a_plans: dict[tuple[torch.Size, torch.dtype, int], _Plan]
+    # an in-place call's kept host copy of x: (uint8 buffer, shape, dtype, view of that shape), or None
+    _inplace_scratch: tuple[torch.Tensor, torch.Size, torch.dtype, torch.Tensor] | None
+
+    def _a2a_entry(self, x: torch.Tensor, rest: torch.Size, recv_given: int) -> CallEntry | None:
+        """The cached entry of an all_to_all of ``x`` (``rest``: its ``shape[1:]``; recv_counts given:
+        1, else 0), or None; not validated (a miss takes :func:`all_to_all_checked`, which makes it)."""
+        ...
+
+    def _input(self, opcode: OpCode, x: Array) -> tuple[torch.Tensor, bool, torch.Tensor]:
+        """``(tensor, was NumPy, original as a tensor)`` of the input, or a collective TypeError."""
+        ...
+
+    def _entry(self, opcode: OpCode, t: torch.Tensor, op: Any, src: int) -> CallEntry:
+        """The validated, cached entry of the call (collective TypeError/ValueError)."""
+        ...
+
+    def _out_view(self, opcode: OpCode, out: Array, t: torch.Tensor) -> torch.Tensor | None:
+        """A writable tensor view of ``out=`` (None: copied into), or a collective TypeError."""
+        ...
+
+    def _fail_locally(self, opcode: OpCode, device: str, err: Exception) -> NoReturn:
+        """Tell the peers this rank rejected its input (they raise ValueError), then raise ``err``."""
+        ...
 
 
 class _Plan(NamedTuple):
     """What the latency path needs of a repeated all_to_all, from its cached entry and x's shape."""
-    ent: Any  # the communicator's _Entry
+    ent: CallEntry
     even: list[int] | None  # the send counts of an even split (None: rows not divisible by the group size)
     row_numel: int
     rest: torch.Size  # x.shape[1:]
@@ -35,10 +93,9 @@ class _Plan(NamedTuple):
     in_place_native: bool
 
 
-def _plan(comm: Communicator, x: torch.Tensor, recv_given: int) -> _Plan | None:
+def _plan(comm: AllToAllHost, x: torch.Tensor, recv_given: int) -> _Plan | None:
     rest = x.shape[1:]
-    ent = comm._cpu_cache.get((OpCode.ALL_TO_ALL, rest, x.dtype, None, recv_given)) if x.is_cpu else \
-        comm._cache.get((OpCode.ALL_TO_ALL, rest, x.dtype, x.device, None, recv_given))
+    ent = comm._a2a_entry(x, rest, recv_given)
     if ent is None or ent.staged:
         return None
     n, rows = comm.size, x.shape[0]
@@ -59,7 +116,7 @@ def _plan(comm: Communicator, x: torch.Tensor, recv_given: int) -> _Plan | None:
 INPLACE_SCRATCH_MAX_BYTES = 256 << 20
 
 
-def _inplace_copy(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
+def _inplace_copy(comm: AllToAllHost, x: torch.Tensor) -> torch.Tensor:
     """A copy of the CPU tensor x (same shape and dtype) in ``comm``'s kept scratch buffer; the view of
     the last shape is kept too (two dtype/shape views cost ~2 us, a whole small exchange ~3)."""
     kept = comm._inplace_scratch  # (uint8 buffer, shape, dtype, view of that shape) or None
@@ -77,7 +134,7 @@ def _inplace_copy(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
     return copy
 
 
-def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | None,
+def all_to_all_hot(comm: AllToAllHost, x: Array, send_counts: Any, out: Array | None,
                    recv_counts: Any = None) -> torch.Tensor | None:
     """:meth:`all_to_all` of a plain contiguous tensor whose call was seen before (cached entry),
     with counts as a list of ints or None, ``recv_counts`` None or a list of ints (then ``out``, if
@@ -179,7 +236,7 @@ def all_to_all_hot(comm: Communicator, x: Array, send_counts: Any, out: Array | 
         raise_out_rows(comm, out, got)
     return out
 
-def _even_by_address(comm: Communicator, x: torch.Tensor, out: Array | None, shape: torch.Size, plan: _Plan
+def _even_by_address(comm: AllToAllHost, x: torch.Tensor, out: Array | None, shape: torch.Size, plan: _Plan
                      ) -> torch.Tensor | None:
     """:func:`all_to_all_hot` of an even split on the host whose transport exchanges it by address, with
     ``out`` None, x itself (the transport exchanges in place), or a plain tensor of x's shape apart from
@@ -214,12 +271,12 @@ def _even_by_address(comm: Communicator, x: torch.Tensor, out: Array | None, sha
     return res
 
 
-def raise_out_rows(comm: Communicator, out: Array, recv_counts: list[int]) -> NoReturn:
+def raise_out_rows(comm: AllToAllHost, out: Array, recv_counts: list[int]) -> NoReturn:
     """The ValueError for an ``out=`` whose row count is not what this rank received."""
     raise ValueError(f"all_to_all: out has {out.shape[0]} rows but rank "
                      f"{comm.global_ranks[comm.rank]} received {sum(recv_counts)} (recv_counts {recv_counts})")
 
-def all_to_all_checked(comm: Communicator, x: Array, send_counts: Any, out: Array | None, return_counts: bool,
+def all_to_all_checked(comm: AllToAllHost, x: Array, send_counts: Any, out: Array | None, return_counts: bool,
                        recv_given: Any = None) -> Any:
     """:meth:`Communicator.all_to_all` for any input: every argument checked (collective errors),
     NumPy in and out, host staging, any ``out=`` layout."""
@@ -284,7 +341,7 @@ def all_to_all_checked(comm: Communicator, x: Array, send_counts: Any, out: Arra
         return result, (rc if was_numpy else torch.from_numpy(rc))
     return result
 
-def checked_counts(comm: Communicator, t: torch.Tensor, given: Any, what: str = "send_counts") -> list[int]:
+def checked_counts(comm: AllToAllHost, t: torch.Tensor, given: Any, what: str = "send_counts") -> list[int]:
     """send_counts (or, with ``what="recv_counts"``, recv_counts) of any accepted kind as a list of
     ints, or a collective TypeError/ValueError."""
     me = comm.global_ranks[comm.rank]

@@ -1,7 +1,8 @@
 """The Communicator: one object, every collective, a transport picked per call.
 
 How a call is checked, cached and handed to its transport is in collectives/_calls.py (a mixin of
-the Communicator); all_to_all's argument handling in collectives/_all_to_all.py.
+the Communicator); all_to_all's argument handling in collectives/_all_to_all.py, which uses the
+Communicator through its ``AllToAllHost`` protocol only.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from transports.settings import resolve as resolve_settings
 
 from ._arrays import Array, as_int, as_tensor, device_of
 from ._all_to_all import all_to_all_checked, all_to_all_hot
-from ._calls import CallPaths
+from ._calls import CallPaths, _Entry
 from ._p2p import PointToPoint
 from ._rmsnorm import FLOATS, RMSNORM_VIEW, check_rmsnorm_args, composed_rmsnorm, fused_rmsnorm
 from ._creation import create_transports
@@ -111,8 +112,9 @@ class Communicator(CallPaths, PointToPoint):
         self._warned_staging = False
         self._cache: dict = {}
         self._cpu_cache: dict = {}  # the hot paths' view of _cache for CPU tensors: no device in the key
-        self._a2a_plans: dict = {}  # all_to_all's latency path: (x.shape, dtype) -> plan of a CPU call
-        self._inplace_scratch: tuple | None = None  # in-place all_to_all's copy of x (CPU, kept: _all_to_all)
+        # kept for collectives/_all_to_all.py (its AllToAllHost protocol), emptied by _forget_calls:
+        self._a2a_plans: dict = {}  # all_to_all's latency path: (x.shape, dtype, recv given) -> plan of a CPU call
+        self._inplace_scratch: tuple | None = None  # in-place all_to_all's kept copy of x (CPU)
         self._barrier_entry: tuple[Transport, Signature] | None = None
         self.transports: dict[str, Transport] = {}
         self._state = SharedState(self.transports, rendezvous)
@@ -544,6 +546,14 @@ class Communicator(CallPaths, PointToPoint):
             if state.conflict is not None:
                 self._state.end_after_conflict()
             state.busy.release()
+
+    def _a2a_entry(self, x: torch.Tensor, rest: torch.Size, recv_given: int) -> _Entry | None:
+        """The cached entry (collectives/_calls.py) of an all_to_all of the tensor ``x`` (``rest``:
+        its ``shape[1:]``) whose recv_counts were given (1) or not (0), or None; not validated.
+        For collectives/_all_to_all.py (per call on CUDA tensors: the lookup only)."""
+        if x.is_cpu:
+            return self._cpu_cache.get((OpCode.ALL_TO_ALL, rest, x.dtype, None, recv_given))
+        return self._cache.get((OpCode.ALL_TO_ALL, rest, x.dtype, x.device, None, recv_given))
 
     def barrier(self) -> None:
         """Return once every rank of the group has called barrier (bounded by the timeout).

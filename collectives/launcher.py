@@ -99,8 +99,8 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable[..., Any], args: 
     _die_with_parent()
     import torch
 
+    from ._factory import build_communicator
     from .rendezvous import StoreRendezvous, store_client
-    from . import _build
 
     if threads:
         torch.set_num_threads(threads)
@@ -108,7 +108,7 @@ def _rank_main(rank: int, nprocs: int, port: int, fn: Callable[..., Any], args: 
     try:
         store = store_client("127.0.0.1", port, timeout)
         rdv = StoreRendezvous(store, rank, nprocs, timeout, "moecomm/launch", range(nprocs))
-        comm = _build(rdv, transport, timeout, "launch", settings=settings, device=device)
+        comm = build_communicator(rdv, transport, timeout, "launch", settings=settings, device=device)
         payload = ("ok", rank, fn(comm, *args, **kwargs))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the launcher
         payload = ("err", rank, e, traceback.format_exc())

@@ -69,7 +69,7 @@ def create_process_group(opts: Any, backend_options: Mapping[str, Any] | None = 
         ValueError/TypeError on every rank; a rank that never arrives makes the others raise
         CollectiveTimeoutError naming it, within the timeout.
     """
-    from .. import _build
+    from .._factory import build_communicator
 
     if backend_options is not None and not isinstance(backend_options, Mapping):
         raise TypeError(f"moecomm: pg_options must be a dict of moecomm settings (option names as for "
@@ -88,8 +88,8 @@ def create_process_group(opts: Any, backend_options: Mapping[str, Any] | None = 
     prefix = f"{BACKEND_NAME}/g{generation}"
     rdv = StoreRendezvous(store, rank, size, timeout, prefix, global_ranks)
     mpi_comm = mpi_communicator(rdv, options)
-    comm = _build(rdv, transport, timeout, "torch.distributed", mpi_comm=mpi_comm, options=options or None,
-                  device=device)
+    comm = build_communicator(rdv, transport, timeout, "torch.distributed", mpi_comm=mpi_comm,
+                              options=options or None, device=device)
     log.debug("moecomm process group %s: rank %d of %d, transports %s", opts.group_id, rank, size,
               sorted(comm.transports))
     return MoecommProcessGroup(comm, store, prefix, global_ranks, mpi_comm=mpi_comm)
@@ -109,7 +109,7 @@ def group_communicator(group: Any = None, *, timeout: float = 300.0, transport: 
     Returns:
         The Communicator; ``comm.rank`` is this process's rank in ``group``.
     """
-    from .. import _build
+    from .._factory import build_communicator
 
     if not dist.is_initialized():
         raise RuntimeError("group_communicator: torch.distributed is not initialized (init_process_group first)")
@@ -124,6 +124,6 @@ def group_communicator(group: Any = None, *, timeout: float = 300.0, transport: 
         key = f"{BACKEND_NAME}/over/{name}"
         generation = (store.add(f"{key}/arrivals", 1) - 1) // size  # a group name reused after destroy: new keys
         rdv = StoreRendezvous(store, rank, size, timeout, f"{key}/g{generation}", dist.get_process_group_ranks(group))
-        comm = _OVER_GROUP[name] = _build(rdv, transport, timeout, "torch.distributed", device=device)
+        comm = _OVER_GROUP[name] = build_communicator(rdv, transport, timeout, "torch.distributed", device=device)
         log.debug("moecomm communicator over %s group %s: rank %d of %d", dist.get_backend(group), name, rank, size)
     return comm
