@@ -209,25 +209,27 @@ def check_mpi(timeout: float = 30.0) -> list[Check]:
         p = subprocess.run([sys.executable, "-c", _MPI_PROBE], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return [Check(FAIL, "mpi", f"loading the MPI library hung for {timeout:.0f} s",
-                      "check the MPI installation (`python -c 'from mpi4py import MPI'`); pip install mpich for a "
-                      "self-contained one")]
+                      "check the MPI installation (`python -c 'from mpi4py import MPI'`); pip install "
+                      "\"moecomm[mpi]\" for a self-contained one (mpich)")]
     if p.returncode == 0 and len(p.stdout.split("\n")) >= 2:
         ver, lib = p.stdout.strip().split("\n")[:2]
         out.append(Check(OK, "mpi", f"mpi4py {ver}, {' '.join(lib.split())}"))
     elif "ModuleNotFoundError" in p.stderr and "mpi4py" in p.stderr:
-        out.append(Check(WARN, "mpi", "mpi4py is not installed: no mpi transport, no mpirun launches, no multi-node",
-                         "pip install mpi4py mpich (or mpi4py built against your system MPI)"))
+        out.append(Check(WARN, "mpi", "mpi4py is not installed (MPI is optional): no mpi transport, no mpirun "
+                         "launches; across nodes, torchrun and gloo still work",
+                         "pip install \"moecomm[mpi]\" (mpi4py and mpich), or pip install mpi4py built against "
+                         "your system MPI"))
     else:
         last = (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
         out.append(Check(FAIL, "mpi", f"mpi4py cannot load its MPI library: {last}",
-                         "pip install mpich (a self-contained MPI), or reinstall mpi4py against the MPI you launch "
-                         "with (pip install --no-binary mpi4py --force-reinstall mpi4py)"))
+                         "pip install \"moecomm[mpi]\" (mpich: a self-contained MPI), or reinstall mpi4py against "
+                         "the MPI you launch with (pip install --no-binary mpi4py --force-reinstall mpi4py)"))
     exe = mpiexec_path()
     if exe:
         out.append(Check(OK, "mpiexec", exe))
     else:
         out.append(Check(WARN, "mpiexec", "no mpiexec/mpirun found: `mpiexec -n N moecomm bench` is unavailable",
-                         "pip install mpich, or put your MPI's bin directory on PATH"))
+                         "pip install \"moecomm[mpi]\", or put your MPI's bin directory on PATH"))
     return out
 
 

@@ -78,7 +78,11 @@ def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[st
     parse_options(options or {}, source="collectives.init")
     mode = detect_launch(options)
     if mode == "mpi":
-        from mpi4py import MPI
+        try:
+            from mpi4py import MPI
+        except ImportError as e:
+            raise RuntimeError(f"collectives.init: launched by mpiexec/mpirun, but mpi4py cannot be imported ({e}); "
+                               "MPI is optional: pip install \"moecomm[mpi]\"") from e
 
         from .rendezvous import MPIRendezvous
 
