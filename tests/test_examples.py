@@ -1,0 +1,29 @@
+"""examples/quickstart.py as a newcomer runs it: `python examples/quickstart.py`, in a fresh interpreter
+from another directory with the repository on PYTHONPATH (as tests/test_readme.py runs the README's
+blocks). It must exit 0 and print "ok" for every step of the tour (each checked against torch on every
+rank inside the example), in order, and the plan of an all_reduce.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from test_readme import ROOT, _env, _in_mpi_job
+
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+STEPS = ["all_reduce sum", "all_reduce max", "all_gather", "reduce_scatter", "all_to_all (uneven)",
+         "all_to_all recv_counts", "broadcast from rank 2", "split + all_reduce in each half", "barrier"]
+
+
+@pytest.mark.skipif(_in_mpi_job(), reason="starts its own ranks")
+def test_quickstart_example_runs(tmp_path):
+    p = subprocess.run([sys.executable, str(QUICKSTART)], check=False, capture_output=True, text=True, timeout=120,
+                       env=_env(), cwd=tmp_path)
+    out = p.stdout
+    assert p.returncode == 0, f"{QUICKSTART.name} exited {p.returncode}:\n{out[-3000:]}{p.stderr[-5000:]}"
+    lines = out.splitlines()
+    assert [line for line in lines if line.endswith(": ok")] == [f"{step}: ok" for step in STEPS], out
+    plans = [line for line in lines if line.startswith("plan: ")]
+    assert len(plans) == 1 and plans[0].startswith("plan: all_reduce of 96 B -> "), out  # [8, 3] float32
