@@ -61,7 +61,7 @@ from typing import Any
 import click
 import torch
 
-from .options import COUNT, NONNEGATIVE, SECONDS, comma_list
+from .options import COUNT, NONNEGATIVE, SECONDS, comma_list, positive_ints
 from .ranks import launch_logged
 from .table import Column, Table
 
@@ -418,13 +418,7 @@ def _failures(rows: list[dict[str, Any]], exchange_rows: list[dict[str, Any]]) -
 
 
 def _parse_nprocs(text: str) -> list[int]:
-    try:
-        sizes = [int(s) for s in comma_list(text)]
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of ints", param_hint="--nprocs") from None
-    if not sizes or any(s < 1 for s in sizes):
-        raise click.BadParameter(f"{text!r}: give rank counts >= 1", param_hint="--nprocs")
-    return list(dict.fromkeys(sizes))
+    return list(dict.fromkeys(positive_ints(text, "--nprocs", "rank count")))
 
 
 def _parse_variants(text: str | None) -> list[str]:

@@ -23,7 +23,7 @@ from transports.settings import TRANSPORT_CHOICES
 
 from .common import DTYPES as _ALL_DTYPES
 from .common import format_size
-from .options import COUNT, NONNEGATIVE, SECONDS, comma_list
+from .options import COUNT, NONNEGATIVE, SECONDS, positive_ints
 from .ranks import launch_logged
 from .table import Column, Table
 
@@ -197,15 +197,8 @@ def bench_tp(hidden: int, ffn: int, tokens: int, sizes: str, iters: int, warmup:
     with the time spent in collectives shown separately."""
     import collectives
 
-    try:
-        tps = [int(s) for s in comma_list(sizes)]
-    except ValueError:
-        raise click.BadParameter(f"{sizes!r} is not a comma-separated list of ints", param_hint="--sizes") from None
-    if not tps:
-        raise click.BadParameter("no TP size given", param_hint="--sizes")
+    tps = positive_ints(sizes, "--sizes", "TP size")
     for t in tps:
-        if t < 1:
-            raise click.BadParameter(f"TP size {t} must be >= 1", param_hint="--sizes")
         if ffn % t:
             raise click.BadParameter(f"--ffn {ffn} is not divisible by TP size {t}", param_hint="--sizes")
         if sequence_parallel and tokens % t:

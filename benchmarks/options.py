@@ -94,3 +94,18 @@ NONNEGATIVE = click.IntRange(min=0)  # warmup iterations, checks, roots, seeds
 def comma_list(text: str | None) -> list[str]:
     """``"a, b,,c"`` -> ``["a", "b", "c"]`` (None or blank: empty)."""
     return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+def positive_ints(text: str | None, param_hint: str, what: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``, in the order given; ``click.BadParameter`` (on ``param_hint``) for
+    a non-int, an empty list, or a value below 1 (named ``what``, e.g. "TP size")."""
+    try:
+        values = [int(s) for s in comma_list(text)]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of ints", param_hint=param_hint) from None
+    if not values:
+        raise click.BadParameter(f"no {what} given", param_hint=param_hint)
+    for v in values:
+        if v < 1:
+            raise click.BadParameter(f"{what} {v} must be >= 1", param_hint=param_hint)
+    return values
