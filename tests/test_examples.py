@@ -17,12 +17,18 @@ STEPS = ["all_reduce sum", "all_reduce max", "all_gather", "reduce_scatter", "al
          "all_to_all recv_counts", "broadcast from rank 2", "split + all_reduce in each half", "barrier"]
 
 
+def run_example(path, cwd, timeout: float) -> str:
+    """Run an example as a user does (``python examples/X.py`` from ``cwd``, the repository on
+    PYTHONPATH); assert it exits 0 (showing its output if not) and return its stdout."""
+    p = subprocess.run([sys.executable, str(path)], check=False, capture_output=True, text=True, timeout=timeout,
+                       env=_env(), cwd=cwd)
+    assert p.returncode == 0, f"{path.name} exited {p.returncode}:\n{p.stdout[-3000:]}{p.stderr[-5000:]}"
+    return p.stdout
+
+
 @pytest.mark.skipif(_in_mpi_job(), reason="starts its own ranks")
 def test_quickstart_example_runs(tmp_path):
-    p = subprocess.run([sys.executable, str(QUICKSTART)], check=False, capture_output=True, text=True, timeout=120,
-                       env=_env(), cwd=tmp_path)
-    out = p.stdout
-    assert p.returncode == 0, f"{QUICKSTART.name} exited {p.returncode}:\n{out[-3000:]}{p.stderr[-5000:]}"
+    out = run_example(QUICKSTART, tmp_path, timeout=120)
     lines = out.splitlines()
     assert [line for line in lines if line.endswith(": ok")] == [f"{step}: ok" for step in STEPS], out
     plans = [line for line in lines if line.startswith("plan: ")]

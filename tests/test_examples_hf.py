@@ -7,15 +7,14 @@ the same greedy tokens, and the gathered checkpoint equal to the original.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("transformers.distributed", reason="transformers without DistributedConfig (needs >= 5.24)")
 
-from test_readme import ROOT, _env, _in_mpi_job
+from test_examples import run_example
+from test_readme import ROOT, _in_mpi_job
 
 EXAMPLE = ROOT / "examples" / "hf_expert_parallel.py"
 RANK_LINE = re.compile(r"^  rank (\d): logits max rel diff (\S+) \| params ([\d,]+) of ([\d,]+) .*"
@@ -24,10 +23,7 @@ RANK_LINE = re.compile(r"^  rank (\d): logits max rel diff (\S+) \| params ([\d,
 
 @pytest.mark.skipif(_in_mpi_job(), reason="starts its own ranks")
 def test_hf_expert_parallel_example_runs(tmp_path):
-    p = subprocess.run([sys.executable, str(EXAMPLE)], check=False, capture_output=True, text=True, timeout=300,
-                       env=_env(), cwd=tmp_path)
-    out = p.stdout
-    assert p.returncode == 0, f"{EXAMPLE.name} exited {p.returncode}:\n{out[-3000:]}{p.stderr[-5000:]}"
+    out = run_example(EXAMPLE, tmp_path, timeout=300)
     sections = re.split(r"^\((?:a|b)\) ", out, flags=re.MULTILINE)[1:]
     assert len(sections) == 2, out
     assert sections[0].startswith("moe.hf.expert_parallel(model, comm)"), out
