@@ -325,7 +325,7 @@ def test_tune_shm_passes_settings_as_launch_options_not_environment(monkeypatch)
     """Each configuration is one launch with options= (slot size, one-shot limit); os.environ is
     never edited, so no setting leaks into later communicators of the process."""
     import collectives
-    from benchmarks import tune_shm
+    from tools import tune_shm
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""benchmarks/calibrate_host.py: the shipped host model is the fit of the pooled runs, and says where it came from."""
+"""tools/calibrate_host.py: the shipped host model is the fit of the pooled runs, and says where it came from."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import json
 
 from click.testing import CliRunner
 
-from benchmarks.calibrate_host import main
 from benchmarks.output import load_run
 from collectives.model import load_system_file
 from collectives.model.calibrate import calibrate
+from tools.calibrate_host import main
 
 RESULTS = "benchmarks/results"
 RUNS = [f"{RESULTS}/host-calibration-bench-2.json", f"{RESULTS}/host-calibration-tune-3.json"]

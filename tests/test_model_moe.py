@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 
-from benchmarks import validate_model as vm
 from collectives.model.moe import (
     EP_KERNEL_OVERHEAD_US,
     KERNEL_FIXED_US,
@@ -22,6 +21,7 @@ from collectives.model.moe import (
     token_bytes,
 )
 from collectives.model.systems import NET_HOP_US, NVLINK_HOP_US, Link, System, get_system
+from tools import validate_model as vm
 
 # The machine of DeepEP V1's tables (deepseek-ai/DeepEP docs/legacy.md): 8x H800 (~160 GB/s
 # NVLink), one CX7 400 Gb/s card per GPU.

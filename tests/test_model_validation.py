@@ -1,7 +1,7 @@
 """The model's validation reports stay true: regenerated, they equal the committed files; every
 published point cites a checkable source; DeepEP's byte count and the system variants are right.
 
-``python -m benchmarks.validate_model --write`` regenerates the reports after a model change.
+``python -m tools.validate_model --write`` regenerates the reports after a model change.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import math
 
 import pytest
 
-from benchmarks import validate_model as vm
 from collectives.model import get_system
 from collectives.model.moe import ENGINES
 from collectives.model.systems import efa_latency_us
+from tools import validate_model as vm
 
 KINDS = {"collective": "busbw_gbps", "latency": "time_us"}
 
@@ -26,9 +26,9 @@ def doc():
 @pytest.mark.parametrize("path", list(vm.REPORTS), ids=lambda p: p.name)
 def test_committed_report_is_the_generated_one(path):
     # A model change that moves any number makes this fail until the report is regenerated.
-    assert path.exists(), f"{path} is missing: run python -m benchmarks.validate_model --write"
+    assert path.exists(), f"{path} is missing: run python -m tools.validate_model --write"
     assert path.read_text() == vm.REPORTS[path](), (
-        f"{path.name} is stale: run python -m benchmarks.validate_model --write and commit it")
+        f"{path.name} is stale: run python -m tools.validate_model --write and commit it")
 
 
 def test_every_point_has_a_source_and_a_usable_shape(doc):

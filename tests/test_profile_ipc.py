@@ -1,4 +1,4 @@
-"""benchmarks.profile_ipc without a GPU: it says so and exits 3; its host timers record one sample per
+"""tools.profile_ipc without a GPU: it says so and exits 3; its host timers record one sample per
 call, also when the timed call raises. The GPU run is in benchmarks/results (H100, 2026-11-23)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from benchmarks import profile_ipc
+from tools import profile_ipc
 
 
 def test_without_a_gpu_it_exits_3(monkeypatch):

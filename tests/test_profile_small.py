@@ -1,4 +1,4 @@
-"""benchmarks.profile_small and benchmarks.tune_wait_spin under mpiexec: they run and report what they time."""
+"""tools.profile_small and tools.tune_wait_spin under mpiexec: they run and report what they time."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_profile_small_reports_plan_times_and_profile(op):
     mpiexec = mpiexec_path()
     if mpiexec is None or UNDER_MPI:
         pytest.skip("needs mpiexec, outside an mpiexec job")
-    res = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.profile_small", "--op", op,
+    res = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "tools.profile_small", "--op", op,
                           "--bytes", "64", "--calls", "300", "--top", "5"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -31,11 +31,11 @@ def test_profile_small_reports_plan_times_and_profile(op):
 
 
 def test_tune_wait_spin_reports_every_op_and_budget():
-    """benchmarks.tune_wait_spin under mpiexec: one row per op and size, a positive time per budget."""
+    """tools.tune_wait_spin under mpiexec: one row per op and size, a positive time per budget."""
     mpiexec = mpiexec_path()
     if mpiexec is None or UNDER_MPI:
         pytest.skip("needs mpiexec, outside an mpiexec job")
-    res = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.tune_wait_spin", "--sizes", "2M",
+    res = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "tools.tune_wait_spin", "--sizes", "2M",
                           "--budgets", "0,50", "--blocks", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [line for line in res.stdout.splitlines() if not line.startswith("#")]

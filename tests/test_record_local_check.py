@@ -1,6 +1,6 @@
-"""benchmarks/record_local_check.py: making the local check's runs again keeps the current recording
+"""tools/record_local_check.py: making the local check's runs again keeps the current recording
 under local-check-history/<its commit>/ (the runs themselves are minutes of benchmarking, not a test),
-and the report's gauge of the VM's state in each run (benchmarks/local_check.py)."""
+and the report's gauge of the VM's state in each run (tools/local_check.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import click
 import pytest
 
-from benchmarks import record_local_check as rec
+from tools import record_local_check as rec
 
 
 def _recording(results, commit: str) -> None:
@@ -51,7 +51,7 @@ def test_the_recorded_commands_are_the_check_s_sweeps():
 
 
 def test_the_state_gauge_is_the_median_small_all_reduce_of_moecomm_rows():
-    from benchmarks.local_check import _small_all_reduce_us
+    from tools.local_check import _small_all_reduce_us
 
     def row(op: str, size: int, p50: float, library: str = "moecomm") -> dict:
         return {"op": op, "size": size, "p50_us": p50, "time_us": p50, "library": library}

@@ -1,4 +1,4 @@
-"""benchmarks.repeat_summary: the cells it prints are each run's auto/mpi4py ratio per op and size
+"""tools.repeat_summary: the cells it prints are each run's auto/mpi4py ratio per op and size
 range, recomputed here from the rows (best checked variant per size, geometric mean per range)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from benchmarks.common import best_algbw
 from benchmarks.output import load_run
 from benchmarks.report import RANGES
-from benchmarks.repeat_summary import main
+from tools.repeat_summary import main
 
 RUN = Path(__file__).parent.parent / "benchmarks" / "results" / "cpu-compare-mpiexec.json"
 

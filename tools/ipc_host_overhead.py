@@ -7,7 +7,7 @@ by a no-op (the arguments are still built and passed to it).
 One process, one rank, ipc emulated (host provider); the transport's latency closure is built as on
 a GPU (``emulate`` off: addresses, not tensors, after the first call). What it leaves out:
 Triton's compiled launcher (``CompiledKernel.run``, about 4 us per tritonbench PRs 1016 and 669)
-and ``cuLaunchKernel`` itself. On a GPU, ``python -m benchmarks.profile_ipc`` measures the whole
+and ``cuLaunchKernel`` itself. On a GPU, ``python -m tools.profile_ipc`` measures the whole
 call. Prints the median and p90 in microseconds of the full call and of the transport's closure.
 """
 

@@ -1,6 +1,6 @@
 """Measure the shm transport's all-reduce algorithms and slot sizes side by side.
 
-    python -m benchmarks.tune_shm --nprocs 2 --sizes 8K,256K,4M,64M [--json RUN.json]
+    python -m tools.tune_shm --nprocs 2 --sizes 8K,256K,4M,64M [--json RUN.json]
 
 Every configuration (slot size x one-shot or two-shot) is a launch of its own with the
 settings passed as ``options=`` (``shm_slot_bytes``, ``shm_one_shot_max``; see
@@ -24,12 +24,11 @@ from typing import Sequence
 import click
 import torch
 
+from benchmarks.common import Row, bus_factor, format_size, parse_size
+from benchmarks.options import COUNT, comma_list
+from benchmarks.table import Column, Table
 from transports.settings import SETTINGS
 from transports.shm import ONE_SHOT_UNBOUNDED
-
-from .common import Row, bus_factor, format_size, parse_size
-from .options import COUNT, comma_list
-from .table import Column, Table
 
 
 
@@ -113,7 +112,7 @@ def main(nprocs: int, sizes: str, slots: str, reps: int, json_path: str | None) 
                                     for size in size_list)]:
         click.echo(line)
     if json_path:
-        from .output import environment, make_run, save_json
+        from benchmarks.output import environment, make_run, save_json
 
         options = {"nprocs": nprocs, "sizes": size_list, "slots": slots, "reps": reps}
         rows = [_row(size, options, mean[(size, name)], median[(size, name)], nprocs)

@@ -1,9 +1,9 @@
 """Fit the host model the library ships (its default shm switch point and plan() predictions).
 
     mpiexec -n 2 moecomm bench --quiet --transport shm,mpi -b 8 -e 128M -f 2 --json bench-2.json
-    python -m benchmarks.tune_shm --nprocs 2 --sizes 64,256,1K,4K,16K,64K,256K,1M,4M,16M,64M,128M --slots 1M \\
+    python -m tools.tune_shm --nprocs 2 --sizes 64,256,1K,4K,16K,64K,256K,1M,4M,16M,64M,128M --slots 1M \\
         --json tune-2.json                                                         # and 3, 4 ranks
-    python -m benchmarks.calibrate_host bench-2.json tune-2.json tune-3.json tune-4.json \\
+    python -m tools.calibrate_host bench-2.json tune-2.json tune-3.json tune-4.json \\
         --out collectives/model/calibrations/host-2vcpu.json
 
 The bench run goes to 128 MiB so that the sizes past the CI VM's 32 MiB L3 are three (16-32 MiB only, the
@@ -25,9 +25,8 @@ from pathlib import Path
 
 import click
 
+from benchmarks.output import load_run
 from collectives.model.calibrate import calibrate
-
-from .output import load_run
 
 
 @click.command()

@@ -1,6 +1,6 @@
 """How long should a wait after a large copy busy-poll before it sleeps? (run under mpiexec)
 
-    mpiexec -n 2 python -m benchmarks.tune_wait_spin [--sizes 4M,8M,16M,32M] [--budgets 0,100,200,1000]
+    mpiexec -n 2 python -m tools.tune_wait_spin [--sizes 4M,8M,16M,32M] [--budgets 0,100,200,1000]
 
 For each op (all_gather out of place and in place, all_to_all) and size, the shm transport's
 spin budget (``LARGE_WAIT_SPIN_NS``, in us here) is switched between the given values every
@@ -19,9 +19,8 @@ import click
 import torch
 
 import collectives
-
-from .common import format_size, parse_size
-from .options import comma_list
+from benchmarks.common import format_size, parse_size
+from benchmarks.options import comma_list
 
 
 def _calls(comm, op: str, nbytes: int):

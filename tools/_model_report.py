@@ -1,4 +1,4 @@
-"""What the model's two reports (:mod:`benchmarks.validate_model`, :mod:`benchmarks.local_check`)
+"""What the model's two reports (:mod:`tools.validate_model`, :mod:`tools.local_check`)
 share: where they are written, and their Markdown pieces."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Sequence
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
 def fmt(value: float | None, digits: int = 1) -> str:

@@ -1,6 +1,6 @@
 """Where a small collective's time goes: per-call time and a cProfile of moecomm's call path.
 
-    mpiexec -n 2 python -m benchmarks.profile_small [--op all_reduce] [--bytes 8] [--calls 20000]
+    mpiexec -n 2 python -m tools.profile_small [--op all_reduce] [--bytes 8] [--calls 20000]
 
 Every rank runs the calls in lockstep; rank 0 prints the mean time per call (moecomm, and MPICH's
 through mpi4py on the same buffers), then the functions cProfile charges the most time to (the

@@ -1,7 +1,7 @@
 """Where a small ipc all_reduce's time goes on a GPU, phase by phase (issue 12: "if ipc is not at
 least as fast as NCCL at <= 64 KiB, say why, with CUDA events per phase").
 
-    python -m benchmarks.profile_ipc [--bytes 8192] [--calls 2000] [--nprocs 2]
+    python -m tools.profile_ipc [--bytes 8192] [--calls 2000] [--nprocs 2]
 
 Every rank times, per call, on the host: the whole ``comm.using("ipc").all_reduce``; the
 pre-bound launch (``transports._ipc_launch.BoundKernel``, which returns once the kernel is

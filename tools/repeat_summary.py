@@ -1,7 +1,7 @@
 """Repeated ``moecomm bench --compare`` runs side by side: the ratio table's and the memcpy table's
 cells of every run and their median, as Markdown (one machine repeats itself only so well).
 
-    python -m benchmarks.repeat_summary RUN1.json RUN2.json RUN3.json [--peer mpi4py]
+    python -m tools.repeat_summary RUN1.json RUN2.json RUN3.json [--peer mpi4py]
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import statistics
 
 import click
 
-from .output import load_run
-from .report import memcpy_table, ratio_table
+from benchmarks.output import load_run
+from benchmarks.report import memcpy_table, ratio_table
 
 
 def _cells(lines: list[str], column: int) -> dict[tuple[str, str], float]:

@@ -1,11 +1,11 @@
-"""Make the runs of the model's local check again (:mod:`benchmarks.local_check`).
+"""Make the runs of the model's local check again (:mod:`tools.local_check`).
 
-    python -m benchmarks.record_local_check          # from the repository root, nothing else running
+    python -m tools.record_local_check          # from the repository root, nothing else running
 
 Moves the current recording (its calibration and prediction runs, repeats and meta file) into
 ``benchmarks/results/local-check-history/<its commit>/``, so that the report keeps scoring it beside
 the new one, then makes the four runs one after another, each with the 1-minute load average before
-and after, and writes ``local-runs-meta.json``. Run ``python -m benchmarks.validate_model --write``
+and after, and writes ``local-runs-meta.json``. Run ``python -m tools.validate_model --write``
 afterwards to regenerate the reports.
 
 The commands are fixed here so that every recording is of the same commands: a calibration sweep of
@@ -104,11 +104,11 @@ def main(force: bool) -> None:
         runs.append({"file": file, "role": role, "commit": commit, "command": " ".join(command),
                      "load_before": before, "load_after": _load_average()})
     LOCAL_RUNS_META.write_text(json.dumps({
-        "description": "How the two local runs of the model's local check were made (benchmarks/local_check.py, "
-                       "by benchmarks/record_local_check.py). Load: the 1-minute load average from /proc/loadavg "
+        "description": "How the two local runs of the model's local check were made (tools/local_check.py, "
+                       "by tools/record_local_check.py). Load: the 1-minute load average from /proc/loadavg "
                        "just before and just after each run, on this 2-core machine with nothing else running.",
         "runs": runs}, indent=1) + "\n")
-    click.echo(f"wrote {LOCAL_RUNS_META.relative_to(ROOT)}; now: python -m benchmarks.validate_model --write")
+    click.echo(f"wrote {LOCAL_RUNS_META.relative_to(ROOT)}; now: python -m tools.validate_model --write")
 
 
 if __name__ == "__main__":
