@@ -1,7 +1,7 @@
 """What the performance model (:mod:`collectives.model`) decides for a communicator, and what it predicts.
 
 Two uses, both from a calibrated model of this machine (a System fitted from ``moecomm bench`` /
-``tune_shm --json`` runs by :func:`collectives.model.calibrate`):
+``tools/tune_shm.py --json`` runs by :func:`collectives.model.calibrate`):
 
 - **Switch points.** The shm transport's one-shot/two-shot all_reduce switch is where the fitted
   (piecewise) predictions of the two algorithms first cross (:func:`shm_one_shot_limit`). It is
@@ -13,8 +13,9 @@ Two uses, both from a calibrated model of this machine (a System fitted from ``m
 
 The model is ``MOECOMM_MODEL_FILE`` (a System JSON: ``moecomm predict --system local --calibrate RUN.json
 --save-system F.json``) or, by default, the calibration shipped in ``collectives/model/calibrations/``
-(fitted on the 2-vCPU CI machine; see that file's ``sources``). CUDA tensors use the preset of the
-GPU's architecture (dgx-a100 / dgx-h100 / b200-8) unless the model file describes GPUs.
+(fitted on the 2-vCPU CI machine by ``tools/calibrate_host.py``; see that file's ``sources``). CUDA
+tensors use the preset of the GPU's architecture (dgx-a100 / dgx-h100 / b200-8) unless the model file
+describes GPUs.
 
 Fits exist for the rank counts a run measured. For another count the nearest fitted one is rescaled
 by the algorithm's traffic (bytes moved per byte of size: ``n - 1`` for one-shot, the bus factor

@@ -21,8 +21,8 @@ call moves on a shared VM. Rows used: the library's own transports (``library ==
 the library cannot choose them) and not ``auto`` (its rows repeat a transport's under another
 name); rows that failed their check (``wrong > 0``) are dropped, and so are rows more than 2x slower
 than a larger size of their group (:func:`~collectives.model.piecewise.inconsistent_points`: no line
-with alpha, beta >= 0 is). ``tune_shm --json`` runs carry
-non-default slot sizes as their own transport (``shm/slot 1M``), so they are fitted apart.
+with alpha, beta >= 0 is). Runs of ``tools/tune_shm.py --json`` carry non-default slot sizes as their own
+transport (``shm/slot 1M``), so they are fitted apart.
 """
 
 from __future__ import annotations
@@ -99,11 +99,9 @@ def _usable(row: Mapping[str, Any]) -> bool:
 def row_time_us(row: Mapping[str, Any]) -> float:
     """The time a bench row is fitted on (and a prediction checked against): its median call time.
 
-    ``p50_us`` where the row has one (> 0; ``tune_shm`` rows too: the median call of its median
-    repetition), else ``time_us`` (nccl-tests' mean over the timed calls).
-    On the shared 2-vCPU VM one call descheduled for a few ms moves a 20-call mean by tens of percent,
-    the median hardly: fitted on means, the local check's predictions missed by 24% on average at
-    >= 64 KiB, on medians by 17% (same runs; benchmarks/results/model-local-check.md).
+    ``p50_us`` where the row has one (> 0; rows of ``tools/tune_shm.py`` too: the median call of its
+    median repetition), else ``time_us`` (nccl-tests' mean over the timed calls). One call descheduled
+    on a shared VM moves a mean by tens of percent, the median hardly.
     """
     p50 = float(row.get("p50_us") or 0.0)
     return p50 if p50 > 0 and math.isfinite(p50) else float(row.get("time_us", 0.0))

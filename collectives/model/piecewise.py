@@ -341,7 +341,7 @@ def fit_series(paths: Mapping[str, Sequence[tuple[float, float]]], *, max_segmen
 def is_one_series(labels: Mapping[str, list[tuple[float, float]]]) -> bool:
     """Whether several algorithms' points form one series: each size measured by exactly one of them,
     as when the transport chose at each size (by timing or at a switch point), not when a run
-    measured them side by side (``tune_shm``: both at every size)."""
+    measured them side by side (``tools/tune_shm.py``: both at every size)."""
     if len(labels) < 2:
         return False
     sizes = [{p[0] for p in points} for points in labels.values()]
