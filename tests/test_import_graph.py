@@ -1,4 +1,4 @@
-"""No import circles in the installed packages.
+"""No import circles in the installed packages, and none of them imports the research scripts of tools/.
 
 Every ``import`` / ``from ... import`` of every module, wherever it stands (top level, inside a
 function, under ``if TYPE_CHECKING:``), is an edge from that module to the module it names; an edge
@@ -113,6 +113,17 @@ def test_the_walk_finds_a_circle():
     node = ast.parse("from . import y\nfrom .. import p\nfrom .y import f").body
     assert _targets("p.x", False, node[0], mods) == ["p.y"]
     assert _targets("p.x", False, node[2], mods) == ["p.y"]
+
+
+def test_the_installed_packages_never_import_tools():
+    # tools/ (research scripts, not installed) may import the packages, never the other way round
+    found = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{module} imports {name}" for name in names if name.split(".")[0] == "tools"]
+    assert not found, "; ".join(found)
 
 
 def test_no_import_circles():
