@@ -1,4 +1,4 @@
-"""The ipc kernels, the Lamport ones included, compile for a GPU (sm_90 target) without one: Triton's frontend, its NVIDIA
+"""The ipc kernels, the Lamport and low-latency MoE ones included, compile for a GPU (sm_90 target) without one: Triton's frontend, its NVIDIA
 backend and the ptxas it ships run on the CPU. Catches what the interpreter accepts and the
 compiler does not (operand types of atomics, loop-carried types), and checks the barrier's PTX:
 system-scope release exchanges, acquire loads, and block-wide bar.sync around them.
@@ -27,7 +27,7 @@ def _compile_all() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from transports.kernels import collectives, lamport
+    from transports.kernels import collectives, lamport, moe_ll
 
     common = {"data_ptrs": "*i64", "sig_ptrs": "*i64", "status": "*i64", "rank": "i32", "world": "i32", "digest": "i64",
               "meta": "*i64", "max_spins": "i64"}
@@ -67,8 +67,27 @@ def _compile_all() -> dict:
                              {"X": f"*{dt}", "RESIDUAL": f"*{dt}", "WEIGHT": "*fp32", "OUT": f"*{dt}",
                               "RES_OUT": f"*{dt}", "rows": "i32", "H": "i32", "eps": "fp32", **tail,
                               "OUT_BF16": "constexpr", "BLOCK_H": "constexpr"}, {"OUT_BF16": bf16, "BLOCK_H": 4096}))
+    # the low-latency MoE exchange (transports/kernels/moe_ll.py), at DeepEP's decoding shape
+    exch = {"reg": "*i64", "rank": "i32", "world": "i32", "sig_ptrs": "*i64", "status": "*i64", "max_spins": "i64"}
+    rows = {"E": 256, "M": 128, "RB": 14336, "OFF_CNT": 4096, "OFF_INFO": 8192, "OFF_ROWS": 1 << 20}
+    ll_jobs = [(f"ll_dispatch_send_{'fp8' if fp8 else 'bf16'}", "ll_dispatch_send",
+                {"X": "*bf16", "IDX": "*i64", "T": "i32", "K": "i32", "host_err": "i32", **exch},
+                {**rows, "KM": 8, "H": 7168, "TB": 128, "KB": 8, "NB": 1024, "CB": 1024, "ITEM": 2, "FP8": fp8})
+               for fp8 in (False, True)]
+    ll_jobs += [
+        ("ll_dispatch_recv", "ll_dispatch_recv", {"OUT": "*i32", "OUT2": "*i32", "INFO": "*i32", "RECV_COUNT": "*i32",
+                                                  **exch}, {**rows, "W1": 3584, "W2": 0, "WB": 1024}),
+        ("ll_combine_send", "ll_combine_send", {"Y": "*i32", "INFO": "*i32", "RECV_COUNT": "*i32", **exch},
+         {"E": 256, "M": 128, "KM": 8, "W": 3584, "OFF_COMB": 1 << 24, "WB": 1024}),
+        ("ll_combine_recv", "ll_combine_recv", {"OUT": "*bf16", "IDX": "*i64", "WEIGHTS": "*fp32", "T": "i32",
+                                                "K": "i32", **exch},
+         {"KM": 8, "H": 7168, "OFF_COMB": 1 << 24, "CB": 1024, "OUT_BF16": True}),
+    ]
+    ll_jobs = [(key, name, {n: "constexpr" if n in cx else sig[n] for n in getattr(moe_ll, name).arg_names}, cx)
+               for key, name, sig, cx in ll_jobs]
     everything = [(name, collectives, name, sig, cx) for name, sig, cx in jobs] + \
-        [(key, lamport, name, sig, cx) for key, name, sig, cx in lamport_jobs]
+        [(key, lamport, name, sig, cx) for key, name, sig, cx in lamport_jobs] + \
+        [(key, moe_ll, name, sig, cx) for key, name, sig, cx in ll_jobs]
     report = {}
     for name, module, kernel, signature, constexprs in everything:
         fn = getattr(module, kernel)
@@ -79,7 +98,7 @@ def _compile_all() -> dict:
             ptx = compiled.asm["ptx"]
             report[name] = {"ok": True, "cubin": "cubin" in compiled.asm,
                             "ops": sorted(set(re.findall(r"(atom\.global\.[\w.]+|ld\.volatile\.global[\w.]*|"
-                                                         r"ld\.global\.sys\.acquire[\w.]*|bar\.sync)", ptx)))}
+                                                         r"ld\.global\.sys\.acquire[\w.]*|red\.global[\w.]*|bar\.sync)", ptx)))}
         except Exception as e:  # noqa: BLE001 - reported together
             report[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
     return report
@@ -114,6 +133,16 @@ def test_every_kernel_compiles_for_sm90_with_system_scope_barriers(tmp_path):
         assert "atom.global.relaxed.sys.cas.b64" in ops, (name, ops)  # ERROR: first error wins, system-wide
         assert "atom.global.sys.release.exch.b64" in ops, (name, ops)  # the header, after META
         assert "ld.global.sys.acquire.b64" in ops, (name, ops)  # waiting for headers (then PEER_META)
+        assert "bar.sync" in ops, (name, ops)
+    # the low-latency MoE exchange: arrivals and acks are system-scope release adds after a
+    # block-wide bar.sync, waits are acquire loads, ERROR a system-scope CAS
+    ll = [k for k in report if k.startswith("ll_")]
+    assert len(ll) == 5, sorted(report)
+    for name in ll:
+        ops = report[name]["ops"]
+        assert "red.global.sys.release.add.u64" in ops, (name, ops)
+        assert "ld.global.sys.acquire.b64" in ops, (name, ops)
+        assert "atom.global.relaxed.sys.cas.b64" in ops, (name, ops)
         assert "bar.sync" in ops, (name, ops)
 
 

@@ -143,10 +143,11 @@ def load_kernels(emulate: bool) -> Any:
         from triton.runtime.interpreter import InterpretedFunction
 
         try:
-            from .kernels import lamport
-        except ImportError:  # pragma: no cover - the module ships with the package
-            lamport = None
+            from .kernels import lamport, moe_ll
+        except ImportError:  # pragma: no cover - the modules ship with the package
+            lamport = moe_ll = None
         kernels.lamport = lamport
+        kernels.moe_ll = moe_ll
         interpreted = isinstance(kernels.all_reduce_one_shot, InterpretedFunction)
         if interpreted != emulate:
             raise RuntimeError(
@@ -169,6 +170,18 @@ def ipc_available(settings: dict) -> bool:
     if settings.get("ipc_emulate"):
         return True
     return find_spec("cupy") is not None and torch.cuda.is_available()
+
+
+def input_error(word: int, ranks: list[int], me: int) -> str:
+    """The message of a status block's INPUT word (``err * MAX_RANKS + source``; see
+    :mod:`transports.kernels.layout`), as rank ``me`` reports it."""
+    src, err = ranks[word % L.MAX_RANKS], word // L.MAX_RANKS
+    code, detail = err & 255, err >> 8
+    what = {L.INPUT_TOO_MANY_TOKENS: f"{detail} tokens, more than max_tokens_per_rank",
+            L.INPUT_BAD_ID: f"expert id {detail}, outside [-1, num_experts)",
+            L.INPUT_DUPLICATE_ID: f"expert {detail} twice in one token's top-k",
+            }.get(code, "inputs of the wrong shape or dtype")
+    return f"low-latency dispatch: rank {src} passed {what} (seen by rank {me})"
 
 
 def _align(n: int, a: int) -> int:
@@ -298,6 +311,7 @@ class IPCTransport(Transport):
         self._heap_hi = self._heap_lo + self.symmetric_bytes
         self._heap = _SymmetricHeap(self.symmetric_bytes)
         self._heap_tables: dict[int, torch.Tensor] = {}
+        self._more_regions: list = []  # peer_region()s
         self.eager_check = self.emulate if eager_check is None else bool(eager_check)
         self._bound: dict[tuple, BoundKernel] = {}
         self._meta_cache: dict[bytes, torch.Tensor] = {}
@@ -420,9 +434,9 @@ class IPCTransport(Transport):
         """
         try:
             p = self.programs
-            theirs = np.concatenate([self._regions.read(r, L.EPOCH, p), self._regions.read(r, L.LAMPORT_CALLS, p)])
-            ours = np.concatenate([self._regions.read(self.rank, L.EPOCH, p),
-                                   self._regions.read(self.rank, L.LAMPORT_CALLS, p)])
+            words = (L.EPOCH, L.LAMPORT_CALLS, L.LL_CALLS)
+            theirs = np.concatenate([self._regions.read(r, w, p) for w in words])
+            ours = np.concatenate([self._regions.read(self.rank, w, p) for w in words])
         except Exception:  # noqa: BLE001 - its memory is gone: treat it as not there
             return False
         return bool((theirs > ours).any())
@@ -450,7 +464,7 @@ class IPCTransport(Transport):
         while this call still completed raises at the next call, and this one returns.
         """
         st = self._status
-        if st[L.S_ERROR] or st[L.S_MISMATCH] or self._reason is not None or self._pending is not None:
+        if st[L.S_ERROR] or st[L.S_MISMATCH] or st[L.S_INPUT] or self._reason is not None or self._pending is not None:
             self._failed(completed)
 
     def _failed(self, completed: bool = False) -> None:
@@ -497,6 +511,10 @@ class IPCTransport(Transport):
             st[L.S_MISMATCH] = 0
             check_agreement(self._peer_metas(), self._ranks)
             raise ValueError("ipc: call signatures differ across ranks")  # digests differ, words equal
+        if st[L.S_INPUT]:  # a low-latency dispatch's source refused its input; the exchange went on
+            word = int(st[L.S_INPUT])
+            st[L.S_INPUT] = 0
+            raise ValueError(input_error(word, self._ranks, me))
 
     def _last_calls(self) -> str:
         """After a timeout: the signatures of the calls every rank last started, where they differ
@@ -867,6 +885,28 @@ class IPCTransport(Transport):
         raw = self._regions.tensor(self._heap_off + off, nbytes, lambda: heap.free(off))
         return raw.view(dtype).reshape(shape)
 
+    # ---- exchanges with kernels of their own (transports/ipc_moe.py) ---------------------------
+    def peer_region(self, nbytes: int) -> torch.Tensor:
+        """Map one more zeroed region of ``nbytes`` per rank, which every rank's kernels read and
+        write (collective: every rank calls it with the same size, in the same order). It stays
+        mapped until the transport closes.
+
+        Returns:
+            int64 [size] on the transport's device: every rank's base address of the region.
+        """
+        if self._broken:
+            self._raise_broken()
+        provider = _HostRegions if self.emulate else _CudaRegions
+        regions = provider(self.group, _align(max(int(nbytes), 1), _REGION_ALIGN))
+        self._more_regions.append(regions)
+        return regions.sig_ptrs
+
+    def launch_exchange(self, kernel: Any, *args: Any, **constexprs: Any) -> None:
+        """Launch one of an exchange's kernels (``kernel(*args, sig_ptrs, status, max_spins,
+        **constexprs)``) as our collectives launch theirs: on our programs, counted for the
+        watchdog, earlier failures raised first (see :meth:`_launch`)."""
+        self._launch(kernel, *args, self._regions.sig_ptrs, self._status_arg, self._max_spins, **constexprs)
+
     # ---- teardown ------------------------------------------------------------------------------
     def abort(self, why: str) -> None:
         if not self._broken:
@@ -890,5 +930,8 @@ class IPCTransport(Transport):
         self._broken = "closed"
         self._stop.set()
         self._watchdog.join(timeout=1.0)
+        for regions in getattr(self, "_more_regions", []):
+            regions.close()
+        self._more_regions = []
         self._regions.close()
         self._meta_cache.clear()

@@ -24,12 +24,16 @@ Words written by the kernels:
     LAMPORT_CALLS per program: Lamport all-reduces this program has finished (slot = calls % 3)
     LAMPORT_LEN per program, per slot: elements per source that program read from that slot in
              its last call there (what it clears to the sentinel in the next Lamport call)
+    LL_CALLS per program: low-latency MoE exchange kernels this program has finished
+             (:mod:`transports.kernels.moe_ll`; the watchdog compares them as it does EPOCH)
 
 The *status block* is a rank's own, private words in host-mapped memory (pinned ``cudaHostAlloc``
 on a GPU, ordinary memory in emulation): the kernels write them, the host reads them with plain
 loads, without a copy or a stream synchronization (errors are read lazily):
     S_ERROR    the ERROR word's value, mirrored when a wait gives up
     S_MISMATCH 1 when a call's signature digest differed from a peer's (reset by the host)
+    S_INPUT    a low-latency MoE dispatch source's refused input: ``err * MAX_RANKS + source``
+               (err: an INPUT_* code + 256 * detail; reset by the host, which raises ValueError)
     S_DONE     per program: its CALLS word after each kernel
 
 The *Lamport area* after the data buffer: LAMPORT_SLOTS slots, each ``[MAX_RANKS] int64``
@@ -57,14 +61,19 @@ CALLS = EPOCH + MAX_PROGRAMS  # 192
 LAMPORT_CALLS = PEER_META + MAX_RANKS * META_WORDS  # 1536
 LAMPORT_SLOTS = 3
 LAMPORT_LEN = LAMPORT_CALLS + MAX_PROGRAMS  # 1600
+LL_CALLS = LAMPORT_LEN + MAX_PROGRAMS * LAMPORT_SLOTS  # 1792
 SIGNAL_WORDS = 2048  # 16 KiB: keeps the data buffer 4 KiB-aligned after it
-assert LAMPORT_LEN + MAX_PROGRAMS * LAMPORT_SLOTS <= SIGNAL_WORDS
+assert LL_CALLS + MAX_PROGRAMS <= SIGNAL_WORDS
 assert RECV_COUNTS + MAX_RANKS <= DIGEST and EPOCH + MAX_PROGRAMS <= CALLS and CALLS + MAX_PROGRAMS <= FLAGS
 
 S_ERROR = 0
 S_MISMATCH = 1
+S_INPUT = 2
 S_DONE = 8
 STATUS_WORDS = S_DONE + MAX_PROGRAMS
+
+# what a sender of a low-latency MoE dispatch refused (its error word's low byte; S_INPUT)
+INPUT_TOO_MANY_TOKENS, INPUT_BAD_ID, INPUT_DUPLICATE_ID, INPUT_BAD_SHAPE = 1, 2, 3, 4
 
 LAMPORT_SENTINEL_BITS = -(1 << 31)  # int32 view of float32 -0.0
 

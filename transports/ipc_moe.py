@@ -1,0 +1,193 @@
+"""The ipc transport's low-latency MoE exchange: dispatch and combine by our own kernels over a
+region every rank maps (:mod:`transports.kernels.moe_ll` has the protocol).
+
+Call path: ``moe.LowLatencyDispatcher`` -> :class:`IPCExpertExchange` (checks, outputs, launch
+arguments) -> ``IPCTransport.launch_exchange`` (failure checks, the watchdog's count, the
+pre-bound launch) -> two kernels per dispatch and two per combine, no host synchronization.
+
+Inputs the kernels can judge only from the data (expert ids out of range or twice in a token) go
+out as the sender's error word; every rank's status block then holds it, and the transport raises
+it as a ``ValueError`` naming the sender at its next look, as it raises every asynchronous error
+(at once in emulation, at the next call or ``synchronize()`` on a GPU). Inputs the host refuses
+(too many tokens, a wrong shape or dtype) raise here at once, after this rank's kernels have told
+the peers, which raise the same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .ipc import IPCTransport
+from .kernels import layout as L
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_REGION_ALIGN = 256
+_COPY_WORDS = 1024  # int32 words a program copies per step
+
+
+def _align(n: int, a: int = _REGION_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class IPCExpertExchange:
+    """Fixed buffers and kernels of a low-latency MoE exchange over ``transport`` (collective to
+    construct: every rank passes the same sizes).
+
+    Args:
+        transport: the group's ipc transport.
+        num_experts: E, a multiple of the group size (expert ``e`` lives on rank ``e // (E / P)``).
+        max_tokens: M, the most tokens a rank dispatches in one call.
+        hidden: H, a multiple of 128 (FP8 scales cover 128 channels).
+        dtype: the tokens' and the experts' outputs' dtype (bfloat16, float16, float32).
+        max_topk: the most top-k slots per token.
+
+    Raises:
+        ValueError (every rank): a size is invalid or the ranks passed different ones.
+    """
+
+    def __init__(self, transport: IPCTransport, num_experts: int, max_tokens: int, hidden: int,
+                 dtype: torch.dtype = torch.bfloat16, max_topk: int = 8):
+        self.t = transport
+        self._k = transport._k.moe_ll
+        P, me = transport.size, transport.rank
+        ranks = transport.group.global_ranks
+        E, M, H, KM = int(num_experts), int(max_tokens), int(hidden), int(max_topk)
+        problem = ""
+        if dtype not in DTYPES:
+            problem = f"dtype {dtype} is not one of {[str(d) for d in DTYPES]}"
+        elif E < P or E % P:
+            problem = f"num_experts {E} is not a positive multiple of the group size {P}"
+        elif M < 1 or KM < 1:
+            problem = f"max_tokens_per_rank {M} and max_topk {KM} must be at least 1"
+        elif H < 128 or H % 128:
+            problem = f"hidden {H} is not a positive multiple of 128"
+        mine = np.array([E, M, H, KM, DTYPES.index(dtype) if dtype in DTYPES else -1], dtype=np.int64)
+        everyone = [np.frombuffer(b, dtype=np.int64)
+                    for b in transport.group.rendezvous.allgather_bytes(mine.tobytes())]
+        if problem:
+            raise ValueError(f"LowLatencyDispatcher on rank {ranks[me]}: {problem}")
+        if any((e != mine).any() for e in everyone):
+            names = ("num_experts", "max_tokens_per_rank", "hidden", "max_topk", "dtype index")
+            desc = "; ".join(f"rank {ranks[r]}: " + ", ".join(f"{n}={int(v)}" for n, v in zip(names, e))
+                             for r, e in enumerate(everyone))
+            raise ValueError(f"LowLatencyDispatcher: the ranks' arguments differ ({desc})")
+        self.num_experts, self.max_tokens, self.hidden, self.dtype, self.max_topk = E, M, H, dtype, KM
+        self.local = E // P
+        item = dtype.itemsize
+        self.row_bytes = _align(max(H * item, H + H // 32), 16)  # a staged row: bf16/fp32 data, or FP8 + scales
+        off_cnt = self._k.WORDS * 8
+        off_info = off_cnt + _align(L.MAX_RANKS * self.local * 4)
+        off_rows = off_info + _align(self.local * P * M * 4)
+        off_comb = off_rows + _align(self.local * P * M * self.row_bytes)
+        self.region_bytes = off_comb + M * KM * H * item
+        self.table = transport.peer_region(self.region_bytes)
+        self.device = transport._device
+        cb = math.gcd(H, 1024)  # channels per step: a power of two >= 128 that divides H
+        rows = {"E": E, "M": M, "RB": self.row_bytes, "OFF_CNT": off_cnt, "OFF_INFO": off_info, "OFF_ROWS": off_rows}
+        self._send_const = {**rows, "KM": KM, "H": H, "TB": _pow2(M), "KB": _pow2(KM), "NB": _pow2(M * KM),
+                            "CB": cb, "ITEM": item}
+        self._recv_const = {**rows, "WB": _COPY_WORDS}
+        self._csend_const = {"E": E, "M": M, "KM": KM, "W": H * item // 4, "OFF_COMB": off_comb, "WB": _COPY_WORDS}
+        self._crecv_const = {"KM": KM, "H": H, "OFF_COMB": off_comb, "CB": cb, "OUT_BF16": dtype == torch.bfloat16}
+        self._dummy_x = torch.zeros(1, H, dtype=dtype, device=self.device)
+        self._dummy_idx = torch.full((1, 1), -1, dtype=torch.int64, device=self.device)
+        self._no_words = torch.zeros(1, dtype=torch.int32, device=self.device)
+
+    @property
+    def _ranks(self) -> list[int]:
+        return self.t.group.global_ranks
+
+    # ---- dispatch ------------------------------------------------------------------------------
+    def _refusal(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[int, str, type]:
+        """(error word, message, exception type) for inputs the host refuses; (0, "", None) if none."""
+        me = self._ranks[self.t.rank]
+        where = f"LowLatencyDispatcher.dispatch on rank {me}"
+        if not isinstance(x, torch.Tensor) or not isinstance(topk_idx, torch.Tensor):
+            return L.INPUT_BAD_SHAPE, f"{where}: x and topk_idx must be tensors", TypeError
+        if x.dtype != self.dtype:
+            return L.INPUT_BAD_SHAPE, f"{where}: x is {x.dtype}, the dispatcher's dtype is {self.dtype}", TypeError
+        if topk_idx.dtype not in (torch.int64, torch.int32):
+            return L.INPUT_BAD_SHAPE, f"{where}: topk_idx must be int64 (or int32), not {topk_idx.dtype}", TypeError
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            return L.INPUT_BAD_SHAPE, f"{where}: x must be [T, {self.hidden}], got {list(x.shape)}", ValueError
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or not 1 <= topk_idx.shape[1] <= self.max_topk:
+            return (L.INPUT_BAD_SHAPE, (f"{where}: topk_idx must be [T={x.shape[0]}, k] with 1 <= k <= "
+                                        f"max_topk {self.max_topk}, got {list(topk_idx.shape)}"), ValueError)
+        if x.device != self.device or topk_idx.device != self.device:
+            return L.INPUT_BAD_SHAPE, f"{where}: tensors must be on {self.device}", ValueError
+        if x.shape[0] > self.max_tokens:
+            return (L.INPUT_TOO_MANY_TOKENS + 256 * x.shape[0], (f"{where}: {x.shape[0]} tokens, "
+                    f"more than max_tokens_per_rank {self.max_tokens}"), ValueError)
+        return 0, "", None
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Send every token to its top-k experts' ranks; see ``moe.LowLatencyDispatcher.dispatch``.
+
+        Returns:
+            (recv_x, scales, info, recv_count): recv_x [L, P*M, H] of the dtype (float8_e4m3fn
+            with ``use_fp8``), scales float32 [L, P*M, H/128] with ``use_fp8`` else None, info
+            int32 [L, P*M] (``src*M*max_topk + t*max_topk + k`` of each row), recv_count int32 [L].
+        """
+        t = self.t
+        P, M, H, Lc = t.size, self.max_tokens, self.hidden, self.local
+        err, message, exc = self._refusal(x, topk_idx)
+        if err:
+            x, topk_idx = self._dummy_x, self._dummy_idx
+            T = K = 0
+        else:
+            x = x.contiguous()
+            topk_idx = topk_idx.to(torch.int64).contiguous()
+            T, K = topk_idx.shape
+        rows = (Lc, P * M)
+        if use_fp8:
+            recv_x = torch.empty(*rows, H, dtype=torch.float8_e4m3fn, device=self.device)
+            scales = torch.empty(*rows, H // 128, dtype=torch.float32, device=self.device)
+            out, out2, w1, w2 = recv_x.view(torch.int32), scales.view(torch.int32), H // 4, H // 128
+        else:
+            recv_x, scales = torch.empty(*rows, H, dtype=self.dtype, device=self.device), None
+            out, out2, w1, w2 = recv_x.view(torch.int32), self._no_words, H * self.dtype.itemsize // 4, 0
+        info = torch.empty(rows, dtype=torch.int32, device=self.device)
+        recv_count = torch.empty(Lc, dtype=torch.int32, device=self.device)
+        t.launch_exchange(self._k.ll_dispatch_send, x, topk_idx, T, K, err, self.table, t.rank, P,
+                          **self._send_const, FP8=bool(use_fp8))
+        t.launch_exchange(self._k.ll_dispatch_recv, out, out2, info, recv_count, self.table, t.rank, P,
+                          **self._recv_const, W1=w1, W2=w2)
+        if err:
+            raise exc(message)
+        return recv_x, scales, info, recv_count
+
+    # ---- combine -------------------------------------------------------------------------------
+    def combine(self, expert_out: torch.Tensor, info: torch.Tensor, recv_count: torch.Tensor,
+                topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Return each expert's rows to their tokens and sum them; see ``moe.LowLatencyDispatcher.combine``.
+
+        Returns:
+            [T, H] of the dtype.
+        """
+        t = self.t
+        P, M, H, Lc = t.size, self.max_tokens, self.hidden, self.local
+        me = self._ranks[t.rank]
+        where = f"LowLatencyDispatcher.combine on rank {me}"
+        if expert_out.dtype != self.dtype:
+            raise TypeError(f"{where}: expert_out is {expert_out.dtype}, the dispatcher's dtype is {self.dtype}")
+        if tuple(expert_out.shape) != (Lc, P * M, H):
+            raise ValueError(f"{where}: expert_out must be [{Lc}, {P * M}, {H}], got {list(expert_out.shape)}")
+        if topk_idx.dim() != 2 or topk_weights.shape != topk_idx.shape or topk_idx.shape[0] > M:
+            raise ValueError(f"{where}: topk_idx and topk_weights must be [T, k] with T <= {M}, got "
+                             f"{list(topk_idx.shape)} and {list(topk_weights.shape)}")
+        T, K = topk_idx.shape
+        y = expert_out.contiguous().view(torch.int32)
+        idx = topk_idx.to(torch.int64).contiguous()
+        w = topk_weights.to(torch.float32).contiguous()
+        out = torch.empty(T, H, dtype=self.dtype, device=self.device)
+        t.launch_exchange(self._k.ll_combine_send, y, info, recv_count, self.table, t.rank, P, **self._csend_const)
+        t.launch_exchange(self._k.ll_combine_recv, out, idx, w, T, K, self.table, t.rank, P, **self._crecv_const)
+        return out

@@ -1,0 +1,368 @@
+"""Low-latency MoE dispatch and combine over peer-mapped regions (DeepEP's low-latency mode).
+
+Notation: P ranks (``world``), E experts, L = E / P local experts per rank (expert ``e`` lives on
+rank ``e // L`` as local expert ``e % L``), M the most tokens a rank sends per call, T <= M the
+tokens of this call, K <= KM the top-k slots per token (-1: unused), H the hidden size.
+
+Every rank owns an *exchange region*, mapped by every rank (``reg``: int64 [P] base addresses)::
+
+    [words: WORDS int64][counts: int32 [MAX_RANKS, L]][info: int32 [L, P*M]]
+    [rows: [L, P*M] rows of RB bytes][combine: [M*KM, H] of the dtype]
+
+Dispatch is two launches, with no host synchronization and shapes fixed by (E, M, H, P):
+
+1. :func:`ll_dispatch_send`: every program checks the whole ``topk_idx`` (ids in [-1, E), no id
+   twice in a token) and computes, for its tokens, each slot's position among this rank's tokens
+   routed to that expert. It writes token ``t``'s row into segment ``[rank*M, rank*M + n)`` of the
+   expert's rows on the owner, with its info word ``rank*M*KM + t*KM + k``; program 0 writes this
+   rank's per-expert counts and error word into every rank; then every program adds 1 to
+   ``D_ARRIVE[rank]`` of every rank (release).
+2. :func:`ll_dispatch_recv`: wait until ``D_ARRIVE[src] >= seq * programs`` for every source
+   (acquire), then compact each local expert's segments, in source order, into the packed output
+   (``recv_x [L, P*M, ...]``, ``info [L, P*M]``, ``recv_count [L]``) and add 1 to ``D_ACK[rank]``
+   of every source: the sender waits for that before it rewrites our rows in its next call.
+
+Combine mirrors it: :func:`ll_combine_send` writes each received row back to its source's combine
+rows ``[t*KM + k]`` (after ``C_ACK``), then arrives in ``C_ARRIVE``; :func:`ll_combine_recv`
+waits, sums ``weight * row`` over each token's kept slots in slot order in float32, rounds once,
+and acks. Counters only grow (``seq`` per program lives in the region and advances in the
+kernels), so CUDA-graph replays stay in step and nothing is reset between calls.
+
+FP8 (``FP8``): the sender quantizes each row to float8 e4m3 with one float32 scale per 128
+channels (amax / 448, amax at least 1e-4), rounding to nearest even with integer operations (the
+same bits under Triton's interpreter and on a GPU); a staged row is the H bytes of ``q`` then the
+H/128 scales.
+
+Input errors never stop the protocol: the sender's error word (``code + 256 * detail``, codes in
+:data:`transports.kernels.layout`) travels with its counts, it sends no rows, and every receiver's
+program 0 records ``err * MAX_RANKS + src`` in its status block's INPUT word, which the host reads
+lazily and raises as a ValueError naming the source rank. A rank records host-detected errors
+(too many tokens, a wrong shape) of its own source only for its peers: it raised already.
+
+Waits are bounded and give up on ABORT (``sync.wait_flag``): ERROR names the missing rank and
+every later step of the call is skipped. A program waits only for peers' (or earlier launches')
+arrivals, never for another program of its own launch. Every launch of one exchange must use the
+same number of programs on every rank.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import layout as L
+from .sync import done, may_start, store_rounded, wait_flag
+
+try:
+    from triton.language.standard import _elementwise_max as _max
+    from triton.language.standard import _elementwise_min as _min
+    from triton.language.standard import _sum_combine as _add
+except ImportError:  # pragma: no cover - another Triton: the interpreter then reduces element by element
+
+    @triton.jit
+    def _add(a, b):
+        return a + b
+
+    @triton.jit
+    def _max(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _min(a, b):
+        return tl.minimum(a, b)
+
+
+# words of an exchange region (int64)
+D_ARRIVE, D_ACK, C_ARRIVE, C_ACK, D_ERR = 0, 16, 32, 48, 64
+D_SEND, D_RECV, C_SEND, C_RECV = 128, 192, 256, 320  # per program: calls this program has finished
+WORDS = 512
+assert L.MAX_RANKS <= 16 and C_RECV + L.MAX_PROGRAMS <= WORDS
+
+_D_ARRIVE = tl.constexpr(D_ARRIVE)
+_D_ACK = tl.constexpr(D_ACK)
+_C_ARRIVE = tl.constexpr(C_ARRIVE)
+_C_ACK = tl.constexpr(C_ACK)
+_D_ERR = tl.constexpr(D_ERR)
+_D_SEND = tl.constexpr(D_SEND)
+_D_RECV = tl.constexpr(D_RECV)
+_C_SEND = tl.constexpr(C_SEND)
+_C_RECV = tl.constexpr(C_RECV)
+_LL_CALLS = tl.constexpr(L.LL_CALLS)
+_S_INPUT = tl.constexpr(L.S_INPUT)
+_MAX_RANKS = tl.constexpr(L.MAX_RANKS)
+_BAD_ID = tl.constexpr(L.INPUT_BAD_ID)
+_DUP_ID = tl.constexpr(L.INPUT_DUPLICATE_ID)
+_EXPERT_CHUNK = tl.constexpr(16)  # experts counted per step (a [16, NB] compare)
+
+_PER_CALL = ["T", "K", "rank", "world", "max_spins"]
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+@triton.jit
+def _words(reg, r):
+    """Rank r's exchange words (int64 pointer)."""
+    return tl.load(reg + r).to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def _begin(reg, sig_ptrs, status, rank, world, SEQ: tl.constexpr):
+    """(my_sig, mine, seq, ok): this rank's signal area and exchange words, this program's call
+    number of this kernel (1 for the first), and whether to start (no earlier failure, no ABORT)."""
+    my_sig = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int64))
+    mine = _words(reg, rank)
+    seq = tl.load(mine + SEQ + tl.program_id(0)) + 1
+    ok = may_start(my_sig, status, world)
+    return my_sig, mine, seq, ok
+
+
+@triton.jit
+def _wait_all(counter, target, my_sig, status, world, max_spins, ok):
+    """Wait (acquire, bounded) until counter[r] >= target for every rank r; ERROR names the first
+    that never gets there."""
+    for r in range(0, world):
+        if ok:
+            ok = wait_flag(counter + r, target, my_sig, status, r, max_spins)
+    return ok
+
+
+@triton.jit
+def _arrive_all(reg, rank, world, WORD: tl.constexpr):
+    """Add 1 to word WORD + rank of every rank's exchange words (release: this program's stores
+    before it are visible to whoever acquires the count)."""
+    tl.debug_barrier()
+    for r in range(0, world):
+        tl.atomic_add(_words(reg, r) + WORD + rank, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _end(my_sig, status, mine, seq, SEQ: tl.constexpr):
+    """This program's call number of the kernel, LL_CALLS += 1 (the watchdog compares peers'), DONE."""
+    pid = tl.program_id(0)
+    tl.store(mine + SEQ + pid, seq)
+    tl.store(my_sig + _LL_CALLS + pid, tl.load(my_sig + _LL_CALLS + pid) + 1)
+    done(my_sig, status)
+
+
+@triton.jit
+def _e4m3(x):
+    """float32 -> float8 e4m3fn bits (int32 0..255), round to nearest even, |x| <= 448 saturated."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.minimum(tl.abs(x), 448.0)
+    ab = a.to(tl.int32, bitcast=True).to(tl.int64)
+    # normal (a >= 2**-6): keep 3 mantissa bits of the float32 exponent|mantissa, rebias 127 -> 7
+    normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal: a * 2**9 rounded to an integer, from the float32 mantissa with its implicit 1
+    shift = tl.minimum(141 - (ab >> 23), 40)
+    m = (ab & 0x7FFFFF) | 0x800000
+    sub = (m + (((1 << shift) >> 1) - 1) + ((m >> shift) & 1)) >> shift
+    q = tl.where(a >= 0.015625, normal, sub)
+    return q.to(tl.int32) | sign
+
+
+@triton.jit
+def _check_ids(IDX, T, K, E, TB: tl.constexpr, KB: tl.constexpr):
+    """The error word of these top-k ids: 0, or BAD_ID + 256 * (the largest id >= E, else the
+    smallest < -1), or DUPLICATE_ID + 256 * (the id) for an expert twice in one token."""
+    t = tl.arange(0, TB)
+    k = tl.arange(0, KB)
+    m = (t[:, None] < T) & (k[None, :] < K)
+    ids = tl.load(IDX + t[:, None] * K + k[None, :], mask=m, other=-1)
+    hi = tl.reduce(tl.where(ids >= E, ids, -1), None, _max)
+    lo = tl.reduce(tl.where(ids < -1, ids, 0), None, _min)
+    dup = tl.full([TB, KB], -1, tl.int64)
+    for kk in range(1, K):
+        col = tl.load(IDX + t * K + kk, mask=t < T, other=-1)
+        same = (ids == col[:, None]) & (k[None, :] < kk) & (col[:, None] >= 0)
+        dup = tl.maximum(dup, tl.where(same, col[:, None], -1))
+    dup_id = tl.reduce(dup, None, _max)
+    err = tl.where(hi >= 0, _BAD_ID + 256 * hi, tl.where(lo < -1, _BAD_ID + 256 * lo,
+                                                          tl.where(dup_id >= 0, _DUP_ID + 256 * dup_id, 0)))
+    return err
+
+
+# ---- dispatch ----------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=[*_PER_CALL, "host_err"])
+def ll_dispatch_send(X, IDX, T, K, host_err, reg, rank, world, sig_ptrs, status, max_spins,
+                     E: tl.constexpr, M: tl.constexpr, KM: tl.constexpr, H: tl.constexpr, RB: tl.constexpr,
+                     OFF_CNT: tl.constexpr, OFF_INFO: tl.constexpr, OFF_ROWS: tl.constexpr,
+                     TB: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, CB: tl.constexpr,
+                     ITEM: tl.constexpr, FP8: tl.constexpr):
+    """Send this rank's tokens to their experts' owners (step 1 of the module docstring).
+
+    X: [T, H] (bfloat16/float16/float32), IDX: int64 [T, K] top-k expert ids (-1 unused), T <= M,
+    K <= KM; host_err: nonzero when the host refused the inputs (then nothing but the error goes
+    out). RB: bytes of a staged row; ITEM: bytes of an element of X; CB: channels per step (divides
+    H; a multiple of 128 with FP8);
+    TB, KB, NB: powers of two >= M, KM, M*KM.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    my_sig, mine, seq, ok = _begin(reg, sig_ptrs, status, rank, world, _D_SEND)
+    # the receivers have read our previous call's rows, counts and error word
+    ok = _wait_all(mine + _D_ACK, (seq - 1) * nprog, my_sig, status, world, max_spins, ok)
+    err = host_err.to(tl.int64)
+    if err == 0:
+        err = _check_ids(IDX, T, K, E, TB, KB)
+    local = E // world
+    if ok & (err == 0):
+        j = tl.arange(0, NB)
+        flat = tl.load(IDX + j, mask=j < T * K, other=-1)
+        k = tl.arange(0, KB)
+        c = tl.arange(0, CB)
+        for t in range(pid, T, nprog):
+            ids = tl.load(IDX + t * K + k, mask=k < K, other=-1)
+            # slot k's position among this rank's tokens routed to its expert: earlier tokens' slots
+            earlier = (flat[None, :] == ids[:, None]) & (j[None, :] < t * K)
+            pos = tl.reduce(earlier.to(tl.int32), 1, _add)
+            valid = ids >= 0
+            e = tl.where(valid, ids, 0)
+            owner = e // local
+            row = (e % local) * (world * M) + rank * M + pos  # row in the owner's [L, P*M] layout
+            base = tl.load(reg + owner, mask=valid, other=0)
+            info = (base + OFF_INFO + row.to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
+            tl.store(info, rank * (M * KM) + t * KM + k, mask=valid)
+            dst = base + OFF_ROWS + row.to(tl.int64) * RB  # [KB] byte addresses of the rows
+            for h0 in range(0, H, CB):
+                x = tl.load(X + t * H + h0 + c)
+                if FP8:
+                    xf = tl.reshape(x.to(tl.float32), (CB // 128, 128))
+                    amax = tl.maximum(tl.reduce(tl.abs(xf), 1, _max), 1e-4)
+                    scale = amax / 448.0
+                    q = tl.reshape(_e4m3(xf / scale[:, None]), (CB,)).to(tl.uint8)
+                    qp = (dst[:, None] + h0 + c[None, :]).to(tl.pointer_type(tl.uint8))
+                    tl.store(qp, tl.broadcast_to(q[None, :], (KB, CB)), mask=valid[:, None])
+                    g = tl.arange(0, CB // 128)
+                    sp = (dst[:, None] + H + (h0 // 128 + g[None, :]) * 4).to(tl.pointer_type(tl.float32))
+                    tl.store(sp, tl.broadcast_to(scale[None, :], (KB, CB // 128)), mask=valid[:, None])
+                else:
+                    xp = dst[:, None] + (h0 + c[None, :]) * ITEM
+                    tl.store(xp.to(tl.pointer_type(X.dtype.element_ty)), tl.broadcast_to(x[None, :], (KB, CB)),
+                             mask=valid[:, None])
+    if ok & (pid == 0):
+        # our counts per expert (0 after an error) and the error word, into every rank
+        j = tl.arange(0, NB)
+        flat = tl.load(IDX + j, mask=j < tl.where(err == 0, T * K, 0), other=-1)
+        x_ = tl.arange(0, _EXPERT_CHUNK)
+        for r in range(0, world):
+            peer = tl.load(reg + r)
+            cnt = (peer + OFF_CNT + rank * local * 4).to(tl.pointer_type(tl.int32))
+            for l0 in range(0, local, _EXPERT_CHUNK):
+                ex = r * local + l0 + x_
+                n = tl.reduce((flat[None, :] == ex[:, None]).to(tl.int32), 1, _add)
+                tl.store(cnt + l0 + x_, n, mask=l0 + x_ < local)
+            tl.store(_words(reg, r) + _D_ERR + rank, err)
+    if ok:
+        _arrive_all(reg, rank, world, _D_ARRIVE)
+    _end(my_sig, status, mine, seq, _D_SEND)
+
+
+@triton.jit(do_not_specialize=_PER_CALL[2:])
+def ll_dispatch_recv(OUT, OUT2, INFO, RECV_COUNT, reg, rank, world, sig_ptrs, status, max_spins,
+                     E: tl.constexpr, M: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, RB: tl.constexpr,
+                     OFF_CNT: tl.constexpr, OFF_INFO: tl.constexpr, OFF_ROWS: tl.constexpr, WB: tl.constexpr):
+    """Wait for every source's arrival, then pack (step 2 of the module docstring).
+
+    OUT: int32 words [L, P*M, W1] (the rows' first W1 words), OUT2: int32 [L, P*M, W2] (the rest:
+    FP8 scales; W2 = 0 otherwise), INFO: int32 [L, P*M], RECV_COUNT: int32 [L]; row ``j`` of
+    local expert ``l`` is the ``j``-th of the sources' rows for it, in source order, then token
+    order. WB: words copied per step.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    my_sig, mine, seq, ok = _begin(reg, sig_ptrs, status, rank, world, _D_RECV)
+    ok = _wait_all(mine + _D_ARRIVE, seq * nprog, my_sig, status, world, max_spins, ok)
+    local = E // world
+    if ok:
+        if pid == 0:  # record the first source's input error (not our own host-detected ones: we raised)
+            for src in range(0, world):
+                err = tl.load(mine + _D_ERR + src, volatile=True)
+                code = err & 255
+                mine_host = (src == rank) & (code != _BAD_ID) & (code != _DUP_ID)
+                if (err != 0) & (mine_host == 0):
+                    if tl.load(status + _S_INPUT, volatile=True) == 0:
+                        tl.store(status + _S_INPUT, err * _MAX_RANKS + src)
+        cnt = (tl.load(reg + rank) + OFF_CNT).to(tl.pointer_type(tl.int32))
+        info = (tl.load(reg + rank) + OFF_INFO).to(tl.pointer_type(tl.int32))
+        rows = tl.load(reg + rank) + OFF_ROWS
+        w = tl.arange(0, WB)
+        for le in range(0, local):
+            at = 0
+            for src in range(0, world):
+                n = tl.load(cnt + src * local + le, volatile=True)
+                n = tl.where(tl.load(mine + _D_ERR + src, volatile=True) == 0, n, 0)
+                for j in range(pid, n, nprog):
+                    s = le * (world * M) + src * M + j
+                    d = le * (world * M) + at + j
+                    srow = (rows + s.to(tl.int64) * RB).to(tl.pointer_type(tl.int32))
+                    for w0 in range(0, W1, WB):
+                        m = w0 + w < W1
+                        tl.store(OUT + d.to(tl.int64) * W1 + w0 + w, tl.load(srow + w0 + w, mask=m), mask=m)
+                    for w0 in range(0, W2, WB):
+                        m = w0 + w < W2
+                        tl.store(OUT2 + d.to(tl.int64) * W2 + w0 + w, tl.load(srow + W1 + w0 + w, mask=m), mask=m)
+                    tl.store(INFO + d, tl.load(info + s))
+                at += n
+            if pid == 0:
+                tl.store(RECV_COUNT + le, at)
+        _arrive_all(reg, rank, world, _D_ACK)
+    _end(my_sig, status, mine, seq, _D_RECV)
+
+
+# ---- combine -----------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=_PER_CALL[2:])
+def ll_combine_send(Y, INFO, RECV_COUNT, reg, rank, world, sig_ptrs, status, max_spins,
+                    E: tl.constexpr, M: tl.constexpr, KM: tl.constexpr, W: tl.constexpr,
+                    OFF_COMB: tl.constexpr, WB: tl.constexpr):
+    """Send each received row's expert output back to its source's combine rows.
+
+    Y: int32 words [L, P*M, W] (the experts' outputs, W words a row), INFO, RECV_COUNT: what
+    :func:`ll_dispatch_recv` wrote (the handle).
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    my_sig, mine, seq, ok = _begin(reg, sig_ptrs, status, rank, world, _C_SEND)
+    ok = _wait_all(mine + _C_ACK, (seq - 1) * nprog, my_sig, status, world, max_spins, ok)
+    local = E // world
+    if ok:
+        w = tl.arange(0, WB)
+        for le in range(0, local):
+            n = tl.load(RECV_COUNT + le)
+            for j in range(pid, n, nprog):
+                r = le * (world * M) + j
+                code = tl.load(INFO + r)
+                src = code // (M * KM)
+                slot = code % (M * KM)
+                dst = (tl.load(reg + src) + OFF_COMB + slot.to(tl.int64) * (W * 4)).to(tl.pointer_type(tl.int32))
+                for w0 in range(0, W, WB):
+                    m = w0 + w < W
+                    tl.store(dst + w0 + w, tl.load(Y + r.to(tl.int64) * W + w0 + w, mask=m), mask=m)
+        _arrive_all(reg, rank, world, _C_ARRIVE)
+    _end(my_sig, status, mine, seq, _C_SEND)
+
+
+@triton.jit(do_not_specialize=_PER_CALL)
+def ll_combine_recv(OUT, IDX, WEIGHTS, T, K, reg, rank, world, sig_ptrs, status, max_spins,
+                    KM: tl.constexpr, H: tl.constexpr, OFF_COMB: tl.constexpr, CB: tl.constexpr,
+                    OUT_BF16: tl.constexpr):
+    """OUT[t] = sum over k of WEIGHTS[t, k] * (expert output of slot k) for IDX[t, k] >= 0, in
+    float32, slots in order, rounded once (bfloat16: to nearest even). OUT: [T, H];
+    WEIGHTS: float32 [T, K]."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    my_sig, mine, seq, ok = _begin(reg, sig_ptrs, status, rank, world, _C_RECV)
+    ok = _wait_all(mine + _C_ARRIVE, seq * nprog, my_sig, status, world, max_spins, ok)
+    if ok:
+        comb = (tl.load(reg + rank) + OFF_COMB).to(tl.pointer_type(OUT.dtype.element_ty))
+        c = tl.arange(0, CB)
+        for t in range(pid, T, nprog):
+            for h0 in range(0, H, CB):
+                m = h0 + c < H
+                acc = tl.full([CB], 0.0, tl.float32)
+                for k in range(0, K):
+                    if tl.load(IDX + t * K + k) >= 0:
+                        wt = tl.load(WEIGHTS + t * K + k)
+                        acc += wt * tl.load(comb + (t * KM + k) * H + h0 + c, mask=m).to(tl.float32)
+                store_rounded(OUT + t * H + h0 + c, acc, m, OUT_BF16)
+        _arrive_all(reg, rank, world, _C_ACK)
+    _end(my_sig, status, mine, seq, _C_RECV)
