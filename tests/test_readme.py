@@ -119,11 +119,11 @@ def test_readme_settings_table_is_generated_from_settings():
 
 
 def test_docs_cite_files_that_exist():
-    """A path under tests/, benchmarks/, collectives/, transports/ or moe/ that the README or a
+    """A path under tests/, benchmarks/, collectives/, transports/, moe/ or tools/ that the README or a
     comment or docstring cites is a file of the repository (stale citations sent readers to files
     that were never there). Another repository's file is cited with its name in front, joined by
     "/" or ":" (``deepseek-ai/DeepEP/tests/test_internode.py``, ``DeepEP:tests/...``), and is not checked."""
-    roots = ("tests", "benchmarks", "collectives", "transports", "moe")
+    roots = ("tests", "benchmarks", "collectives", "transports", "moe", "tools")
     cited = re.compile(r"(?<![\w/:.-])((?:%s)/[\w/]+\.(?:py|json|txt|png))\b" % "|".join(roots))
     sources = [README] + [p for r in roots for p in (ROOT / r).rglob("*.py") if "fixtures" not in p.parts]
     missing = []
