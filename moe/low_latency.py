@@ -1,0 +1,128 @@
+"""Low-latency expert-parallel dispatch and combine (DeepEP's low-latency mode) over the ipc transport.
+
+Notation: P ranks of the communicator, E experts (L = E / P per rank, expert ``e`` on rank
+``e // L``), M = ``max_tokens_per_rank``, T <= M this call's tokens, k top-k slots, H hidden.
+
+Call path: :class:`LowLatencyDispatcher` -> ``transports.ipc_moe.IPCExpertExchange`` -> two Triton
+kernels per dispatch and two per combine (``transports.kernels.moe_ll``) on the current stream.
+Every buffer is allocated at construction inside a region every rank maps, shapes depend only on
+(E, M, H, P), counts travel with the data, and nothing waits for the host: a decoding step with
+dispatch and combine can be captured in a CUDA graph and replayed.
+
+Compared with :class:`moe.ExpertDispatcher` (the normal mode: exact-size outputs, one host
+synchronization per layout, any transport), this mode pays fixed [L, P*M, H] buffers for no
+synchronization at all; it needs the ipc transport (one node; CUDA with triton and cupy, or
+``MOECOMM_IPC_EMULATE=1`` on the CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from transports.ipc_moe import IPCExpertExchange
+
+
+@dataclass(frozen=True)
+class LowLatencyHandle:
+    """What :meth:`LowLatencyDispatcher.combine` needs from its dispatch.
+
+    info: int32 [L, P*M], per received row ``src * M * max_topk + t * max_topk + k`` (its source
+    rank, token and slot); recv_count: int32 [L], the valid rows per local expert.
+    """
+
+    info: torch.Tensor
+    recv_count: torch.Tensor
+
+
+class LowLatencyDispatcher:
+    """Fixed-buffer MoE dispatch/combine for decoding (DeepEP low-latency style), CUDA-graph capturable.
+
+    Collective to construct: every rank of ``comm`` passes the same arguments.
+
+    Args:
+        comm: a :class:`collectives.Communicator` with the ipc transport (every rank on one node).
+        num_experts: E, a multiple of ``comm.size``.
+        max_tokens_per_rank: M, the most tokens one rank dispatches per call.
+        hidden: H, a multiple of 128.
+        dtype: tokens' and experts' outputs' dtype (bfloat16, float16 or float32).
+        max_topk: the most top-k slots per token (the combine buffer holds M * max_topk rows).
+
+    Raises:
+        RuntimeError: the communicator has no ipc transport (several nodes, no CUDA/triton/cupy),
+            with the reason.
+        ValueError (every rank): invalid sizes, or ranks that passed different ones.
+
+    Example::
+
+        disp = LowLatencyDispatcher(comm, num_experts=E, max_tokens_per_rank=M, hidden=H)
+        recv_x, recv_count, handle = disp.dispatch(x, topk_idx)
+        y = disp.combine(experts(recv_x, recv_count), topk_idx, topk_weights, handle)
+    """
+
+    def __init__(self, comm, num_experts: int, max_tokens_per_rank: int, hidden: int,
+                 dtype: torch.dtype = torch.bfloat16, max_topk: int = 8):
+        transport = comm.transports.get("ipc")
+        if transport is None:
+            if not comm.topology.single_node:
+                why = "its ranks span several nodes (ipc maps peers' memory within one node)"
+            else:
+                why = ("no ipc transport could be created here (it needs CUDA, triton and cupy, or "
+                       "MOECOMM_IPC_EMULATE=1 to emulate it on the CPU)")
+            raise RuntimeError(f"LowLatencyDispatcher needs the communicator's ipc transport: {why}; "
+                               f"this communicator has {sorted(comm.transports)}. moe.ExpertDispatcher "
+                               "works over any transport.")
+        self.comm = comm
+        self._x = comm._guarded("LowLatencyDispatcher", IPCExpertExchange, transport, num_experts,
+                                max_tokens_per_rank, hidden, dtype, max_topk)
+        self.num_experts, self.max_tokens_per_rank, self.hidden = num_experts, max_tokens_per_rank, hidden
+        self.dtype, self.max_topk = dtype, max_topk
+        self.num_local_experts = num_experts // comm.size
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool = False):
+        """Send each token to the ranks of its top-k experts.
+
+        Args:
+            x: [T, H] of the dispatcher's dtype, T <= M (T may change between calls).
+            topk_idx: int64 [T, k] expert ids, -1 for an unused slot; k <= max_topk; no expert twice
+                in one token.
+            use_fp8: send float8 e4m3 with one float32 scale per 128 channels (amax / 448).
+
+        Returns:
+            (recv_x, recv_count, handle): recv_x [L, P*M, H] of the dtype, or with ``use_fp8`` the
+            pair (q float8_e4m3fn [L, P*M, H], scales float32 [L, P*M, H/128]); recv_count int32
+            [L] on the device, the valid rows of each local expert, which come first, ordered by
+            source rank, then token (rows past the count are unspecified); handle for
+            :meth:`combine`. New tensors per call.
+
+        No host synchronization. Errors are raised on every rank, naming the rank at fault:
+        T > M, a wrong shape or dtype at once on that rank and, from the status block, on the
+        others (ValueError); expert ids outside [-1, E) or twice in a token are found by the
+        kernels and raise like the ipc transport's asynchronous errors, at the next call or at
+        ``comm.synchronize()`` on a GPU (at once in emulation). Results of a refused call are
+        unspecified.
+        """
+        recv_x, scales, info, recv_count = self.comm._guarded("LowLatencyDispatcher.dispatch", self._x.dispatch,
+                                                              x, topk_idx, use_fp8)
+        out = (recv_x, scales) if use_fp8 else recv_x
+        return out, recv_count, LowLatencyHandle(info, recv_count)
+
+    def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                handle: LowLatencyHandle) -> torch.Tensor:
+        """Return the experts' outputs to their tokens and sum them, weighted.
+
+        Args:
+            expert_out: [L, P*M, H] of the dtype, row for row the dispatch's ``recv_x`` (rows past
+                ``recv_count`` are not read).
+            topk_idx: int64 [T, k], the ids this rank dispatched.
+            topk_weights: [T, k] (computed in float32).
+            handle: the dispatch's handle.
+
+        Returns:
+            y: [T, H] of the dtype, ``y[t] = sum_k topk_weights[t, k] * expert_out row of (t, k)``
+            over kept slots, accumulated in float32 in slot order and rounded once; a token with
+            no kept slot gets zeros. No host synchronization.
+        """
+        return self.comm._guarded("LowLatencyDispatcher.combine", self._x.combine, expert_out, handle.info,
+                                  handle.recv_count, topk_idx, topk_weights)

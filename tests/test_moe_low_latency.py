@@ -1,0 +1,314 @@
+"""The low-latency MoE dispatch/combine (moe.LowLatencyDispatcher over transports.ipc_moe) in emulation:
+host provider + Triton's interpreter, ranks in forked processes.
+
+Every rank's inputs are seeded, so the parent computes the reference from all of them: each local
+expert's rows in source-rank, then token order, bitwise; exact counts and (src, token, slot)
+info; combine as a float32 sum over slots in order, rounded once, bitwise; FP8 rows against
+torch's own e4m3 cast with the same scales, bitwise, and within e4m3's precision of the input.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ipc_harness import run_ranks
+from spmd import shm_segments
+
+import collectives
+
+H, M, KM = 256, 16, 4
+
+
+def _inputs(seed: int, rank: int, T: int, E: int, k: int) -> tuple:
+    """x [T, H] bf16, topk_idx [T, k] (distinct ids, about a fifth -1), weights [T, k] float32."""
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    x = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else \
+        torch.empty(0, k, dtype=torch.int64)
+    idx[torch.rand(T, k, generator=g) < 0.2] = -1
+    w = torch.rand(T, k, generator=g)
+    return x, idx, w
+
+
+def _experts(recv: torch.Tensor, rank: int) -> torch.Tensor:
+    """A stand-in expert: local expert l multiplies its rows by (rank + 1) * (l + 1) / 4 (exact in bf16)."""
+    scale = torch.tensor([(rank + 1) * (le + 1) / 4 for le in range(recv.shape[0])])
+    return (recv.float() * scale[:, None, None]).to(torch.bfloat16)
+
+
+def _exchange(group, E, plan, programs, fp8_calls=()):
+    """Run ``plan`` ([(seed, T per rank)] calls) through an IPCExpertExchange; per call the outputs."""
+    from transports.ipc import IPCTransport
+    from transports.ipc_moe import IPCExpertExchange
+
+    t = IPCTransport(group, programs=programs)
+    ex = IPCExpertExchange(t, E, M, H, torch.bfloat16, max_topk=KM)
+    me, out = group.rank, []
+    for c, (seed, tokens, k) in enumerate(plan):
+        x, idx, w = _inputs(seed, me, tokens[me], E, k)
+        fp8 = c in fp8_calls
+        recv, scales, info, count = ex.dispatch(x, idx, use_fp8=fp8)
+        y = _experts(recv.float() * scales.repeat_interleave(128, -1) if fp8 else recv, me)
+        comb = ex.combine(y, info, count, idx, w)
+        n = count.tolist()
+        rows = [recv[le, : n[le]].view(torch.uint8).clone() for le in range(len(n))]  # fp8 does not pickle
+        out.append((n, [info[le, : n[le]].tolist() for le in range(len(n))], rows,
+                    [scales[le, : n[le]].clone() for le in range(len(n))] if fp8 else None, comb))
+    t.close()
+    return out
+
+
+def _expected(E: int, P: int, seed: int, tokens: list[int], k: int) -> tuple:
+    """Per receiver: counts, infos and source rows per local expert; per source: the combine output."""
+    L = E // P
+    ins = [_inputs(seed, r, tokens[r], E, k) for r in range(P)]
+    per = []
+    for q in range(P):
+        counts, infos, rows = [], [], []
+        for le in range(L):
+            e = q * L + le
+            got = [(s, t, j) for s in range(P) for t in range(tokens[s]) for j in range(k) if ins[s][1][t, j] == e]
+            counts.append(len(got))
+            infos.append([s * M * KM + t * KM + j for s, t, j in got])
+            rows.append(torch.stack([ins[s][0][t] for s, t, _ in got]) if got else torch.empty(0, H, dtype=torch.bfloat16))
+        per.append((counts, infos, rows))
+    return ins, per
+
+
+def _fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [n, H], scales float32 [n, H/128]): amax / 448 per 128 channels, amax >= 1e-4."""
+    xf = x.float().view(-1, H // 128, 128)
+    s = xf.abs().amax(-1).clamp(min=1e-4) / 448.0
+    return (xf / s[..., None]).to(torch.float8_e4m3fn).view(-1, H), s
+
+
+def _check(results: list, E: int, P: int, plan: list, fp8_calls=()) -> None:
+    L = E // P
+    for c, (seed, tokens, k) in enumerate(plan):
+        ins, per = _expected(E, P, seed, tokens, k)
+        fp8 = c in fp8_calls
+        for q in range(P):
+            n, info, rows, scales, _ = results[q][c]
+            counts, infos, ref_rows = per[q]
+            assert n == counts, (c, q, n, counts)
+            assert info == infos, (c, q)
+            for le in range(L):
+                if not fp8:
+                    assert torch.equal(rows[le], ref_rows[le].view(torch.uint8)), (c, q, le)
+                    continue
+                ref_q, ref_s = _fp8_reference(ref_rows[le])
+                assert torch.equal(scales[le], ref_s), (c, q, le)
+                assert torch.equal(rows[le], ref_q.view(torch.uint8)), (c, q, le)
+                deq = rows[le].view(torch.float8_e4m3fn).float().view(-1, H // 128, 128) * scales[le][..., None]
+                src = ref_rows[le].float().view(-1, H // 128, 128)
+                # e4m3: 3 mantissa bits (half an ulp is 1/16 relative), subnormal steps of 2**-9 * scale
+                assert ((deq - src).abs() <= src.abs() / 16 + scales[le][..., None] / 1024 + 1e-12).all(), (c, q, le)
+        for s in range(P):
+            x, idx, w = ins[s]
+            comb = results[s][c][4]
+            ref = torch.zeros(tokens[s], H)
+            for t in range(tokens[s]):
+                for j in range(k):
+                    e = int(idx[t, j])
+                    if e < 0:
+                        continue
+                    owner, le = divmod(e, L)
+                    row = x[t : t + 1]
+                    if fp8:
+                        qq, ss = _fp8_reference(row)
+                        row = qq.float().view(1, -1, 128) * ss[..., None]
+                    y = _experts(row.float().view(1, 1, H).expand(le + 1, 1, H).contiguous(), owner)[le, 0]
+                    ref[t] = ref[t] + w[t, j] * y.float()
+            assert torch.equal(comb.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16)), (c, s)
+
+
+def _ok(results):
+    for r in results:
+        assert r[0] == "ok", r
+    return [r[1] for r in results]
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_dispatch_and_combine_equal_the_reference(P):
+    """0, M and odd token counts, top-3 with unused slots, bf16 then FP8, against the reference."""
+    E = 2 * P
+    shapes = [[M, 0, 5, 11][: P], [7, M, 0, 3][: P], [0, 1, M, 9][: P]]
+    plan = [(10 + c, tokens, 3) for c, tokens in enumerate(shapes)]
+    results = _ok(run_ranks(_exchange, P, E, plan, 1, (2,)))
+    _check(results, E, P, plan, (2,))
+
+
+@pytest.mark.parametrize("programs", [2, 3])
+def test_every_program_count_gives_the_same_result(programs):
+    """Several programs split tokens and rows; each waits only for peers, never its own launch's others."""
+    P, E = 3, 9
+    plan = [(20, [M, 6, 0], 3), (21, [5, M, 13], 4)]
+    results = _ok(run_ranks(_exchange, P, E, plan, programs, (1,)))
+    _check(results, E, P, plan, (1,))
+
+
+def test_buffers_are_reused_across_24_calls_without_stale_rows_or_counts():
+    P, E = 2, 8
+    g = torch.Generator().manual_seed(5)
+    plan = [(100 + c, [int(v) for v in torch.randint(0, M + 1, (P,), generator=g)], 1 + c % KM) for c in range(24)]
+    plan[3] = (103, [0, 0], 2)  # nothing moves at all
+    fp8 = tuple(range(1, 24, 5))
+    results = _ok(run_ranks(_exchange, P, E, plan, 1, fp8))
+    _check(results, E, P, plan, fp8)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def _refused(group, case):
+    """Call 1 is refused on rank 1 (case); calls 0 and 2 are valid. Per call: the error or the counts."""
+    from transports.ipc import IPCTransport
+    from transports.ipc_moe import IPCExpertExchange
+
+    t = IPCTransport(group)
+    E = 4
+    ex = IPCExpertExchange(t, E, M, H, torch.bfloat16, max_topk=KM)
+    outcome = []
+    for c in range(3):
+        x, idx, _ = _inputs(40 + c, group.rank, 6, E, 2)
+        if c == 1 and group.rank == 1:
+            if case == "too_many":
+                x, idx, _ = _inputs(40, 1, M + 1, E, 2)
+            elif case == "bad_id":
+                idx[2, 1] = E
+            elif case == "duplicate":
+                idx[4] = torch.tensor([3, 3])
+            elif case == "shape":
+                x = x[:, :128]
+        try:
+            count = ex.dispatch(x, idx)[3]
+            outcome.append(("ok", count.tolist()))
+        except (ValueError, TypeError) as e:
+            outcome.append((type(e).__name__, str(e)))
+    t.close()
+    return outcome
+
+
+@pytest.mark.parametrize("case,words", [("too_many", "17 tokens, more than max_tokens_per_rank"),
+                                        ("bad_id", "expert id 4, outside [-1, num_experts)"),
+                                        ("duplicate", "expert 3 twice in one token's top-k"),
+                                        ("shape", "")])
+def test_refused_inputs_raise_on_every_rank_naming_the_rank_and_the_next_call_works(case, words):
+    res = _ok(run_ranks(_refused, 2, case))
+    for r in range(2):
+        assert res[r][0][0] == "ok" and res[r][2][0] == "ok", res[r]
+        kind, msg = res[r][1]
+        assert kind == "ValueError", (r, kind, msg)
+        assert "rank 1" in msg, msg
+        assert words in msg, msg
+    if case == "shape":  # the rank at fault says exactly what it refused
+        assert "x must be [T, 256], got [6, 128]" in res[1][1][1], res[1][1]
+
+
+def _killed_in_dispatch(group, victim):
+    """The victim sends its tokens, then dies before it receives; the others wait for its rows' acks."""
+    from transports.ipc import IPCTransport
+    from transports.ipc_moe import IPCExpertExchange
+
+    t = IPCTransport(group)
+    ex = IPCExpertExchange(t, 6, M, H, torch.bfloat16, max_topk=KM)
+    x, idx, _ = _inputs(60, group.rank, 5, 6, 2)
+    ex.dispatch(x, idx)  # everybody up
+    if group.rank == victim:
+        launch = t.launch_exchange
+
+        def die_after_send(kernel, *args, **const):
+            launch(kernel, *args, **const)
+            if kernel.__name__ == "ll_dispatch_send":
+                os._exit(3)
+
+        t.launch_exchange = die_after_send
+    t0 = time.monotonic()
+    try:
+        ex.dispatch(x, idx)
+        ex.dispatch(x, idx)  # the victim's acks for the first never come
+        outcome = ("no error", "")
+    except Exception as e:  # noqa: BLE001 - inspected by the test
+        outcome = (type(e).__name__, str(e))
+    waited = time.monotonic() - t0
+    t.close()
+    return outcome, waited
+
+
+def test_a_peer_killed_inside_dispatch_makes_the_others_raise_naming_it_and_leaves_no_segment():
+    before = shm_segments()
+    res = run_ranks(_killed_in_dispatch, 3, 1, timeout=60.0)
+    assert res[1][0] == "missing"
+    for r in (0, 2):
+        assert res[r][0] == "ok", res[r]
+        (kind, msg), waited = res[r][1]
+        assert kind == "PeerFailedError", msg
+        assert "rank 1" in msg, msg
+        assert waited < 15.0, waited  # well inside the 60 s timeout
+    assert shm_segments() <= before
+
+
+# ---- the moe facade ------------------------------------------------------------------------------
+def _facade(comm):
+    from moe import LowLatencyDispatcher
+
+    E = 2 * comm.size
+    disp = LowLatencyDispatcher(comm, num_experts=E, max_tokens_per_rank=M, hidden=H, max_topk=KM)
+    x, idx, w = _inputs(80, comm.rank, 5 + comm.rank, E, 3)
+    recv, count, handle = disp.dispatch(x, idx)
+    y = disp.combine(_experts(recv, comm.rank), idx, w, handle)
+    (q, scales), count8, handle8 = disp.dispatch(x, idx, use_fp8=True)
+    assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (2, comm.size * M, H)
+    assert scales.dtype == torch.float32 and tuple(scales.shape) == (2, comm.size * M, H // 128)
+    assert torch.equal(count8, count)
+    assert all(torch.equal(handle8.info[le, :n], handle.info[le, :n]) for le, n in enumerate(count.tolist()))
+    disp.combine(_experts(q.float() * scales.repeat_interleave(128, -1), comm.rank).to(torch.bfloat16), idx, w,
+                 handle8)
+    n = count.tolist()
+    return n, [handle.info[le, : n[le]].tolist() for le in range(2)], \
+        [recv[le, : n[le]].view(torch.uint8).clone() for le in range(2)], \
+        None, y
+
+
+def test_the_facade_over_a_communicator_with_emulated_ipc():
+    P, E = 2, 4
+    res = collectives.launch(_facade, P, transport="ipc", timeout=60.0, options={"ipc_emulate": 1})
+    _check([[r] for r in res], E, P, [(80, [5, 6], 3)])
+
+
+def _no_ipc(comm):
+    from moe import LowLatencyDispatcher
+
+    try:
+        LowLatencyDispatcher(comm, num_experts=4, max_tokens_per_rank=M, hidden=H)
+    except RuntimeError as e:
+        return str(e)
+    return "constructed"
+
+
+def test_without_ipc_construction_raises_and_says_why():
+    for msg in collectives.launch(_no_ipc, 2, transport="shm", timeout=30.0):
+        assert "needs the communicator's ipc transport" in msg and "MOECOMM_IPC_EMULATE" in msg, msg
+
+
+def _differing(group):
+    from transports.ipc import IPCTransport
+    from transports.ipc_moe import IPCExpertExchange
+
+    t = IPCTransport(group)
+    try:
+        IPCExpertExchange(t, 4, M, H * (1 + group.rank), torch.bfloat16)
+        return "constructed"
+    except ValueError as e:
+        return str(e)
+    finally:
+        t.close()
+
+
+def test_ranks_constructing_with_different_sizes_raise_on_every_rank():
+    for r in _ok(run_ranks(_differing, 2)):
+        assert "arguments differ" in r and "hidden=256" in r and "hidden=512" in r, r
