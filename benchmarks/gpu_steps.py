@@ -35,6 +35,7 @@ RESULT_PREFIX = "# validate-gpu result: "
 # The test files whose GPU tests skip without one (skipif on torch.cuda / HAS_NCCL / GPUS).
 GPU_TEST_FILES = ("tests/test_nccl.py", "tests/test_device_binding.py", "tests/test_gpu_topology.py",
                   "tests/test_moe_gpu.py", "tests/test_tp_gpu.py", "tests/test_p2p_gpu.py", "tests/test_ipc_gpu.py")
+LOW_LATENCY_TEST_FILE = "tests/test_moe_low_latency_gpu.py"  # a quick step of its own
 # pytest skip reasons that mean "a GPU test did not run on this GPU machine" (two GPUs are not expected).
 _GPU_SKIP = re.compile(r"needs a CUDA GPU")
 # What a device call carries instead of git history: written here by tools/gpu/prepare.sh.
@@ -168,7 +169,7 @@ def run_step(step: Step, timeout_s: float, runner: Runner = run_command) -> Outc
         return Outcome(step.name, "error", budget_s=step.budget_s, command=command, output=f"{type(e).__name__}: {e}")
     status = "timeout" if rc is None else "pass" if rc == 0 else "fail"
     details = _result_details(text)
-    if step.name == "gpu-tests":
+    if step.name in ("gpu-tests", "moe-low-latency"):  # pytest steps: a GPU test that skipped did not pass
         skipped = [ln for ln in text.splitlines() if ln.startswith("SKIPPED") and _GPU_SKIP.search(ln)]
         details["gpu_tests_skipped"] = skipped
         if status == "pass" and skipped:

@@ -22,8 +22,8 @@ from benchmarks.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU = "NVIDIA H200"
-QUICK = ["environment", "gpu-tests", "collectives-ws2", "cuda-graphs", "sweep-eager", "sweep-graph", "bench-moe",
-         "bench-tp", "bench-tp-sp"]
+QUICK = ["environment", "gpu-tests", "collectives-ws2", "cuda-graphs", "moe-low-latency", "sweep-eager",
+         "sweep-graph", "bench-moe", "bench-tp", "bench-tp-sp"]
 
 
 def _forbid(*_a, **_k):
@@ -44,7 +44,7 @@ def test_the_quick_plan_fits_eight_minutes_and_runs_the_steps_in_order(monkeypat
     lib = tmp_path / "libnccl.so.2"
     lib.write_bytes(b"\0")
     out = _dry(tmp_path, *(["--nccl-lib", str(lib)] if with_lib else []))
-    total, budget = map(int, re.search(r"plan: 10 steps, (\d+) s of (\d+) s budget", out).groups())
+    total, budget = map(int, re.search(r"plan: 11 steps, (\d+) s of (\d+) s budget", out).groups())
     assert total <= budget == gq.QUICK_BUDGET_S == 8 * 60
     assert total == sum(gq.QUICK_BUDGETS.values())
     positions = [out.index(f"{i}. {name} (") for i, name in enumerate(["setup", *QUICK])]
@@ -81,7 +81,7 @@ def test_every_quick_command_parses_with_the_cli(tmp_path):
     for multi_rank in (False, True):
         for s in gq.quick_plan(paths, None, multi_rank):
             if s.argv[:3] != [sys.executable, "-m", "benchmarks.cli"]:
-                assert s.argv[:3] == [sys.executable, "-m", "pytest"] and s.name == "gpu-tests"
+                assert s.argv[:3] == [sys.executable, "-m", "pytest"] and s.name in ("gpu-tests", "moe-low-latency")
                 assert all((ROOT / f).exists() for f in s.argv if f.startswith("tests/"))
                 continue
             args = s.argv[3:]
