@@ -33,7 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from .gpu_checks import MULTI_RANK_ENV, MULTI_RANK_NCCL
-from .gpu_steps import GPU_TEST_FILES, LOW_LATENCY_TEST_FILE, Outcome, Step, cli_argv, source_identity
+from .gpu_steps import (
+    GPU_TEST_FILES,
+    LOW_LATENCY_TEST_FILE,
+    Outcome,
+    Step,
+    cli_argv,
+    source_identity,
+)
 
 # Wall time of the whole quick check, setup included: 8 of the lease's 15 minutes, leaving a machine
 # start (1-2 minutes), the transfers and a short rerun.
