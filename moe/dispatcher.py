@@ -225,7 +225,9 @@ class ExpertDispatcher:
 
         Returns:
             y: [T, H'] expert_out.dtype, ``y[t] = sum_j weights[t, j] * out(t, j)``, where dropped
-            pairs and -1 slots contribute 0; sums accumulate in float32 (float64 for float64).
+            pairs and -1 slots contribute 0; sums accumulate in float32 (float64 for float64), in a
+            fixed order (deterministic). With 16-bit outputs each weight enters as two 16-bit parts
+            (about 16 significant bits; see :func:`moe.records._bag_sum`).
         """
         lay = handle.layout
         err = None

@@ -33,10 +33,11 @@ from .records import (
     DispatchTraffic,
     _acc_dtype,
     _all_to_all,
+    _bag_sum,
     _round8,
-    _sum_rows,
     _tensor_id,
     node_of_ranks,
+    token_bags,
 )
 from .router import shape_or_type
 
@@ -100,9 +101,15 @@ class _DispatchAllToAll(torch.autograd.Function):
         recv, recv_counts = _all_to_all(comm, buf, lay.send_counts, lay.recv_counts, return_counts=True)
         ids = recv[:, :ids_b].view(torch.int32)
         rows = recv[:, meta_b: meta_b + row_b].view(x.dtype)
-        row, slot = (ids >= 0).nonzero(as_tuple=True)            # pairs in (source, token, slot) order
+        used = ids >= 0
+        row, slot = used.nonzero(as_tuple=True)                  # pairs in (source, token, slot) order
         order = torch.argsort(ids[row, slot], stable=True)       # group by local expert, keep that order
         handle.pair_row, handle.pair_slot = row[order], slot[order]
+        # the inverse permutation: each received row's pairs (slot order) as rows of recv_x, for the per-row sums
+        handle.bag_index = torch.empty_like(order)
+        handle.bag_index[order] = torch.arange(order.numel(), device=order.device)
+        per_row = used.sum(1)
+        handle.bag_offsets = torch.cumsum(per_row, 0) - per_row
         if w_b:
             w_recv = recv[:, w_off: w_off + w_b].view(lay.send_weights.dtype)
             handle.pair_weight = w_recv[handle.pair_row, handle.pair_slot]
@@ -113,9 +120,9 @@ class _DispatchAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         h, comm = ctx.handle, ctx.comm
-        g_rows = _sum_rows(grad, h.pair_row, h.num_recv_rows)          # pairs -> received rows
+        g_rows = _bag_sum(grad, h.bag_index, h.bag_offsets)                # pairs -> received rows
         back = _all_to_all(comm, g_rows, h.recv_counts, h.layout.send_counts)
-        return _sum_rows(back, h.layout.send_token_idx, ctx.num_tokens), None, None
+        return _bag_sum(back, *h.layout.token_bags), None, None
 
 
 class _CombineAllToAll(torch.autograd.Function):
@@ -137,14 +144,14 @@ class _CombineAllToAll(torch.autograd.Function):
             w_recv = _all_to_all(comm, w_rows, lay.send_counts, handle.recv_counts)
             w_pair = w_recv[handle.pair_row, handle.pair_slot]
         eo = expert_out.detach()
-        acc = _acc_dtype(eo.dtype)
-        weighted = eo.to(acc, copy=True).mul_(w_pair.to(acc).unsqueeze(1))
-        partial = _sum_rows(weighted, handle.pair_row, handle.num_recv_rows, out_dtype=eo.dtype)
-        del weighted
+        # One weighted pass over expert_out per received row (embedding_bag, no [N, H] float32 temporaries:
+        # the converted copy, the product and the index_add_ took 3/4 of combine on the CPU).
+        partial = _bag_sum(eo, handle.bag_index, handle.bag_offsets,
+                           weights=w_pair.index_select(0, handle.bag_index))
         back = _all_to_all(comm, partial, handle.recv_counts, lay.send_counts)
         ctx.save_for_backward(eo, w_pair)
         ctx.handle, ctx.comm, ctx.w_dtype = handle, comm, w_dtype
-        return _sum_rows(back, lay.send_token_idx, lay.num_tokens)
+        return _bag_sum(back, *lay.token_bags)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -264,7 +271,7 @@ class FlatPath:
                               dropped=dropped, counts=counts, global_tokens_per_expert=global_tpe,
                               num_global_tokens=num_global_tokens, capacity=capacity,
                               tokens_per_expert=counts[:, r * L:(r + 1) * L].sum(0), recv_counts=recv_counts,
-                              traffic=traffic)
+                              traffic=traffic, token_bags=token_bags(send_tok, T))
 
     def _rows_to_ranks(self, e: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One row per (token, destination rank); the token's slots for that rank ride in the row.

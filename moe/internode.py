@@ -47,9 +47,10 @@ from .records import (
     DispatchLayout,
     DispatchTraffic,
     _all_to_all,
+    _bag_sum,
     _round8,
-    _sum_rows,
     node_of_ranks,  # noqa: F401 - re-exported: moe.internode.node_of_ranks, where it was
+    token_bags,
 )
 
 log = logging.getLogger("moe")
@@ -107,6 +108,7 @@ class NodeAwareLayout:
             rail row, -1 for slots elsewhere. recv_weights: [R1, k] their weights, or None.
         inner: the node group's :class:`~moe.records.DispatchLayout` for the R1 received rows.
         traffic: :class:`~moe.records.DispatchTraffic`, token bytes this rank sends.
+        token_bags: the rail rows of each token (:func:`~moe.records.token_bags`), for the per-token sums.
     The flat layout's attributes (``num_tokens``, ``top_k``, ``hidden``, ``dtype``, ``requires_grad``,
     ``dropped``, ``counts``, ``global_tokens_per_expert``, ``num_global_tokens``, ``capacity``,
     ``weights``, ``weights_id``) read through; ``tokens_per_expert`` is the inner layout's (the same
@@ -122,6 +124,7 @@ class NodeAwareLayout:
     recv_weights: torch.Tensor | None
     inner: DispatchLayout
     traffic: DispatchTraffic
+    token_bags: tuple[torch.Tensor, torch.Tensor]
 
     def __getattr__(self, name: str) -> Any:
         if name in ("num_tokens", "top_k", "hidden", "dtype", "requires_grad", "dropped", "counts",
@@ -177,7 +180,7 @@ class _RailRows(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         lay = ctx.lay
         back = _all_to_all(ctx.rail, grad.contiguous(), lay.recv_counts, lay.send_counts)
-        return _sum_rows(back, lay.send_token_idx, lay.num_tokens), None, None
+        return _bag_sum(back, *lay.token_bags), None, None
 
 
 class _RailReturn(torch.autograd.Function):
@@ -188,7 +191,7 @@ class _RailReturn(torch.autograd.Function):
     def forward(ctx, partial: torch.Tensor, lay: NodeAwareLayout, rail: CommunicatorLike) -> torch.Tensor:
         back = _all_to_all(rail, partial.detach().contiguous(), lay.recv_counts, lay.send_counts)
         ctx.lay, ctx.rail = lay, rail
-        return _sum_rows(back, lay.send_token_idx, lay.num_tokens)
+        return _bag_sum(back, *lay.token_bags)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -353,7 +356,7 @@ class NodeAwarePath:
             flat_internode_bytes=flat.traffic.flat_internode_bytes)
         return NodeAwareLayout(flat=flat, send_token_idx=row_tok, send_slots=row_slots, send_counts=send_counts,
                                recv_counts=recv_counts, recv_ids=recv_ids, recv_weights=recv_w, inner=inner,
-                               traffic=traffic)
+                               traffic=traffic, token_bags=token_bags(row_tok, flat.num_tokens))
 
     def dispatch(self, x: torch.Tensor, lay: NodeAwareLayout) -> tuple[torch.Tensor, torch.Tensor, NodeAwareHandle]:
         """Rail rows, then the node group's dispatch (collective, differentiable in x). Returns as ``dispatch``."""

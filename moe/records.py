@@ -1,6 +1,6 @@
 """The records of a dispatch (layout, handle, traffic counters) and the helpers shared by the flat path
 (:mod:`moe.flat`), the node-aware one (:mod:`moe.internode`) and :class:`~moe.dispatcher.ExpertDispatcher`
-in front of them: all-to-all, row sums, dtypes, the node of each rank.
+in front of them: all-to-all, row sums (bags), dtypes, the node of each rank.
 
 Notation in :mod:`moe.dispatcher`'s docstring.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from collectives.protocols import CommunicatorLike
 
@@ -70,6 +71,8 @@ class DispatchLayout:
             capacity dropping changed the rows after the count exchange (dispatch then gets them
             from the all_to_all).
         traffic: a :class:`DispatchTraffic`, token bytes this rank sends within and across nodes.
+        token_bags: ``(index, offsets)`` from :func:`token_bags`: the sent rows of each token, for
+            the per-token sums of combine and of dispatch's backward.
     """
 
     num_tokens: int
@@ -91,6 +94,7 @@ class DispatchLayout:
     tokens_per_expert: torch.Tensor
     recv_counts: list[int] | None = None
     traffic: DispatchTraffic | None = None
+    token_bags: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -104,6 +108,9 @@ class DispatchHandle:
         pair_slot: [N] int64, the source token's slot (0..k-1) of each pair.
         pair_weight: [N] the weights' dtype, the router weight of each pair; None when dispatch
             got no weights.
+        bag_index, bag_offsets: [N] and [R] int64, each received row's pairs as rows of ``recv_x``
+            (in slot order) and where each row's run starts in ``bag_index``: the bags of
+            :func:`_bag_sum` for combine's per-row sums and dispatch's backward.
     Properties: ``dropped`` ([T, k] bool, ``layout.dropped``), ``tokens_per_expert`` ([L] int64),
     ``num_recv_rows`` (R) and ``num_recv_pairs`` (N).
     """
@@ -113,6 +120,8 @@ class DispatchHandle:
     pair_row: torch.Tensor | None = None
     pair_slot: torch.Tensor | None = None
     pair_weight: torch.Tensor | None = None
+    bag_index: torch.Tensor | None = None
+    bag_offsets: torch.Tensor | None = None
 
     @property
     def dropped(self) -> torch.Tensor:
@@ -146,17 +155,65 @@ def _all_to_all(comm: CommunicatorLike, x: torch.Tensor, send_counts: list[int],
     return comm.all_to_all(x, send_counts)
 
 
-def _sum_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int, *,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """out[i] = sum of src rows j with index[j] == i: [num_rows, H] in out_dtype (default src.dtype).
+def _split16(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w [N] float -> [2N] ``dtype`` (16-bit): ``hi, lo`` per element with hi + lo = w to about 16 (bfloat16)
+    or 22 (float16) significant bits, where one 16-bit number keeps 8 or 11."""
+    hi = w.to(dtype)
+    lo = (w.to(torch.float32) - hi.to(torch.float32)).to(dtype)
+    lo = torch.where(hi.isfinite(), lo, torch.zeros((), dtype=dtype, device=w.device))  # inf - inf is no NaN here
+    return torch.stack((hi, lo), 1).reshape(-1)
 
-    Accumulates in float32 for 16-bit inputs (float64 for float64).
+
+def _sums16_in_float32(device: torch.device) -> bool:
+    """Whether embedding_bag sums 16-bit rows in float32 on ``device``: its CUDA kernel does, and fbgemm's
+    on the CPU (a CPU build without fbgemm may sum in the 16-bit type)."""
+    return device.type == "cuda" or (device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines)
+
+
+def _bag_sum(src: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor, *,
+             weights: torch.Tensor | None = None) -> torch.Tensor:
+    """out[b] = sum over i in bag b of weights[i] * src[index[i]] (weights 1 when None): [B, H] src.dtype.
+
+    Bag b is ``index[offsets[b]:offsets[b + 1]]`` (the last one runs to the end; an empty bag sums
+    to 0), summed in that order: deterministic, unlike ``index_add_`` on a GPU. One pass of
+    ``embedding_bag`` over the 16-bit rows as they are, without the [N, H] float32 copies of a
+    converted index_add_ (on the CPU those copies cost more than the sums: the rows are memory-bound).
+
+    Args:
+        src: [N, H] float. index: [M] int64 rows of src. offsets: [B] int64, ascending.
+        weights: [M] float or None.
+
+    Sums accumulate in float32 for 16-bit src (float64 for float64) and round once to src.dtype
+    (to nearest; fbgemm on the CPU rounds an exact bfloat16 tie away from zero, not to even). For
+    16-bit src each weight enters as two 16-bit parts, high and low (:func:`_split16`: two products
+    per element), so the weights keep about 16 significant bits instead of bfloat16's 8.
     """
-    acc = _acc_dtype(src.dtype)
-    out = torch.zeros((num_rows, src.shape[1]), dtype=acc, device=src.device)
-    out.index_add_(0, index, src if src.dtype == acc else src.to(acc))
-    want = src.dtype if out_dtype is None else out_dtype
-    return out if want == acc else out.to(want)
+    if src.shape[0] == 0 and index.numel() == 0:  # embedding_bag wants rows to index, even when none are used
+        return torch.zeros((offsets.numel(), src.shape[1]), dtype=src.dtype, device=src.device)
+    src = src.contiguous()
+    if src.element_size() == 2 and not _sums16_in_float32(src.device):
+        return _bag_sum(src.float(), index, offsets, weights=weights).to(src.dtype)
+    if weights is None:
+        return F.embedding_bag(index, src, offsets, mode="sum")
+    if src.element_size() == 2:
+        index = index.unsqueeze(1).expand(-1, 2).reshape(-1)
+        return F.embedding_bag(index, src, offsets * 2, mode="sum", per_sample_weights=_split16(weights, src.dtype))
+    return F.embedding_bag(index, src, offsets, mode="sum", per_sample_weights=weights.to(src.dtype))
+
+
+def token_bags(send_token_idx: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sent rows of each token as :func:`_bag_sum` bags: ``(index [S] int64, offsets [T] int64)``.
+
+    Args:
+        send_token_idx: [S] int64, the token of each sent row (by destination, then token).
+        num_tokens: T.
+    Returns:
+        index lists the rows token by token (each token's rows in destination order); token t's
+        run starts at offsets[t]. No host sync (argsort and searchsorted on the rows' device).
+    """
+    index = torch.argsort(send_token_idx, stable=True)
+    tokens = torch.arange(num_tokens, dtype=send_token_idx.dtype, device=send_token_idx.device)
+    return index, torch.searchsorted(send_token_idx.index_select(0, index), tokens)
 
 
 def _tensor_id(t: torch.Tensor) -> tuple:
