@@ -51,6 +51,15 @@ Every all_to_all passes the receive counts the layout already knows (``recv_coun
 transport that would exchange counts first (nccl) moves the rows at once: dispatch's own come from
 the layout's all_gather (each rank's rows per destination ride along), except when capacity
 dropping changed the rows after it; combine and the backward passes reuse dispatch's counts.
+
+Host syncs (device-to-host copies that wait for a GPU; none of them costs anything on the CPU): a
+layout makes one, :func:`moe.records._to_host`, which carries every count it needs and the least
+and greatest expert id (the range check is read there, so a bad id still raises ``ValueError`` on
+every rank, naming the rank); capacity dropping with an over-full expert adds one (the weights of
+that expert's pairs, ranked on the host). The node-aware path runs two flat layouts (the group's
+and its node group's), so two (four with such dropping). ``dispatch`` with a layout and ``combine``
+make none: the sizes they need come from the layout (``torch.nonzero_static``), the per-row and
+per-token sums use no data-dependent sizes, and host counts reach the device without waiting.
 """
 
 from __future__ import annotations
@@ -176,6 +185,9 @@ class ExpertDispatcher:
             the same shape, dtype and requires_grad; ``.traffic`` counts the bytes within and across
             nodes. Every rank raises ``ValueError`` (naming the ranks and values) if any rank's
             arguments are invalid or they disagree.
+
+        Host syncs: one on the flat path (+1 when capacity dropping finds an over-full expert), two
+        on the node-aware path (+2); see the module docstring.
         """
         return self._path.layout(x, experts, weights)
 
@@ -197,11 +209,14 @@ class ExpertDispatcher:
             to this rank, grouped by local expert, then source rank, token and slot;
             tokens_per_expert [L] int64 on the CPU, rows of recv_x per local expert; handle, a
             :class:`DispatchHandle` for :meth:`combine`.
+
+        Host syncs: none with ``layout=`` (the given experts are then checked for shape only: the
+        layout holds the routing), else those of :meth:`get_dispatch_layout`.
         """
         if layout is None:
             layout = self.get_dispatch_layout(x, experts, weights=weights)
         else:
-            err = check_inputs(x, experts, weights, self.num_experts, need_weights=False)
+            err = check_inputs(x, experts, weights, need_weights=False)
             if err is None and (x.shape[0] != layout.num_tokens or x.shape[1] != layout.hidden
                                 or x.dtype != layout.dtype or tuple(experts.shape) != (layout.num_tokens, layout.top_k)
                                 or (torch.is_grad_enabled() and x.requires_grad) != layout.requires_grad):
@@ -228,6 +243,9 @@ class ExpertDispatcher:
             pairs and -1 slots contribute 0; sums accumulate in float32 (float64 for float64), in a
             fixed order (deterministic). With 16-bit outputs each weight enters as two 16-bit parts
             (about 16 significant bits; see :func:`moe.records._bag_sum`).
+
+        Host syncs: none, except one to compare ``weights`` by value when they are not the tensor
+        (or a view of it) given to dispatch.
         """
         lay = handle.layout
         err = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
@@ -36,6 +37,8 @@ from .records import (
     _bag_sum,
     _round8,
     _tensor_id,
+    _to_device,
+    _to_host,
     node_of_ranks,
     token_bags,
 )
@@ -44,8 +47,12 @@ from .router import shape_or_type
 log = logging.getLogger("moe")
 
 
-def check_inputs(x: Any, experts: Any, weights: Any, num_experts: int, *, need_weights: bool) -> str | None:
-    """The first problem with dispatch's arguments on this rank (a message without the rank), or None."""
+def check_inputs(x: Any, experts: Any, weights: Any, *, need_weights: bool) -> str | None:
+    """The first problem with dispatch's arguments on this rank (a message without the rank), or None.
+
+    Checks what the host knows (types, shapes, dtypes, devices), with no host sync; the values of
+    ``experts`` are checked by :func:`range_error` on the layout's one device-to-host copy.
+    """
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         return f"x must be a 2-D tensor [num_tokens, hidden], got {shape_or_type(x)}"
     if x.dtype not in _FLOATS:
@@ -56,11 +63,6 @@ def check_inputs(x: Any, experts: Any, weights: Any, num_experts: int, *, need_w
         return f"experts must be an integer tensor, got {experts.dtype}"
     if experts.device != x.device:
         return f"experts is on {experts.device} but x is on {x.device}"
-    if experts.numel():
-        lo, hi = int(experts.min()), int(experts.max())
-        if lo < -1 or hi >= num_experts:
-            return (f"expert indices must lie in [0, {num_experts}) (or -1 for an unused slot), "
-                    f"got values in [{lo}, {hi}]")
     if weights is not None:
         if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != tuple(experts.shape) \
                 or weights.dtype not in _FLOATS or weights.device != x.device:
@@ -70,6 +72,14 @@ def check_inputs(x: Any, experts: Any, weights: Any, num_experts: int, *, need_w
     elif need_weights:
         return ("capacity_factor is set, so dispatch needs weights=... (the router weights, [T, k]) "
                 "to decide which pairs to drop")
+    return None
+
+
+def range_error(lo: int, hi: int, num_experts: int) -> str | None:
+    """The message for expert ids outside [-1, E), given their least and greatest value (host ints), or None."""
+    if lo < -1 or hi >= num_experts:
+        return (f"expert indices must lie in [0, {num_experts}) (or -1 for an unused slot), "
+                f"got values in [{lo}, {hi}]")
     return None
 
 
@@ -102,7 +112,9 @@ class _DispatchAllToAll(torch.autograd.Function):
         ids = recv[:, :ids_b].view(torch.int32)
         rows = recv[:, meta_b: meta_b + row_b].view(x.dtype)
         used = ids >= 0
-        row, slot = used.nonzero(as_tuple=True)                  # pairs in (source, token, slot) order
+        # pairs in (source, token, slot) order; the layout's counts give their number (no host sync)
+        pairs = torch.nonzero_static(used, size=int(lay.tokens_per_expert.sum()))
+        row, slot = pairs[:, 0], pairs[:, 1]
         order = torch.argsort(ids[row, slot], stable=True)       # group by local expert, keep that order
         handle.pair_row, handle.pair_slot = row[order], slot[order]
         # the inverse permutation: each received row's pairs (slot order) as rows of recv_x, for the per-row sums
@@ -194,25 +206,48 @@ class FlatPath:
         # placement does not apply to nodes of unequal rank counts, which still have a node boundary)
         self.node_of = node_of_ranks(comm)
 
-    def layout(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor | None) -> DispatchLayout:
+    def layout(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor | None, *,
+               extra_counts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> DispatchLayout:
         """The one count exchange of a dispatch (collective), which also checks and agrees on its arguments,
-        then capacity dropping: see :meth:`moe.dispatcher.ExpertDispatcher.get_dispatch_layout`."""
+        then capacity dropping: see :meth:`moe.dispatcher.ExpertDispatcher.get_dispatch_layout`.
+
+        Host syncs: one device-to-host copy (:func:`~moe.records._to_host`) carries this rank's counts
+        and the least and greatest expert id (the range check, read there); capacity dropping with an
+        over-full expert adds one (the weights of the pairs routed to it, for the global ranking).
+
+        Args:
+            x, experts, weights: as ``get_dispatch_layout``.
+            extra_counts: ``f(e, valid)`` -> [n] int64 on x's device, more counts for the caller
+                (the node-aware path's rows per node) computed from e [T, k] int64 (the expert ids)
+                and valid [T, k] bool (the slots sent, before capacity dropping); they ride in the
+                same copy and come back as ``layout.extra_counts`` (host ints).
+        """
         comm, E, L, P = self.comm, self.num_experts, self.num_local_experts, self.comm.size
-        err = check_inputs(x, experts, weights, E, need_weights=self.capacity_factor is not None)
+        err = check_inputs(x, experts, weights, need_weights=self.capacity_factor is not None)
         ok_shapes = err is None
         T = x.shape[0] if ok_shapes else 0
         k = experts.shape[1] if ok_shapes else 0
         hidden = x.shape[1] if ok_shapes else 0
         requires_grad = bool(ok_shapes and torch.is_grad_enabled() and x.requires_grad)
+        counts_local = torch.zeros(E, dtype=torch.int64)
+        rows_local = torch.zeros(P, dtype=torch.int64)
+        extra: list[int] | None = None
         if ok_shapes:
+            dev = x.device
             e = experts.to(torch.int64)
-            valid = e >= 0
-            counts_local = torch.bincount(e[valid], minlength=E).cpu()
+            # ids out of range go nowhere (no out-of-bounds index on the device) until the agreement rejects them
+            valid = (e >= 0) & (e < E)
             dest, to_rank = self._rows_to_ranks(e, valid)
-            rows_local = to_rank[:, :P].sum(0).cpu()
-        else:
-            counts_local = torch.zeros(E, dtype=torch.int64)
-            rows_local = torch.zeros(P, dtype=torch.int64)
+            per_expert = torch.zeros(E + 1, dtype=torch.int64, device=dev)
+            per_expert.index_add_(0, torch.where(valid, e, E).reshape(-1), torch.ones_like(e).reshape(-1))
+            lo_hi = torch.stack((e.amin(), e.amax())) if e.numel() else e.new_full((2,), -1)
+            parts = [lo_hi, per_expert[:E], to_rank[:, :P].sum(0)]
+            if extra_counts is not None:
+                parts.append(extra_counts(e, valid).to(torch.int64))
+            host = _to_host(torch.cat(parts))                 # the layout's one device-to-host copy
+            err = range_error(int(host[0]), int(host[1]), E)
+            counts_local, rows_local = host[2:2 + E], host[2 + E:2 + E + P]
+            extra = host[2 + E + P:].tolist()
         # each rank's rows per destination ride along: they are everyone's receive counts
         header = torch.cat([torch.tensor([T], dtype=torch.int64), counts_local, rows_local])
         gathered = agree(comm, "dispatch", {"hidden size (x.shape[1])": hidden, "top_k (experts.shape[1])": k,
@@ -228,6 +263,7 @@ class FlatPath:
         num_global_tokens = int(gathered[:, 0].sum())
         counts = gathered[:, 1:1 + E].clone()                  # [P, E] pairs per (source rank, expert)
         recv_counts = gathered[:, 1 + E:][:, comm.rank].tolist()  # rows from each rank (before dropping)
+        send_counts = rows_local.tolist()
         global_tpe = counts.sum(0)
         dropped = torch.zeros((T, k), dtype=torch.bool, device=x.device)
         capacity = None
@@ -235,16 +271,15 @@ class FlatPath:
             capacity = math.ceil(self.capacity_factor * num_global_tokens * k / E)
             over = global_tpe > capacity
             if bool(over.any()):
-                keep_local, counts = self._capacity_keep(e, valid, weights, counts, over, capacity)
+                keep_local, counts, send_counts = self._capacity_keep(e, valid, dest, weights, counts, over,
+                                                                      capacity, rows_local)
                 dropped = valid & ~keep_local
                 valid = valid & keep_local
                 dest, to_rank = self._rows_to_ranks(e, valid)
                 recv_counts = None  # rows changed after the exchange: dispatch's all_to_all learns them
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("rank %d: capacity %d per expert, %d experts over it, %d of this rank's pairs dropped",
-                              comm.global_ranks[comm.rank], capacity, int(over.sum()), int(dropped.sum()))
-        rank_of_row, send_tok = to_rank[:, :P].t().nonzero(as_tuple=True)
-        send_counts = torch.bincount(rank_of_row, minlength=P).cpu().tolist()
+        # (rank, token) order, sized by the counts already on the host (nonzero would sync to learn its size)
+        rows = torch.nonzero_static(to_rank[:, :P].t(), size=sum(send_counts))
+        rank_of_row, send_tok = rows[:, 0], rows[:, 1]
         slot_here = valid.index_select(0, send_tok) & (dest.index_select(0, send_tok) == rank_of_row.unsqueeze(1))
         # Fresh row-major storage: the rows are later viewed as bytes (an empty result may have 0 strides).
         slot_ids = torch.empty((send_tok.numel(), k), dtype=torch.int32, device=x.device)
@@ -271,7 +306,7 @@ class FlatPath:
                               dropped=dropped, counts=counts, global_tokens_per_expert=global_tpe,
                               num_global_tokens=num_global_tokens, capacity=capacity,
                               tokens_per_expert=counts[:, r * L:(r + 1) * L].sum(0), recv_counts=recv_counts,
-                              traffic=traffic, token_bags=token_bags(send_tok, T))
+                              traffic=traffic, token_bags=token_bags(send_tok, T), extra_counts=extra)
 
     def _rows_to_ranks(self, e: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One row per (token, destination rank); the token's slots for that rank ride in the row.
@@ -288,29 +323,52 @@ class FlatPath:
         to_rank.scatter_(1, dest, True)
         return dest, to_rank
 
-    def _capacity_keep(self, e: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                       over: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global lowest-weight dropping for the over-capacity experts.
+    def _capacity_keep(self, e: torch.Tensor, valid: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor,
+                       counts: torch.Tensor, over: torch.Tensor, capacity: int,
+                       rows_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Global lowest-weight dropping for the over-capacity experts (collective: one all_gather).
 
         Every rank all-gathers the weights of its pairs routed to over-capacity experts (ordered by
         expert, then token, then slot; padded to the longest), then ranks all of them identically:
-        by expert, weight descending, then (rank, token, slot). Returns this rank's keep mask
-        [T, k] bool and the kept counts [P, E] (identical on every rank).
+        by expert, weight descending, then (rank, token, slot).
+
+        Args:
+            e: [T, k] int64 expert ids; valid: [T, k] bool, the slots sent before dropping; dest:
+                [T, k] int64, each slot's rank (P: none); weights: [T, k] float. counts: [P, E]
+                int64 (CPU), the agreed pairs per (source rank, expert); over: [E] bool (CPU), the
+                experts over ``capacity``; rows_local: [P] int64 (CPU), this rank's rows per
+                destination before dropping.
+
+        Returns:
+            this rank's keep mask [T, k] bool (device), the kept counts [P, E] (CPU, identical on
+            every rank) and this rank's rows per destination after dropping (host ints).
+
+        One device-to-host copy (:func:`~moe.records._to_host`) brings the weights of this rank's
+        pairs to over-full experts and what the row counts after dropping need; the keep mask goes
+        back without a host sync.
         """
-        comm, P, E = self.comm, self.comm.size, self.num_experts
+        comm, P, E, L = self.comm, self.comm.size, self.num_experts, self.num_local_experts
+        T, k = e.shape
         dev = e.device
         flat_e = e.reshape(-1)
-        over_dev = over.to(dev)
-        mine = valid.reshape(-1) & over_dev[flat_e.clamp(min=0)]
-        idx = mine.nonzero(as_tuple=True)[0]                          # (token, slot) order
-        idx = idx[torch.argsort(flat_e[idx], stable=True)]            # -> (expert, token, slot)
-        w_mine = weights.detach().reshape(-1)[idx].to(torch.float64)
         over_e = over.nonzero(as_tuple=True)[0]                       # CPU, ascending
         per_rank = counts[:, over_e]                                  # [P, n_over]
         n = per_rank.sum(1)                                           # pairs each rank contributes
+        n_mine = int(n[comm.rank])
+        to_over = valid & _to_device(over, dev)[e.clamp(0, E - 1)]
+        idx = torch.nonzero_static(to_over.reshape(-1), size=n_mine).reshape(-1)   # (token, slot) order
+        idx = idx[torch.argsort(flat_e[idx], stable=True)]            # -> (expert, token, slot)
+        w_mine = weights.detach().reshape(-1)[idx].to(torch.float64)
+        tok, to_rank = idx // k, flat_e[idx] // L
+        # a row (token, rank) survives when one of its slots there is kept: count the slots that cannot be dropped
+        safe = torch.zeros((T, P + 1), dtype=torch.int64, device=dev)
+        safe.scatter_add_(1, torch.where(to_over, P, dest), torch.ones_like(dest))
+        host = _to_host(torch.cat((w_mine.view(torch.int64), tok, to_rank, safe[tok, to_rank])))
+        w_host = host[:n_mine].view(torch.float64)
+        tok_h, rank_h, safe_h = host[n_mine:2 * n_mine], host[2 * n_mine:3 * n_mine], host[3 * n_mine:]
         width = int(n.max())
         padded = torch.zeros(width, dtype=torch.float64)
-        padded[: w_mine.numel()] = w_mine.cpu()
+        padded[:n_mine] = w_host
         all_w = comm.all_gather(padded.reshape(1, -1)) if P > 1 else padded.reshape(1, -1)
         valid_e = torch.arange(width).unsqueeze(0) < n.unsqueeze(1)   # [P, width]
         w_flat = all_w[valid_e]                                       # (rank, expert, token, slot) order
@@ -328,10 +386,18 @@ class FlatPath:
         kept[:, over_e] = 0
         kept.view(-1).index_add_(0, rank_flat * E + exp_flat, keep_flat.to(torch.int64))
         start = int(n[: comm.rank].sum())
-        keep_mine = keep_flat[start: start + int(n[comm.rank])].to(dev)
+        keep_mine = keep_flat[start: start + n_mine]
+        # rows per destination after dropping: a (token, rank) row goes when all its slots there were dropped
+        key = tok_h * P + rank_h
+        kept_slots = torch.zeros(T * P, dtype=torch.int64).index_add_(0, key, keep_mine.to(torch.int64))
+        gone = torch.unique(key[(safe_h == 0) & (kept_slots[key] == 0)])
+        send_counts = (rows_local - torch.bincount(gone % P, minlength=P)).tolist()
         keep = torch.ones(flat_e.numel(), dtype=torch.bool, device=dev)
-        keep[idx] = keep_mine
-        return keep.view_as(e), kept
+        keep[idx] = _to_device(keep_mine, dev)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d: capacity %d per expert, %d experts over it, %d of this rank's pairs dropped",
+                      comm.global_ranks[comm.rank], capacity, over_e.numel(), n_mine - int(keep_mine.sum()))
+        return keep.view_as(e), kept, send_counts
 
     def dispatch(self, x: torch.Tensor, layout: DispatchLayout) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """One all-to-all of the rows (collective, differentiable in x). Returns as ``ExpertDispatcher.dispatch``."""

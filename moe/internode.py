@@ -49,6 +49,7 @@ from .records import (
     _all_to_all,
     _bag_sum,
     _round8,
+    _to_host,
     node_of_ranks,  # noqa: F401 - re-exported: moe.internode.node_of_ranks, where it was
     token_bags,
 )
@@ -72,8 +73,8 @@ def node_placement(comm: CommunicatorLike) -> tuple[list[int], list[int]] | None
     return node_of, local_of
 
 
-def node_rows(owner: torch.Tensor, node_of: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                        torch.Tensor]:
+def node_rows(owner: torch.Tensor, node_of: torch.Tensor, num_nodes: int, num_rows: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rail rows of a dispatch: one per (token, destination node) with at least one kept slot there.
 
     Args:
@@ -81,6 +82,7 @@ def node_rows(owner: torch.Tensor, node_of: torch.Tensor, num_nodes: int) -> tup
             slot not sent (unused or dropped).
         node_of: [P + 1] int64, the node of each rank; entry P is ``num_nodes`` (nowhere).
         num_nodes: G.
+        num_rows: S1 when the caller knows it (then no host sync), else None (one, on a GPU).
     Returns:
         ``(row_node, row_token, row_slots)``: row_node [S1] int64 and row_token [S1] int64, the
         destination node and token of each row, ordered by node, then token; row_slots [S1, k]
@@ -89,7 +91,12 @@ def node_rows(owner: torch.Tensor, node_of: torch.Tensor, num_nodes: int) -> tup
     dest = node_of[owner]                                              # [T, k], G for unsent slots
     to_node = torch.zeros((owner.shape[0], num_nodes + 1), dtype=torch.bool, device=owner.device)
     to_node.scatter_(1, dest, True)
-    row_node, row_token = to_node[:, :num_nodes].t().nonzero(as_tuple=True)
+    to_node = to_node[:, :num_nodes].t()
+    if num_rows is None:
+        row_node, row_token = to_node.nonzero(as_tuple=True)
+    else:
+        rows = torch.nonzero_static(to_node, size=num_rows)
+        row_node, row_token = rows[:, 0], rows[:, 1]
     row_slots = dest.index_select(0, row_token) == row_node.unsqueeze(1)
     return row_node, row_token, row_slots
 
@@ -244,6 +251,7 @@ class NodeAwarePath:
         self.ranks_per_node = comm.size // self.num_nodes
         self.node_of = torch.tensor(node_of + [self.num_nodes], dtype=torch.int64)
         self.local_of = torch.tensor(local_of + [0], dtype=torch.int64)
+        self._placement_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rail = comm.split(self.local, key=self.node)
         self.node_group = comm.split(self.node, key=self.local)
         # the node group's flat path; its members agree on it as on a flat dispatcher's construction (one
@@ -315,28 +323,52 @@ class NodeAwarePath:
         Returns:
             A :class:`NodeAwareLayout`.
         """
-        flat = self.flat.layout(x, experts, weights)
+        flat = self.flat.layout(x, experts, weights, extra_counts=self._rows_per_node)
         return self.relay("layout", self._layout, flat, experts, weights)
+
+    def _placement(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(node_of, local_of)`` on ``device``, copied there once."""
+        if device not in self._placement_on:
+            self._placement_on[device] = (self.node_of.to(device), self.local_of.to(device))
+        return self._placement_on[device]
+
+    def _owners(self, e: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """[T, k] int64: the rank of each sent slot's expert, P for a slot not sent."""
+        return torch.where(valid, torch.div(e, self.L, rounding_mode="floor"), torch.full_like(e, self.comm.size))
+
+    def _rows_per_node(self, e: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """[G] int64 on e's device: rail rows to each node (one per token with a slot there); they ride in
+        the flat layout's one host copy."""
+        dest = self._placement(e.device)[0][self._owners(e, valid)]
+        to_node = torch.zeros((e.shape[0], self.num_nodes + 1), dtype=torch.bool, device=e.device)
+        to_node.scatter_(1, dest, True)
+        return to_node[:, :self.num_nodes].sum(0)
 
     def _layout(self, flat: DispatchLayout, experts: torch.Tensor, weights: torch.Tensor | None) -> NodeAwareLayout:
         """Args: flat, the flat layout of this call (checked, agreed, capacity applied); experts: [T, k] int
         global expert ids; weights: [T, k] float or None."""
-        P, L, k, dev = self.comm.size, self.L, flat.top_k, flat.dropped.device
+        L, k, dev = self.L, flat.top_k, flat.dropped.device
         e = experts.to(torch.int64)
         valid = (e >= 0) & ~flat.dropped
-        owner = torch.where(valid, torch.div(e, L, rounding_mode="floor"), torch.full_like(e, P))
-        row_node, row_tok, row_slots = node_rows(owner, self.node_of.to(dev), self.num_nodes)
-        send_counts = torch.bincount(row_node, minlength=self.num_nodes).cpu().tolist()
-        node_local_id = self.local_of.to(dev)[owner] * L + torch.remainder(e, L)
+        node_of, local_of = self._placement(dev)
+        owner = self._owners(e, valid)
+        if flat.recv_counts is not None:   # no pair dropped after the count exchange: its counts still hold
+            send_counts = flat.extra_counts
+        else:                              # capacity dropping changed the rows: one more host copy
+            send_counts = _to_host(self._rows_per_node(e, valid)).tolist()
+        _, row_tok, row_slots = node_rows(owner, node_of, self.num_nodes, sum(send_counts))
+        node_local_id = local_of[owner] * L + torch.remainder(e, L)
         ids = torch.where(row_slots, node_local_id.index_select(0, row_tok), torch.full((), -1, device=dev))
         # one exchange: ids (int32) and weights ride in one uint8 row, each part 8-byte aligned
         ids_b = _round8(4 * k)
         w_b = 0 if weights is None else _round8(k * weights.element_size())
         buf = torch.zeros((row_tok.numel(), ids_b + w_b), dtype=torch.uint8, device=dev)
-        buf[:, :4 * k] = ids.to(torch.int32).contiguous().view(torch.uint8)
+        # fresh row-major storage before the byte view (an empty result may have 0 strides)
+        buf[:, :4 * k] = torch.empty(ids.shape, dtype=torch.int32, device=dev).copy_(ids).view(torch.uint8)
         if weights is not None:
             w = weights.detach().index_select(0, row_tok)
-            w = torch.where(row_slots, w, torch.zeros((), dtype=w.dtype, device=dev)).contiguous()
+            w = torch.empty(w.shape, dtype=w.dtype, device=dev).copy_(
+                torch.where(row_slots, w, torch.zeros((), dtype=w.dtype, device=dev)))
             buf[:, ids_b: ids_b + k * weights.element_size()] = w.view(torch.uint8)
         self.stage = 0
         recv, recv_counts = _all_to_all(self.rail, buf, send_counts, None, return_counts=True)

@@ -1,6 +1,6 @@
 """The records of a dispatch (layout, handle, traffic counters) and the helpers shared by the flat path
 (:mod:`moe.flat`), the node-aware one (:mod:`moe.internode`) and :class:`~moe.dispatcher.ExpertDispatcher`
-in front of them: all-to-all, row sums (bags), dtypes, the node of each rank.
+in front of them: all-to-all, row sums (bags), host copies, dtypes, the node of each rank.
 
 Notation in :mod:`moe.dispatcher`'s docstring.
 """
@@ -73,6 +73,8 @@ class DispatchLayout:
         traffic: a :class:`DispatchTraffic`, token bytes this rank sends within and across nodes.
         token_bags: ``(index, offsets)`` from :func:`token_bags`: the sent rows of each token, for
             the per-token sums of combine and of dispatch's backward.
+        extra_counts: host ints a caller of the flat path's layout had copied along with the
+            counts (see :meth:`moe.flat.FlatPath.layout`), else [].
     """
 
     num_tokens: int
@@ -95,6 +97,7 @@ class DispatchLayout:
     recv_counts: list[int] | None = None
     traffic: DispatchTraffic | None = None
     token_bags: tuple[torch.Tensor, torch.Tensor] | None = None
+    extra_counts: list[int] | None = None
 
 
 @dataclass
@@ -153,6 +156,25 @@ def _all_to_all(comm: CommunicatorLike, x: torch.Tensor, send_counts: list[int],
         out, rc = comm.all_to_all(x, send_counts, return_counts=True)
         return out, [int(c) for c in rc.tolist()]
     return comm.all_to_all(x, send_counts)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """The layout's device-to-host copy: one host sync on a GPU (none on the CPU, where it returns ``t``).
+
+    Every count a layout needs travels through this one call (tests count its calls: one per flat
+    layout, two with capacity dropping over an over-full expert), so a new ``.cpu()``, ``.tolist()``
+    or ``nonzero`` on device data in the layout belongs in its argument instead.
+    """
+    return t.cpu()
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync (pinned and non-blocking on a GPU)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _split16(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
