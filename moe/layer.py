@@ -13,6 +13,7 @@ from collectives.agreement import agree, rank_label, rejecting
 from collectives.protocols import CommunicatorLike, check_communicator
 
 from .dispatcher import ExpertDispatcher
+from .records import _to_device
 from .router import (EXPERT_STREAM, SCORES, SHARED_STREAM, TopKRouter, check_router_arguments, is_positive_int,
                      seeded_generator, shape_or_type)
 
@@ -32,6 +33,38 @@ def _ffn_weights(hidden: int, ffn: int, activation: str, gen: torch.Generator) -
     fc1 = torch.randn(hidden, width, generator=gen) / math.sqrt(hidden)
     fc2 = torch.randn(ffn, hidden, generator=gen) / math.sqrt(ffn)
     return fc1, fc2
+
+
+def _grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` takes x [N, K] with these stacked weights [L, K, M] here: torch has it, the
+    dtype and device are ones it runs (CPU: float32/16, bfloat16; CUDA: bfloat16 from sm80), every row
+    and matrix stride and base address is 16-byte aligned (its kernels' requirement), and so are the
+    rows of every product's input and output ([N, K] and [N, M] for each weight)."""
+    grouped = getattr(F, "grouped_mm", None)
+    if grouped is None or any(w.dtype != x.dtype or w.device != x.device for w in weights):
+        return False
+    if x.device.type == "cpu":
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+    elif x.device.type != "cuda" or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
+        return False
+    esz = x.element_size()
+    for t in (x, *weights):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * esz % 16 for s in t.stride()[:-1]):
+            return False
+    return all(w.shape[-2] * esz % 16 == 0 and w.shape[-1] * esz % 16 == 0 for w in weights)
+
+
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
+
+
+def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``F.grouped_mm(a, b, offs=offs)``: [N, K] x [L, K, M] -> [N, M], rows grouped by ``offs`` (cumulative ends)."""
+    out = F.grouped_mm(a, b, offs=offs)
+    if out.requires_grad:  # its backward rejects the stride-0 gradient of e.g. out.sum() (torch 2.13)
+        out.register_hook(_contiguous)
+    return out
 
 
 class GroupedExperts(nn.Module):
@@ -60,6 +93,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Run each local expert on its rows.
 
+        Two grouped GEMMs (``F.grouped_mm``) where torch runs them for this dtype, device and these
+        sizes (:func:`_grouped_mm_supported`), else one GEMM pair per local expert (float64, CUDA
+        before sm80 or in float32/16, sizes whose rows are not 16-byte multiples). Either way no
+        host sync: the counts are on the host already, and reach a GPU by a non-blocking copy.
+
         Args:
             x: [N, H] float, rows grouped by local expert (as ``ExpertDispatcher.dispatch`` returns them).
             tokens_per_expert: [L] int64 (CPU), rows per local expert (sums to N).
@@ -68,9 +106,12 @@ class GroupedExperts(nn.Module):
             [N, H] fc1.dtype, row i the output of row i's expert.
         """
         act = _ACTIVATIONS[self.activation]
-        x = x.to(self.fc1.dtype)
+        x = x.to(self.fc1.dtype).contiguous()
+        if _grouped_mm_supported(x, self.fc1, self.fc2):
+            offs = _to_device(torch.cumsum(tokens_per_expert, 0).to(torch.int32), x.device)
+            return _grouped(act(_grouped(x, self.fc1, offs)), self.fc2, offs)
         # One GEMM pair per local expert (like Megatron's SequentialMLP); empty experts still run
-        # so that every parameter gets a (zero) gradient on every rank.
+        # so that every parameter gets a (zero) gradient on every rank (grouped_mm's backward too).
         chunks = torch.split(x, tokens_per_expert.tolist())
         outs = [act(c @ self.fc1[i]) @ self.fc2[i] for i, c in enumerate(chunks)]
         return torch.cat(outs) if outs else x.new_zeros((0, self.fc2.shape[-1]))

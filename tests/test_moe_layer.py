@@ -142,3 +142,54 @@ def test_one_rank_with_a_bad_argument_fails_every_rank_at_once():
             if kind != want_kind or want_text not in text:
                 wrong.append(f"rank {r} {case}: got {kind}: {text!r}; expected {want_kind} containing {want_text!r}")
     assert not wrong, "\n".join(wrong)
+
+
+# ---- GroupedExperts: grouped_mm where torch runs it, the per-expert loop elsewhere ------------------
+def _run_experts(dtype, activation, hidden, tpe, X, G, *, grouped: bool, monkeypatch) -> tuple[bool, list]:
+    """Forward + backward of GroupedExperts in ``dtype`` (grouped=False: the loop forced); returns whether
+    grouped_mm ran and [y, x.grad, fc1.grad, fc2.grad]."""
+    import torch.nn.functional as F
+
+    from moe import GroupedExperts
+    from moe import layer as layer_mod
+
+    calls = []
+    real = F.grouped_mm
+    with monkeypatch.context() as m:
+        m.setattr(F, "grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+        if not grouped:
+            m.setattr(layer_mod, "_grouped_mm_supported", lambda *a: False)
+        experts = GroupedExperts(3, 5, hidden, 24, activation, seed=9).to(dtype)
+        x = X.to(dtype, copy=True).requires_grad_()
+        y = experts(x, tpe)
+        # y.sum() hands the backward a stride-0 gradient, which grouped_mm's own backward rejects
+        ((y.double() * G).sum() + y.sum()).backward()
+    return bool(calls), [y.detach(), x.grad, experts.fc1.grad, experts.fc2.grad]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("hidden", [16, 6])
+def test_grouped_experts_paths_match_a_float64_reference(dtype, activation, hidden, monkeypatch):
+    """Forward and backward of both paths against the float64 loop, with an empty expert and no rows at all;
+    float64 and rows of 24 bytes (hidden 6 in float32) must take the loop, the rest grouped_mm."""
+    g = torch.Generator().manual_seed(3)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 3e-2)
+    aligned = dtype != torch.float64 and hidden * torch.tensor([], dtype=dtype).element_size() % 16 == 0
+    for counts in ([4, 0, 7], [0, 0, 0]):
+        tpe = torch.tensor(counts)
+        X = torch.randn(sum(counts), hidden, generator=g, dtype=torch.float64)
+        G = torch.randn(sum(counts), hidden, generator=g, dtype=torch.float64)
+        _, want = _run_experts(torch.float64, activation, hidden, tpe, X, G, grouped=False, monkeypatch=monkeypatch)
+        results = {}
+        for grouped in (True, False):
+            took_grouped, got = _run_experts(dtype, activation, hidden, tpe, X, G, grouped=grouped,
+                                             monkeypatch=monkeypatch)
+            assert took_grouped == (grouped and aligned), (grouped, aligned)
+            for a, b, what in zip(got, want, ("y", "grad x", "grad fc1", "grad fc2")):
+                assert a.dtype == dtype, what
+                atol = tol * max(1.0, float(b.abs().max())) if b.numel() else tol
+                torch.testing.assert_close(a.double(), b, rtol=tol, atol=atol, msg=lambda m, w=what: f"{w}: {m}")
+            results[grouped] = got
+        if aligned and dtype == torch.float32:  # the same GEMMs on the same rows: float32 agrees bit for bit
+            assert torch.equal(results[True][0], results[False][0])
