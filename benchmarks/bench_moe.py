@@ -233,7 +233,61 @@ def _print_table(stats: list[list[list[float]]], o: dict[str, Any]) -> bool:
     for impl, m in sorted(means.items()):
         click.echo(TABLE.line("mean", IMPLS[impl], *m, "", "", "", "", ""))
     _print_node_summary(stats, o)
+    _print_baseline_summary(stats)
     return all_ok
+
+
+def _means(stats: list[list[list[float]]]) -> dict[str, dict[str, float]]:
+    """impl -> mean over ranks of its layout / dispatch / combine seconds (row layout: see _bench_rank)."""
+    by_impl: dict[str, list[list[float]]] = {}
+    for per_rank in stats:
+        for r in per_rank:
+            by_impl.setdefault(IMPLS[int(r[1])], []).append(r)
+    return {impl: {p: sum(r[2 + i] for r in rows) / len(rows) for i, p in enumerate(("layout", "dispatch", "combine"))}
+            for impl, rows in by_impl.items()}
+
+
+def baseline_summary(stats: list[list[list[float]]]) -> dict[str, float] | None:
+    """moecomm against the torch.distributed baseline, per phase: x faster = t(baseline) / t(moecomm), from the
+    means over ranks; None without a baseline row. Keys: dispatch, combine, dispatch+combine, with the layout."""
+    means = _means(stats)
+    base = next((means[b] for b in ("torch-gloo", "torch-nccl") if b in means), None)
+    if base is None or "moecomm" not in means:
+        return None
+    mine = means["moecomm"]
+    phases = {"dispatch": ("dispatch",), "combine": ("combine",), "dispatch+combine": ("dispatch", "combine"),
+              "with the layout": ("layout", "dispatch", "combine")}
+    out = {}
+    for name, parts in phases.items():
+        t_base, t_mine = sum(base[p] for p in parts), sum(mine[p] for p in parts)
+        out[name] = t_base / t_mine if t_mine else float("nan")
+    return out
+
+
+def _print_baseline_summary(stats: list[list[list[float]]]) -> None:
+    """One line: how many times faster than the baseline moecomm is, per phase (means over ranks)."""
+    summary = baseline_summary(stats)
+    if summary is not None:
+        click.echo("# x faster than the baseline (mean over ranks): "
+                   + ", ".join(f"{name} {x:.2f}x" for name, x in summary.items()))
+
+
+def _json_doc(stats: list[list[list[float]]], o: dict[str, Any]) -> dict[str, Any]:
+    """The run as JSON: environment, options, one row per (rank, impl) in microseconds and bytes, the summary."""
+    from .output import environment
+
+    keys = ("rank", "impl", "layout_us", "dispatch_us", "combine_us", "recv_rows", "moved_bytes", "inter_bytes",
+            "intra_bytes", "ok", "nodes")
+    rows = []
+    for per_rank in stats:
+        for r in per_rank:
+            row = dict(zip(keys, r))
+            row.update(rank=int(r[0]), impl=IMPLS[int(r[1])], ok=bool(r[9]), nodes=int(r[10]), recv_rows=int(r[5]))
+            for k in ("layout_us", "dispatch_us", "combine_us"):
+                row[k] *= 1e6
+            rows.append(row)
+    return {"schema": "moecomm-bench-moe/1", "env": environment(), "options": o, "rows": rows,
+            "x_faster_than_baseline": baseline_summary(stats)}
 
 
 def _print_node_summary(stats: list[list[list[float]]], o: dict[str, Any]) -> None:
@@ -290,9 +344,11 @@ def _print_node_summary(stats: list[list[list[float]]], o: dict[str, Any]) -> No
 @click.option("--transport", type=click.Choice(TRANSPORT_CHOICES), default="auto", show_default=True,
               help="The communicator's transport for device tensors (auto: chosen per call; host tensors always "
                    "take a host transport). ipc runs two ranks on one GPU where the NCCL refuses them (< 2.30).")
+@click.option("-J", "--json", "json_path", default=None, metavar="FILE",
+              help="Also write the rows, the summary and the environment as JSON.")
 def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, nprocs: int, iters: int, warmup: int,
               cpu_scale: bool, baseline: bool, compare_flat: bool, keep_freed_memory: bool, timeout: float,
-              device: str, transport: str) -> None:
+              device: str, transport: str, json_path: str | None) -> None:
     """MoE dispatch / combine time and GB/s per rank (layout separately), with the torch.distributed baseline."""
     o = dict(tokens=tokens, hidden=hidden, top_k=top_k, experts=experts, dtype=dtype, iters=iters, warmup=warmup,
              baseline=baseline, compare_flat=compare_flat, cpu_scale=cpu_scale, tokens_full=tokens, hidden_full=hidden,
@@ -311,5 +367,10 @@ def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, np
         return
     o["nprocs_run"] = len(stats)
     o["nodes"] = int(stats[0][0][-1])
-    if not _print_table(stats, o):
+    ok = _print_table(stats, o)
+    if json_path:
+        from .output import save_json
+
+        click.echo(f"# wrote {save_json(json_path, _json_doc(stats, dict(o, transport=transport))).resolve()}")
+    if not ok:
         raise SystemExit(1)

@@ -169,3 +169,35 @@ def test_bench_moe_transport_reaches_the_communicator():
     res = CliRunner().invoke(main, ["bench-moe", "--tokens", "16", "--hidden", "8", "--experts", "4", "-k", "2",
                                     "--nprocs", "2", "--transport", "mpi", "--no-baseline"])
     assert res.exit_code != 0 and "'mpi'" in repr(res.exception) + res.output
+
+
+def test_baseline_summary_ratios():
+    """x faster = t(baseline) / t(moecomm) per phase, from the means over ranks (hand arithmetic)."""
+    from benchmarks.bench_moe import IMPLS, baseline_summary
+
+    mine, base = IMPLS.index("moecomm"), IMPLS.index("torch-gloo")
+    # [rank, impl, layout s, dispatch s, combine s, rows, moved, inter B, intra B, ok, nodes]
+    stats = [[[0, mine, 0.001, 0.002, 0.004, 10, 100, 0, 5, 1, 1], [0, base, 0.003, 0.006, 0.010, 10, 400, -1, -1, 1, 1]],
+             [[1, mine, 0.001, 0.004, 0.006, 10, 100, 0, 5, 1, 1], [1, base, 0.005, 0.012, 0.020, 10, 400, -1, -1, 1, 1]]]
+    got = baseline_summary(stats)
+    want = {"dispatch": 0.009 / 0.003, "combine": 0.015 / 0.005, "dispatch+combine": 0.024 / 0.008,
+            "with the layout": 0.028 / 0.009}
+    assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-12 for k in want), got
+    assert baseline_summary([[row[0]] for row in stats]) is None      # no baseline row
+
+
+def test_bench_moe_json_and_summary(tmp_path):
+    import json
+
+    out = tmp_path / "moe.json"
+    res = CliRunner().invoke(main, ["bench-moe", "--tokens", "24", "--hidden", "16", "--experts", "4", "-k", "2",
+                                    "--nprocs", "2", "--iters", "1", "--warmup", "0", "--dtype", "bfloat16",
+                                    "-J", str(out)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert "# x faster than the baseline (mean over ranks): dispatch " in res.output
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "moecomm-bench-moe/1" and doc["options"]["tokens"] == 24
+    assert sorted((r["rank"], r["impl"]) for r in doc["rows"]) == [(0, "moecomm"), (0, "torch-gloo"),
+                                                                   (1, "moecomm"), (1, "torch-gloo")]
+    assert all(r["ok"] and r["combine_us"] > 0 for r in doc["rows"])
+    assert set(doc["x_faster_than_baseline"]) == {"dispatch", "combine", "dispatch+combine", "with the layout"}
