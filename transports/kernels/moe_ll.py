@@ -14,9 +14,9 @@ Dispatch is two launches, with no host synchronization and shapes fixed by (E, M
 1. :func:`ll_dispatch_send`: every program checks the whole ``topk_idx`` (ids in [-1, E), no id
    twice in a token) and computes, for its tokens, each slot's position among this rank's tokens
    routed to that expert. It writes token ``t``'s row into segment ``[rank*M, rank*M + n)`` of the
-   expert's rows on the owner, with its info word ``rank*M*KM + t*KM + k``; program 0 writes this
-   rank's per-expert counts and error word into every rank; then every program adds 1 to
-   ``D_ARRIVE[rank]`` of every rank (release).
+   expert's rows on the owner, with its info word ``rank*M*KM + t*KM + k``, and its share of this
+   rank's per-expert counts (program 0 the error word) into every rank; then every program adds 1
+   to ``D_ARRIVE[rank]`` of every rank (release).
 2. :func:`ll_dispatch_recv`: wait until ``D_ARRIVE[src] >= seq * programs`` for every source
    (acquire), then compact each local expert's segments, in source order, into the packed output
    (``recv_x [L, P*M, ...]``, ``info [L, P*M]``, ``recv_count [L]``) and add 1 to ``D_ACK[rank]``
@@ -239,19 +239,21 @@ def ll_dispatch_send(X, IDX, T, K, host_err, reg, rank, world, sig_ptrs, status,
                     xp = dst[:, None] + (h0 + c[None, :]) * ITEM
                     tl.store(xp.to(tl.pointer_type(X.dtype.element_ty)), tl.broadcast_to(x[None, :], (KB, CB)),
                              mask=valid[:, None])
-    if ok & (pid == 0):
-        # our counts per expert (0 after an error) and the error word, into every rank
+    if ok:
+        # our counts per expert (0 after an error), chunks of experts spread over the programs (each
+        # program's arrival covers its own), and program 0's error word, into every rank
         j = tl.arange(0, NB)
         flat = tl.load(IDX + j, mask=j < tl.where(err == 0, T * K, 0), other=-1)
         x_ = tl.arange(0, _EXPERT_CHUNK)
         for r in range(0, world):
             peer = tl.load(reg + r)
             cnt = (peer + OFF_CNT + rank * local * 4).to(tl.pointer_type(tl.int32))
-            for l0 in range(0, local, _EXPERT_CHUNK):
+            for l0 in range(pid * _EXPERT_CHUNK, local, nprog * _EXPERT_CHUNK):
                 ex = r * local + l0 + x_
                 n = tl.reduce((flat[None, :] == ex[:, None]).to(tl.int32), 1, _add)
                 tl.store(cnt + l0 + x_, n, mask=l0 + x_ < local)
-            tl.store(_words(reg, r) + _D_ERR + rank, err)
+            if pid == 0:
+                tl.store(_words(reg, r) + _D_ERR + rank, err)
     if ok:
         _arrive_all(reg, rank, world, _D_ARRIVE)
     _end(my_sig, status, mine, seq, _D_SEND)
