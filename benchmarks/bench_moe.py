@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import time
 from typing import Any
 
@@ -43,6 +44,7 @@ import torch
 
 from transports.settings import TRANSPORT_CHOICES
 
+from .bench_moe_ll import LL_IMPLS, time_low_latency
 from .common import DTYPES as _ALL_DTYPES
 from .options import COUNT, NONNEGATIVE, SECONDS
 from .ranks import on_ranks
@@ -51,7 +53,7 @@ from .table import Column, Table
 log = logging.getLogger("benchmarks")
 
 DTYPES = {name: _ALL_DTYPES[name] for name in ("bfloat16", "float16", "float32")}
-IMPLS = ("moecomm", "torch-gloo", "moecomm-flat", "torch-nccl")
+IMPLS = ("moecomm", "torch-gloo", "moecomm-flat", "torch-nccl", *LL_IMPLS)
 TABLE = Table([Column("rank", 5), Column("impl", 12), Column("layout_us", 10, ".1f"), Column("dispatch_us", 12, ".1f"),
                Column("disp_GB/s", 10, ".2f"), Column("combine_us", 11, ".1f"), Column("comb_GB/s", 10, ".2f"),
                Column("recv_rows", 10), Column("moved_MB", 9, ".2f"), Column("inter_MB", 9, ".3f"),
@@ -122,8 +124,9 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
 
     Returns:
         Every rank's measurements, the same on every rank: [rank][impl] = [rank, impl index,
-        layout s, dispatch s, combine s, received (token, rank) rows, bytes moved, inter-node bytes
-        sent, intra-node bytes sent (-1, -1 for the baseline), ok, nodes].
+        layout s, dispatch s, combine s, received (token, rank) rows (low latency: (token, expert)
+        rows), bytes moved, inter-node bytes sent, intra-node bytes sent (-1, -1 for the baseline
+        and low latency), ok, nodes, dispatch bytes, combine bytes (what GB/s counts)].
     """
     from moe import ExpertDispatcher
 
@@ -193,7 +196,11 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
                 moved, inter, intra = recv_x.shape[0] * H * esz, -1, -1   # not counted for the baseline
             n = o["iters"]
             rows.append([comm.rank, IMPLS.index(name), *(times[p] / n for p in ("layout", "dispatch", "combine")),
-                         uniq_rows, moved, inter, intra, int(ok), num_nodes])
+                         uniq_rows, moved, inter, intra, int(ok), num_nodes, uniq_rows * H * esz, uniq_rows * H * esz])
+        if o.get("mode") == "low_latency":
+            for name, t_d, t_c, b_d, b_c, recv_rows, ok in time_low_latency(comm, o, x, experts, weights, sync, want):
+                rows.append([comm.rank, IMPLS.index(name), 0.0, t_d, t_c, recv_rows, recv_rows * H * x.element_size(),
+                             -1, -1, int(ok), num_nodes, b_d, b_c])
     if o["baseline"]:
         impls[baseline].dist.destroy_process_group()
     for d in impls.values():
@@ -212,18 +219,20 @@ def _print_table(stats: list[list[list[float]]], o: dict[str, Any]) -> bool:
                + (f" (--cpu-scale: {o['tokens_full']}/8 tokens, {o['hidden_full']}/4 hidden)" if o["cpu_scale"] else "")
                + ("" if o["keep_freed_memory"] else ", --no-keep-freed-memory"))
     click.echo(f"# bytes per rank = received (token, rank) rows x hidden x {esz} B; GB/s = bytes / time (1e9 B/s); "
-               "times are means per call in microseconds")
+               "times are means per call in microseconds"
+               + ("; moecomm-ll*: DeepEP's low-latency count per sent (token, expert) selection, 2 x hidden B "
+                  "(dispatch with FP8: hidden + hidden/128 x 4 + 16 B); -graph: CUDA graphs of N calls, time / N"
+                  if o.get("mode") == "low_latency" else ""))
     for line in TABLE.header():
         click.echo(line)
     all_ok = True
     means: dict[int, list[float]] = {}
     for per_rank in stats:
         for r in per_rank:
-            rank, impl, lay_s, disp_s, comb_s, uniq, moved, inter, intra, ok, _nodes = r
-            nbytes = uniq * o["hidden"] * esz
+            rank, impl, lay_s, disp_s, comb_s, uniq, moved, inter, intra, ok, _nodes, b_disp, b_comb = r
             all_ok &= bool(ok)
-            vals = [lay_s * 1e6, disp_s * 1e6, nbytes / disp_s / 1e9 if disp_s else 0.0,
-                    comb_s * 1e6, nbytes / comb_s / 1e9 if comb_s else 0.0]
+            vals = [lay_s * 1e6, disp_s * 1e6, b_disp / disp_s / 1e9 if disp_s else 0.0,
+                    comb_s * 1e6, b_comb / comb_s / 1e9 if comb_s else 0.0]
             m = means.setdefault(int(impl), [0.0] * 5)
             for i, v in enumerate(vals):
                 m[i] += v / len(stats)
@@ -234,6 +243,7 @@ def _print_table(stats: list[list[list[float]]], o: dict[str, Any]) -> bool:
         click.echo(TABLE.line("mean", IMPLS[impl], *m, "", "", "", "", ""))
     _print_node_summary(stats, o)
     _print_baseline_summary(stats)
+    _print_low_latency_summary(stats, o)
     return all_ok
 
 
@@ -264,6 +274,37 @@ def baseline_summary(stats: list[list[list[float]]]) -> dict[str, float] | None:
     return out
 
 
+def low_latency_summary(stats: list[list[list[float]]]) -> dict[str, dict[str, float]] | None:
+    """Per low-latency variant: its dispatch + combine (us, mean over ranks) and how many times faster it is
+    than the normal mode's and the baseline's layout + dispatch + combine (a decoding step's routing
+    changes every step, so those pay their layout every time); None without low-latency rows."""
+    means = _means(stats)
+    full = {impl: sum(m.values()) for impl, m in means.items()}
+    base = next((b for b in ("torch-gloo", "torch-nccl") if b in means), None)
+    out = {}
+    for impl in LL_IMPLS:
+        if impl not in means:
+            continue
+        t = means[impl]["dispatch"] + means[impl]["combine"]
+        out[impl] = {"dispatch+combine_us": t * 1e6,
+                     "x_faster_than_normal": full["moecomm"] / t if t and "moecomm" in full else float("nan"),
+                     "x_faster_than_baseline": full[base] / t if t and base else float("nan")}
+    return out or None
+
+
+def _print_low_latency_summary(stats: list[list[list[float]]], o: dict[str, Any]) -> None:
+    summary = low_latency_summary(stats)
+    if summary is None:
+        return
+    for impl, v in summary.items():
+        click.echo(f"# {impl}: dispatch+combine {v['dispatch+combine_us']:.1f} us; x faster than the normal mode's "
+                   f"layout+dispatch+combine {v['x_faster_than_normal']:.2f}x, than the baseline's "
+                   f"{v['x_faster_than_baseline']:.2f}x")
+    if o.get("emulated"):
+        click.echo("# low latency emulated (MOECOMM_IPC_EMULATE=1): its kernels ran in Triton's interpreter on the "
+                   "CPU; the results were checked, the times mean nothing")
+
+
 def _print_baseline_summary(stats: list[list[list[float]]]) -> None:
     """One line: how many times faster than the baseline moecomm is, per phase (means over ranks)."""
     summary = baseline_summary(stats)
@@ -277,7 +318,7 @@ def _json_doc(stats: list[list[list[float]]], o: dict[str, Any]) -> dict[str, An
     from .output import environment
 
     keys = ("rank", "impl", "layout_us", "dispatch_us", "combine_us", "recv_rows", "moved_bytes", "inter_bytes",
-            "intra_bytes", "ok", "nodes")
+            "intra_bytes", "ok", "nodes", "dispatch_bytes", "combine_bytes")
     rows = []
     for per_rank in stats:
         for r in per_rank:
@@ -287,7 +328,7 @@ def _json_doc(stats: list[list[list[float]]], o: dict[str, Any]) -> dict[str, An
                 row[k] *= 1e6
             rows.append(row)
     return {"schema": "moecomm-bench-moe/1", "env": environment(), "options": o, "rows": rows,
-            "x_faster_than_baseline": baseline_summary(stats)}
+            "x_faster_than_baseline": baseline_summary(stats), "low_latency": low_latency_summary(stats)}
 
 
 def _print_node_summary(stats: list[list[list[float]]], o: dict[str, Any]) -> None:
@@ -319,7 +360,7 @@ def _print_node_summary(stats: list[list[list[float]]], o: dict[str, Any]) -> No
 
 
 @click.command("bench-moe")
-@click.option("--tokens", type=COUNT, default=4096, show_default=True, help="Tokens per rank.")
+@click.option("--tokens", type=COUNT, default=None, help="Tokens per rank [default: 4096; 128 with --mode low_latency].")
 @click.option("--hidden", type=COUNT, default=7168, show_default=True, help="Hidden size.")
 @click.option("-k", "--top-k", "top_k", type=COUNT, default=8, show_default=True, help="Experts per token.")
 @click.option("--experts", type=COUNT, default=256, show_default=True,
@@ -344,13 +385,32 @@ def _print_node_summary(stats: list[list[list[float]]], o: dict[str, Any]) -> No
 @click.option("--transport", type=click.Choice(TRANSPORT_CHOICES), default="auto", show_default=True,
               help="The communicator's transport for device tensors (auto: chosen per call; host tensors always "
                    "take a host transport). ipc runs two ranks on one GPU where the NCCL refuses them (< 2.30).")
+@click.option("--mode", type=click.Choice(["normal", "low_latency"]), default="normal", show_default=True,
+              help="low_latency: also time moe.LowLatencyDispatcher (fixed buffers, no host sync; needs the ipc "
+                   "transport: one node, or MOECOMM_IPC_EMULATE=1 on the CPU, set by itself there) beside the normal "
+                   "mode and the baseline.")
+@click.option("--fp8", is_flag=True, help="--mode low_latency: also time FP8 (e4m3) dispatch.")
+@click.option("--cuda-graph", "cuda_graph", type=NONNEGATIVE, default=0, show_default=True, metavar="N",
+              help="--mode low_latency on CUDA: also time CUDA graphs of N dispatches and of N combines.")
 @click.option("-J", "--json", "json_path", default=None, metavar="FILE",
               help="Also write the rows, the summary and the environment as JSON.")
 def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, nprocs: int, iters: int, warmup: int,
               cpu_scale: bool, baseline: bool, compare_flat: bool, keep_freed_memory: bool, timeout: float,
-              device: str, transport: str, json_path: str | None) -> None:
+              device: str, transport: str, mode: str, fp8: bool, cuda_graph: int, json_path: str | None) -> None:
     """MoE dispatch / combine time and GB/s per rank (layout separately), with the torch.distributed baseline."""
-    o = dict(tokens=tokens, hidden=hidden, top_k=top_k, experts=experts, dtype=dtype, iters=iters, warmup=warmup,
+    if tokens is None:
+        tokens = 128 if mode == "low_latency" else 4096
+    if mode != "low_latency" and (fp8 or cuda_graph):
+        raise click.UsageError("--fp8 and --cuda-graph time the low-latency dispatcher: add --mode low_latency")
+    emulated = False
+    if mode == "low_latency":
+        on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if cuda_graph and not on_cuda:
+            raise click.UsageError("--cuda-graph captures CUDA graphs and needs a CUDA GPU")
+        if not on_cuda:  # the ranks inherit it: their ipc transport runs the kernels in Triton's interpreter
+            os.environ["MOECOMM_IPC_EMULATE"] = "1"
+        emulated = os.environ.get("MOECOMM_IPC_EMULATE", "") not in ("", "0")
+    o = dict(mode=mode, fp8=fp8, cuda_graph=cuda_graph, emulated=emulated, tokens=tokens, hidden=hidden, top_k=top_k, experts=experts, dtype=dtype, iters=iters, warmup=warmup,
              baseline=baseline, compare_flat=compare_flat, cpu_scale=cpu_scale, tokens_full=tokens, hidden_full=hidden,
              keep_freed_memory=keep_freed_memory, timeout=timeout, device=device)
     if cpu_scale:
@@ -366,7 +426,7 @@ def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, np
     if not lead:
         return
     o["nprocs_run"] = len(stats)
-    o["nodes"] = int(stats[0][0][-1])
+    o["nodes"] = int(stats[0][0][10])
     ok = _print_table(stats, o)
     if json_path:
         from .output import save_json

@@ -16,7 +16,8 @@ so the whole check runs as one process tree of at most 8 minutes (:data:`QUICK_B
    low-latency MoE dispatcher (bf16 and FP8, eager and 100 captured replays) against the CPU reference;
 6. the sweep 8 B to 64 MiB (factor 8) of moecomm's nccl and ipc against torch.distributed NCCL,
    eagerly and 7. under CUDA graphs (``bench --cuda-graph``);
-8. ``bench-moe`` and ``bench-tp`` (with and without sequence parallel) on the GPU.
+8. ``bench-moe`` (prefill shape), ``bench-moe --mode low_latency`` (decoding shape: bf16 and FP8,
+   eager and CUDA graphs) and ``bench-tp`` (with and without sequence parallel) on the GPU.
 
 Without an NCCL that takes two ranks on one GPU, the steps that need one say so in their titles and
 run through ipc alone (``--transport ipc``, no torch.distributed baseline); nothing else changes.
@@ -52,11 +53,12 @@ QUICK_BUDGET_S = 8 * 60
 # 2-rank collectives 76 s (ipc and auto, with the 256 MiB cases), graphs 10 s
 # (benchmarks/results/gpu-nvidia-h200-2026-11-27-35a6dca.txt). The GPU tests and the 2-rank
 # collectives, the steps the check exists for, get less than 3x so that the sweeps fit.
-# The low-latency MoE step (issue 41) has not run on a GPU yet: 45 s is a guess (two 2-rank launches
-# of 6 eager calls and 2 x 100 graph replays, each checked on the CPU), taken from the sweeps.
-QUICK_BUDGETS = {"setup": 15, "environment": 20, "gpu-tests": 90, "collectives-ws2": 130, "cuda-graphs": 25,
-                 "moe-low-latency": 45, "sweep-eager": 40, "sweep-graph": 40, "bench-moe": 30, "bench-tp": 25,
-                 "bench-tp-sp": 20}
+# The low-latency MoE steps (issue 41) have not run on a GPU yet: their budgets are guesses (2-rank
+# launches, Triton compiles, 2 x 100 graph replays checked on the CPU), taken from the sweeps and the
+# collectives, which used 25-29 s and 91-96 s of theirs.
+QUICK_BUDGETS = {"setup": 15, "environment": 20, "gpu-tests": 90, "collectives-ws2": 115, "cuda-graphs": 25,
+                 "moe-low-latency": 40, "sweep-eager": 35, "sweep-graph": 35, "bench-moe": 30, "bench-moe-ll": 35,
+                 "bench-tp": 20, "bench-tp-sp": 20}
 SWEEP_ARGS = ("-b", "8", "-e", "64M", "-f", "8", "--ops", "all_reduce,all_gather,reduce_scatter,all_to_all")
 # Calls per captured graph (nccl-tests' -G). A replay is timed with its launch and a synchronisation,
 # which a graph of 10 calls left as the whole small-message time: every library read 7-12 us per call
@@ -97,6 +99,9 @@ def quick_plan(paths: dict[str, Path], nccl_lib: str | None, multi_rank: bool) -
     moe = ["bench-moe", "--device", "cuda", "--nprocs", "2", "--tokens", "4096", "--hidden", "7168", "-k", "8",
            "--experts", "256", "-d", "bfloat16", "-n", "5", "-w", "2", *moe_extra]
     tp = ["bench-tp", "--device", "cuda", "--sizes", "1,2", "-n", "10", "-w", "3", *tp_extra]
+    moe_ll = ["bench-moe", "--device", "cuda", "--nprocs", "2", "--mode", "low_latency", "--fp8", "--cuda-graph", "20",
+              "--tokens", "128", "--hidden", "7168", "-k", "8", "--experts", "256", "-d", "bfloat16", "-n", "10", "-w",
+              "3", *moe_extra]
     return [
         Step("environment", "device, driver, CUDA, torch, cupy, NCCL, triton versions; moecomm topo --json",
              b["environment"], cli_argv("topo", "--json"), dict(env)),
@@ -119,6 +124,9 @@ def quick_plan(paths: dict[str, Path], nccl_lib: str | None, multi_rank: bool) -
                       "-J", str(paths["bench_graph_json"])), bench_env),
         Step("bench-moe", "MoE dispatch/combine, DeepEP's shape (4096 tokens, hidden 7168, top-8 of 256, bf16), "
              "2 ranks", b["bench-moe"], cli_argv(*moe), bench_env),
+        Step("bench-moe-ll", "MoE decoding, DeepEP's low-latency shape (128 tokens, hidden 7168, top-8 of 256): "
+             "low latency bf16 and FP8, eager and CUDA graphs of 20, beside the normal mode and the baseline, 2 ranks",
+             b["bench-moe-ll"], cli_argv(*moe_ll), bench_env),
         Step("bench-tp", "tensor-parallel MLP block at TP 1 and 2", b["bench-tp"], cli_argv(*tp), bench_env),
         Step("bench-tp-sp", "tensor-parallel MLP block at TP 1 and 2, sequence parallel", b["bench-tp-sp"],
              cli_argv(*tp, "--sequence-parallel"), bench_env),

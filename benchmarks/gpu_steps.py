@@ -34,7 +34,8 @@ EXIT_INCOMPLETE = 4
 RESULT_PREFIX = "# validate-gpu result: "
 # The test files whose GPU tests skip without one (skipif on torch.cuda / HAS_NCCL / GPUS).
 GPU_TEST_FILES = ("tests/test_nccl.py", "tests/test_device_binding.py", "tests/test_gpu_topology.py",
-                  "tests/test_moe_gpu.py", "tests/test_tp_gpu.py", "tests/test_p2p_gpu.py", "tests/test_ipc_gpu.py")
+                  "tests/test_moe_gpu.py", "tests/test_moe_sync.py", "tests/test_tp_gpu.py", "tests/test_p2p_gpu.py",
+                  "tests/test_ipc_gpu.py")
 LOW_LATENCY_TEST_FILE = "tests/test_moe_low_latency_gpu.py"  # a quick step of its own
 # pytest skip reasons that mean "a GPU test did not run on this GPU machine" (two GPUs are not expected).
 _GPU_SKIP = re.compile(r"needs a CUDA GPU")

@@ -23,7 +23,7 @@ from benchmarks.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 GPU = "NVIDIA H200"
 QUICK = ["environment", "gpu-tests", "collectives-ws2", "cuda-graphs", "moe-low-latency", "sweep-eager",
-         "sweep-graph", "bench-moe", "bench-tp", "bench-tp-sp"]
+         "sweep-graph", "bench-moe", "bench-moe-ll", "bench-tp", "bench-tp-sp"]
 
 
 def _forbid(*_a, **_k):
@@ -44,7 +44,7 @@ def test_the_quick_plan_fits_eight_minutes_and_runs_the_steps_in_order(monkeypat
     lib = tmp_path / "libnccl.so.2"
     lib.write_bytes(b"\0")
     out = _dry(tmp_path, *(["--nccl-lib", str(lib)] if with_lib else []))
-    total, budget = map(int, re.search(r"plan: 11 steps, (\d+) s of (\d+) s budget", out).groups())
+    total, budget = map(int, re.search(r"plan: 12 steps, (\d+) s of (\d+) s budget", out).groups())
     assert total <= budget == gq.QUICK_BUDGET_S == 8 * 60
     assert total == sum(gq.QUICK_BUDGETS.values())
     positions = [out.index(f"{i}. {name} (") for i, name in enumerate(["setup", *QUICK])]
@@ -64,7 +64,9 @@ def test_the_quick_plan_fits_eight_minutes_and_runs_the_steps_in_order(monkeypat
     assert sweep[sweep.index("-b") + 1] == "8" and sweep[sweep.index("-e") + 1] == "64M" and "-f" in sweep
     assert "--cuda-graph" not in sweep and graph[graph.index("--cuda-graph") + 1] == str(gq.GRAPH_CALLS)
     assert by["bench-tp-sp"][-1] == "--sequence-parallel" and "--sequence-parallel" not in by["bench-tp"]
-    for name in ("bench-moe", "bench-tp", "bench-tp-sp", "sweep-eager", "sweep-graph"):
+    assert by["bench-moe-ll"][by["bench-moe-ll"].index("--mode") + 1] == "low_latency"
+    assert {"--fp8", "--cuda-graph"} <= set(by["bench-moe-ll"])
+    for name in ("bench-moe", "bench-moe-ll", "bench-tp", "bench-tp-sp", "sweep-eager", "sweep-graph"):
         assert by[name][by[name].index("--device") + 1] == "cuda", name
     if with_lib:  # NCCL at 2 ranks: moecomm's nccl and ipc against torch.distributed NCCL
         assert {"--compare", "--peers"} <= set(sweep) and sweep[sweep.index("--transport") + 1] == "nccl,ipc"

@@ -78,7 +78,7 @@ def test_bench_moe_baseline_survives_a_busy_machine():
     stats = collectives.launch(_squat_released_ports, 2, o, timeout=30.0)[0]
     rows = [r for per_rank in stats for r in per_rank]
     assert sorted((int(r[0]), int(r[1])) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert all(r[-1] == 1 for r in rows)  # both implementations correct on both ranks
+    assert all(r[9] == 1 for r in rows)  # both implementations correct on both ranks (the ok field)
 
 
 def _fake_comm(single_node: bool):
@@ -201,3 +201,54 @@ def test_bench_moe_json_and_summary(tmp_path):
                                                                    (1, "moecomm"), (1, "torch-gloo")]
     assert all(r["ok"] and r["combine_us"] > 0 for r in doc["rows"])
     assert set(doc["x_faster_than_baseline"]) == {"dispatch", "combine", "dispatch+combine", "with the layout"}
+
+
+def test_bench_moe_low_latency_in_emulation_checks_every_variant(tmp_path, monkeypatch):
+    """--mode low_latency on the CPU: the dispatcher's kernels in Triton's interpreter, checked; times mean nothing."""
+    import json
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("MOECOMM_IPC_EMULATE", "1")  # the CLI sets it for its ranks; restored after the test
+    out = tmp_path / "ll.json"
+    res = CliRunner().invoke(main, ["bench-moe", "--mode", "low_latency", "--fp8", "--tokens", "8", "--hidden", "256",
+                                    "--experts", "8", "-k", "3", "--nprocs", "2", "--iters", "1", "--warmup", "0",
+                                    "-J", str(out)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    rows = [ln.split() for ln in res.output.splitlines() if ln.split() and ln.split()[0] in ("0", "1")]
+    assert sorted((r[0], r[1]) for r in rows) == sorted(
+        (str(rank), impl) for rank in range(2) for impl in ("moecomm", "torch-gloo", "moecomm-ll", "moecomm-ll-fp8"))
+    assert all(r[-1] == "ok" for r in rows), res.output
+    assert "the times mean nothing" in res.output
+    doc = json.loads(out.read_text())
+    assert set(doc["low_latency"]) == {"moecomm-ll", "moecomm-ll-fp8"}
+    ll = [r for r in doc["rows"] if r["impl"].startswith("moecomm-ll")]
+    # DeepEP's byte counts per sent (token, expert) selection: 8 tokens x top-3 per rank
+    assert {r["impl"]: r["dispatch_bytes"] for r in ll} == {"moecomm-ll": 24 * 512, "moecomm-ll-fp8": 24 * (256 + 8 + 16)}
+    assert all(r["combine_bytes"] == 24 * 512 for r in ll)
+    # every selection arrives somewhere: the ranks' received rows add up to both ranks' selections
+    assert sum(r["recv_rows"] for r in ll if r["impl"] == "moecomm-ll") == 2 * 24
+
+
+def test_bench_moe_low_latency_options(monkeypatch):
+    import torch
+
+    res = CliRunner().invoke(main, ["bench-moe", "--fp8", "--nprocs", "2"])
+    assert res.exit_code == 2 and "add --mode low_latency" in res.output
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = CliRunner().invoke(main, ["bench-moe", "--mode", "low_latency", "--cuda-graph", "10", "--nprocs", "2"])
+    assert res.exit_code == 2 and "needs a CUDA GPU" in res.output
+
+
+def test_low_latency_summary_ratios():
+    """x faster = the normal mode's (baseline's) layout + dispatch + combine / the variant's dispatch + combine."""
+    from benchmarks.bench_moe import IMPLS, low_latency_summary
+
+    mine, base, ll = IMPLS.index("moecomm"), IMPLS.index("torch-nccl"), IMPLS.index("moecomm-ll-fp8")
+    row = [0.0] * 13
+    stats = [[[r, mine, 0.001, 0.002, 0.003, *row[5:]], [r, base, 0.002, 0.004, 0.006, *row[5:]],
+              [r, ll, 0.0, 0.0001 * (r + 1), 0.0002, *row[5:]]] for r in range(2)]
+    got = low_latency_summary(stats)["moecomm-ll-fp8"]
+    t = 0.00015 + 0.0002
+    assert abs(got["dispatch+combine_us"] - t * 1e6) < 1e-9
+    assert abs(got["x_faster_than_normal"] - 0.006 / t) < 1e-9 and abs(got["x_faster_than_baseline"] - 0.012 / t) < 1e-9
+    assert low_latency_summary([[r[0]] for r in stats]) is None
