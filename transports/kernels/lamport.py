@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from .sync import OP_AVG, combine, done, rank_ptr, record_error, store_rounded
+from .sync import OP_AVG, _add, combine, done, rank_ptr, record_error, store_rounded
 
 _ABORT = tl.constexpr(L.ABORT)
 _ERROR = tl.constexpr(L.ERROR)
@@ -48,19 +48,6 @@ _SENTINEL = tl.constexpr(L.LAMPORT_SENTINEL_BITS)
 _S_MISMATCH = tl.constexpr(L.S_MISMATCH)
 _MAX_RANKS = tl.constexpr(L.MAX_RANKS)
 _META_WORDS = tl.constexpr(L.META_WORDS)
-
-# Sums go through tl.reduce with Triton's own sum combiner, not tl.sum: the standard library's jit
-# functions (tl.sum, tl.zeros) were defined for the GPU when triton was imported before
-# TRITON_INTERPRET was set, and the interpreter cannot call them; it sums with NumPy when it sees
-# this combiner.
-try:
-    from triton.language.standard import _sum_combine as _add
-except ImportError:  # pragma: no cover - another Triton: the interpreter then sums element by element
-
-    @triton.jit
-    def _add(a, b):
-        return a + b
-
 
 # ---- bookkeeping -------------------------------------------------------------------------------
 @triton.jit

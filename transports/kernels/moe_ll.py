@@ -51,26 +51,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from .sync import done, may_start, store_rounded, wait_flag
-
-try:
-    from triton.language.standard import _elementwise_max as _max
-    from triton.language.standard import _elementwise_min as _min
-    from triton.language.standard import _sum_combine as _add
-except ImportError:  # pragma: no cover - another Triton: the interpreter then reduces element by element
-
-    @triton.jit
-    def _add(a, b):
-        return a + b
-
-    @triton.jit
-    def _max(a, b):
-        return tl.maximum(a, b)
-
-    @triton.jit
-    def _min(a, b):
-        return tl.minimum(a, b)
-
+from .sync import _add, _max, _min, done, may_start, store_rounded, wait_flag
 
 # words of an exchange region (int64)
 D_ARRIVE, D_ACK, C_ARRIVE, C_ACK, D_ERR = 0, 16, 32, 48, 64

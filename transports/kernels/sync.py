@@ -19,6 +19,28 @@ import triton.language as tl
 
 from . import layout as L
 
+# Reductions go through tl.reduce with Triton's own combiners, not tl.sum/tl.max: the standard
+# library's jit functions were defined for the GPU when triton was imported before TRITON_INTERPRET
+# was set, and the interpreter cannot call them; it reduces with NumPy when it sees these combiners.
+try:
+    from triton.language.standard import _elementwise_max as _max
+    from triton.language.standard import _elementwise_min as _min
+    from triton.language.standard import _sum_combine as _add
+except ImportError:  # pragma: no cover - another Triton: the interpreter then reduces element by element
+
+    @triton.jit
+    def _add(a, b):
+        return a + b
+
+    @triton.jit
+    def _max(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _min(a, b):
+        return tl.minimum(a, b)
+
+
 _ABORT = tl.constexpr(L.ABORT)
 _ERROR = tl.constexpr(L.ERROR)
 _COUNTS = tl.constexpr(L.COUNTS)
