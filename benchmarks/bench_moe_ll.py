@@ -22,7 +22,7 @@ LL_IMPLS = ("moecomm-ll", "moecomm-ll-fp8", "moecomm-ll-graph", "moecomm-ll-fp8-
 
 
 def dispatch_bytes(selections: int, hidden: int, fp8: bool) -> int:
-    """DeepEP's low-latency count of what a rank's dispatch sends (tests/test_low_latency.py)."""
+    """DeepEP's low-latency count of what a rank's dispatch sends (its test_low_latency.py)."""
     return selections * ((hidden + hidden // 128 * 4 + 16) if fp8 else hidden * 2)
 
 
