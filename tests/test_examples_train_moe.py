@@ -5,7 +5,8 @@ tensor/expert parallel) agrees with the one-process run within 1e-9, losses and 
 The second test shows that this check has teeth: the same script with the usual data-parallel
 mistake (every gradient summed over the data-parallel group only, so the replicated norms and router,
 which see half the sequence on each model-parallel rank, keep half their gradient) must exit 1 and
-say FAILED.
+say FAILED. It is in the slow tier (a second run of the example): `python -m pytest -m slow
+tests/test_examples_train_moe.py` runs it.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def test_train_moe_example_matches_one_process(tmp_path):
     assert lines[-1] == "2 x 2 ranks agree with one process within 1e-09: ok", out
 
 
+@pytest.mark.slow  # a second run of the example (about 15 s): `pytest -m slow` runs it
 @pytest.mark.skipif(_in_mpi_job(), reason="starts its own ranks")
 def test_train_moe_check_fails_when_gradients_are_reduced_over_dp_only(tmp_path):
     script = tmp_path / "dp_only.py"
