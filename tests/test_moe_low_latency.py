@@ -235,10 +235,11 @@ def _killed_in_dispatch(group, victim):
     if group.rank == victim:
         launch = t.launch_exchange
 
-        def die_after_send(kernel, *args, **const):
-            launch(kernel, *args, **const)
-            if kernel.__name__ == "ll_dispatch_send":
+        def die_after_send(*launches):
+            if launches[0][0].__name__ == "ll_dispatch_send":
+                launch(launches[0])
                 os._exit(3)
+            launch(*launches)
 
         t.launch_exchange = die_after_send
     t0 = time.monotonic()
@@ -326,3 +327,49 @@ def _differing(group):
 def test_ranks_constructing_with_different_sizes_raise_on_every_rank():
     for r in _ok(run_ranks(_differing, 2)):
         assert "arguments differ" in r and "hidden=256" in r and "hidden=512" in r, r
+
+
+def _error_between_kernels(group):
+    """On rank 1 an input error lands in the status block while a dispatch is between its two kernels
+    (as an earlier call's recv kernel records it on a GPU): the call still launches both, so no peer
+    waits for a missing half; the error raises at the next call, and the call after that works."""
+    from transports.ipc import IPCTransport
+    from transports.ipc_moe import IPCExpertExchange
+    from transports.kernels import layout as L
+
+    t = IPCTransport(group, eager_check=False)
+    ex = IPCExpertExchange(t, 4, M, H, torch.bfloat16, max_topk=KM)
+    if group.rank == 1:
+        bind = t._bind
+
+        def bind_then_record(kernel, const):
+            bound = bind(kernel, const)
+            if kernel.__name__ != "ll_dispatch_send":
+                return bound
+
+            def run(*args):
+                bound(*args)
+                t._status[L.S_INPUT] = (L.INPUT_BAD_ID + 256 * 9) * L.MAX_RANKS + 0
+            return run
+
+        t._bind = bind_then_record
+    outcome = []
+    for c in range(3):
+        x, idx, _ = _inputs(90 + c, group.rank, 5, 4, 2)
+        try:
+            outcome.append(("ok", ex.dispatch(x, idx)[3].tolist()))
+            t.synchronize()
+        except ValueError as e:
+            outcome.append(("ValueError", str(e)))
+        if group.rank == 1 and c == 0:
+            t._bind = bind
+    t.close()
+    return outcome
+
+
+def test_an_error_recorded_between_a_calls_kernels_raises_at_the_next_call_not_midway():
+    res = _ok(run_ranks(_error_between_kernels, 2, timeout=20.0))
+    assert [o[0] for o in res[0]] == ["ok", "ok", "ok"], res[0]
+    # rank 1: call 0 completes, its synchronize() raises the recorded error, calls 1 and 2 work
+    assert [o[0] for o in res[1]] == ["ok", "ValueError", "ok", "ok"], res[1]
+    assert "rank 0 passed expert id 9" in res[1][1][1], res[1]

@@ -901,11 +901,20 @@ class IPCTransport(Transport):
         self._more_regions.append(regions)
         return regions.sig_ptrs
 
-    def launch_exchange(self, kernel: Any, *args: Any, **constexprs: Any) -> None:
-        """Launch one of an exchange's kernels (``kernel(*args, sig_ptrs, status, max_spins,
-        **constexprs)``) as our collectives launch theirs: on our programs, counted for the
-        watchdog, earlier failures raised first (see :meth:`_launch`)."""
-        self._launch(kernel, *args, self._regions.sig_ptrs, self._status_arg, self._max_spins, **constexprs)
+    def launch_exchange(self, *launches: tuple[Any, tuple, dict]) -> None:
+        """Launch one call of an exchange: its kernels ``(kernel, args, constexprs)``, back to back,
+        each as ``kernel(*args, sig_ptrs, status, max_spins, **constexprs)`` on our programs and
+        counted for the watchdog, as :meth:`_launch` does. Earlier failures raise before the first
+        kernel only: a call that stopped between its kernels would leave its peers waiting for the
+        rest (an error recorded asynchronously meanwhile raises at the next call)."""
+        self._start()
+        tail = (self._regions.sig_ptrs, self._status_arg, self._max_spins)
+        for i, (kernel, args, constexprs) in enumerate(launches):
+            if i and not self._regions.capturing():
+                self._launched += 1  # counted as _start counts the first
+            self._bind(kernel, constexprs)(*args, *tail)
+        if self.eager_check:
+            self._check(completed=True)
 
     # ---- teardown ------------------------------------------------------------------------------
     def abort(self, why: str) -> None:

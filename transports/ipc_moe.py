@@ -20,16 +20,12 @@ import math
 import numpy as np
 import torch
 
-from .ipc import IPCTransport
+from .ipc import IPCTransport, _align
 from .kernels import layout as L
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _REGION_ALIGN = 256
 _COPY_WORDS = 1024  # int32 words a program copies per step
-
-
-def _align(n: int, a: int = _REGION_ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 def _pow2(n: int) -> int:
@@ -83,9 +79,9 @@ class IPCExpertExchange:
         item = dtype.itemsize
         self.row_bytes = _align(max(H * item, H + H // 32), 16)  # a staged row: bf16/fp32 data, or FP8 + scales
         off_cnt = self._k.WORDS * 8
-        off_info = off_cnt + _align(L.MAX_RANKS * self.local * 4)
-        off_rows = off_info + _align(self.local * P * M * 4)
-        off_comb = off_rows + _align(self.local * P * M * self.row_bytes)
+        off_info = off_cnt + _align(L.MAX_RANKS * self.local * 4, _REGION_ALIGN)
+        off_rows = off_info + _align(self.local * P * M * 4, _REGION_ALIGN)
+        off_comb = off_rows + _align(self.local * P * M * self.row_bytes, _REGION_ALIGN)
         self.region_bytes = off_comb + M * KM * H * item
         self.table = transport.peer_region(self.region_bytes)
         self.device = transport._device
@@ -156,10 +152,11 @@ class IPCExpertExchange:
             out, out2, w1, w2 = recv_x.view(torch.int32), self._no_words, H * self.dtype.itemsize // 4, 0
         info = torch.empty(rows, dtype=torch.int32, device=self.device)
         recv_count = torch.empty(Lc, dtype=torch.int32, device=self.device)
-        t.launch_exchange(self._k.ll_dispatch_send, x, topk_idx, T, K, err, self.table, t.rank, P,
-                          **self._send_const, FP8=bool(use_fp8))
-        t.launch_exchange(self._k.ll_dispatch_recv, out, out2, info, recv_count, self.table, t.rank, P,
-                          **self._recv_const, W1=w1, W2=w2)
+        t.launch_exchange(
+            (self._k.ll_dispatch_send, (x, topk_idx, T, K, err, self.table, t.rank, P),
+             {**self._send_const, "FP8": bool(use_fp8)}),
+            (self._k.ll_dispatch_recv, (out, out2, info, recv_count, self.table, t.rank, P),
+             {**self._recv_const, "W1": w1, "W2": w2}))
         if err:
             raise exc(message)
         return recv_x, scales, info, recv_count
@@ -188,6 +185,6 @@ class IPCExpertExchange:
         idx = topk_idx.to(torch.int64).contiguous()
         w = topk_weights.to(torch.float32).contiguous()
         out = torch.empty(T, H, dtype=self.dtype, device=self.device)
-        t.launch_exchange(self._k.ll_combine_send, y, info, recv_count, self.table, t.rank, P, **self._csend_const)
-        t.launch_exchange(self._k.ll_combine_recv, out, idx, w, T, K, self.table, t.rank, P, **self._crecv_const)
+        t.launch_exchange((self._k.ll_combine_send, (y, info, recv_count, self.table, t.rank, P), self._csend_const),
+                          (self._k.ll_combine_recv, (out, idx, w, T, K, self.table, t.rank, P), self._crecv_const))
         return out
