@@ -391,7 +391,7 @@ class IPCTransport(Transport):
                 now = time.monotonic()
                 if self._progress is None or self._progress[1] != done:
                     self._progress = (now, done)
-                reason = None
+                reason = aborted = None
                 try:
                     for r in range(self.size):
                         if r == me:
@@ -402,9 +402,8 @@ class IPCTransport(Transport):
                         except Exception:  # noqa: BLE001 - then the pid says enough
                             state = L.STATE_RUNNING
                         if state == L.STATE_ABORTED:
-                            reason = (PeerFailedError, f"rank {self._ranks[r]} aborted after a failure",
-                                      [self._ranks[r]])
-                            break
+                            aborted = aborted if aborted is not None else r
+                            continue
                         if (dead or state == L.STATE_CLOSED) and not self._finished_this_call(r):
                             # our kernel may be past its last barrier, ending: a gone peer counts
                             # when DONE has not moved between two looks at it
@@ -415,6 +414,12 @@ class IPCTransport(Transport):
                                 f"(pid {self._pids[r]}) died"
                             reason = (PeerFailedError, f"rank {self._ranks[r]} {why}", [self._ranks[r]])
                             break
+                    if reason is None and aborted is not None:
+                        # a peer aborted, usually after another one died: name the dead one, the cause
+                        dead = [q for q in range(len(self._pids)) if q != me and not pid_alive(self._pids[q])]
+                        r = dead[0] if dead else aborted
+                        reason = (PeerFailedError, f"rank {self._ranks[r]} (pid {self._pids[r]}) died" if dead else
+                                  f"rank {self._ranks[r]} aborted after a failure", [self._ranks[r]])
                     if reason is None and now - self._progress[0] >= self.timeout:
                         reason = (CollectiveTimeoutError, f"timed out after the timeout of {self.timeout:.1f}s", [])
                     if reason is not None:
