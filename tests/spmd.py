@@ -266,3 +266,27 @@ def write_rank_report(out: Path, report: dict, fill: Callable[[dict], None]) -> 
         report["error"] = traceback.format_exc()
     out.write_text(json.dumps(report))
     return report
+
+
+def mark_done(directory: str | os.PathLike, rank: int) -> None:
+    """Tell :func:`wait_done` in another rank that ``rank`` got past its part (a file in ``directory``)."""
+    Path(directory, f"done-{rank}").touch()
+
+
+def wait_done(directory: str | os.PathLike, ranks: Sequence[int], limit: float = 30.0) -> bool:
+    """Wait until every rank of ``ranks`` has called :func:`mark_done` on ``directory``, at most ``limit`` s.
+
+    A rank that must stay away (or stay alive) until its peers have seen what the test is about waits
+    here instead of sleeping a fixed time longer than their timeout: as long as needed, no longer.
+
+    Returns:
+        Whether they all did within ``limit``.
+    """
+    import time
+
+    deadline = time.monotonic() + limit
+    while not all(Path(directory, f"done-{r}").exists() for r in ranks):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

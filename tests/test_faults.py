@@ -12,7 +12,7 @@ import torch
 
 import collectives
 from collectives import CollectiveTimeoutError, PeerFailedError, RankFailedError
-from spmd import SHM_PATHS, UNDER_MPI, run, shm_segments, transports_under_test
+from spmd import SHM_PATHS, UNDER_MPI, mark_done, run, shm_segments, transports_under_test, wait_done
 
 
 def _catch(fn):
@@ -215,60 +215,68 @@ def test_rank_killed_in_a_timed_path_makes_others_raise(op, path):
     assert shm_segments() <= before
 
 
-def _body_absent(comm):
+def _body_absent(comm, flags):
     if comm.rank == 1:
-        time.sleep(6)  # never arrives within the others' timeout
+        wait_done(flags, [0, 2])  # never arrives: alive, away until the others have given up
         return "late"
     t0 = time.monotonic()
     try:
         comm.all_gather(torch.ones(2))
     except CollectiveTimeoutError as e:
         return type(e).__name__, str(e), e.missing_ranks, time.monotonic() - t0
+    finally:
+        mark_done(flags, comm.rank)
     return "no error"
 
 
 @pytestmark_spawn
 @pytest.mark.parametrize("path", SHM_PATHS)
-def test_absent_rank_times_out_naming_it(path):
-    res = collectives.launch(_body_absent, 3, timeout=2.0, return_exceptions=True, options=SHM_PATHS[path])
+def test_absent_rank_times_out_naming_it(path, tmp_path):
+    res = collectives.launch(_body_absent, 3, str(tmp_path), timeout=2.0, return_exceptions=True,
+                             options=SHM_PATHS[path])
     for r in (0, 2):
         name, msg, missing, waited = res[r]
         assert name == "CollectiveTimeoutError" and missing == [1] and "rank(s) [1]" in msg
         assert 1.5 < waited < 6, waited
 
 
-def _body_closed_peer(comm):
+def _body_closed_peer(comm, flags):
     if comm.rank == 0:
         comm.close()
-        time.sleep(3)
+        wait_done(flags, [1])  # alive (closed, not dead) until rank 1 has seen it
         return "closed"
     try:
         comm.barrier()
     except PeerFailedError as e:
         return str(e)
+    finally:
+        mark_done(flags, 1)
     return "no error"
 
 
 @pytestmark_spawn
-def test_peer_that_closed_makes_waiters_raise():
-    res = collectives.launch(_body_closed_peer, 2, timeout=30.0)
+def test_peer_that_closed_makes_waiters_raise(tmp_path):
+    res = collectives.launch(_body_closed_peer, 2, str(tmp_path), timeout=30.0)
     assert "rank 0 closed its communicator" in res[1]
 
 
-def _body_broken_after_failure(comm):
+def _body_broken_after_failure(comm, flags):
     if comm.rank == 1:
-        time.sleep(4)
+        wait_done(flags, [0])  # never calls: away until rank 0 is done
         return "late"
-    with pytest.raises(CollectiveTimeoutError):
-        comm.all_reduce(torch.ones(1))
-    with pytest.raises(collectives.CommunicatorBrokenError, match="create a new one"):
-        comm.all_reduce(torch.ones(1))
+    try:
+        with pytest.raises(CollectiveTimeoutError):
+            comm.all_reduce(torch.ones(1))
+        with pytest.raises(collectives.CommunicatorBrokenError, match="create a new one"):
+            comm.all_reduce(torch.ones(1))
+    finally:
+        mark_done(flags, 0)
     return "ok"
 
 
 @pytestmark_spawn
-def test_communicator_unusable_after_timeout_says_so():
-    assert collectives.launch(_body_broken_after_failure, 2, timeout=1.0)[0] == "ok"
+def test_communicator_unusable_after_timeout_says_so(tmp_path):
+    assert collectives.launch(_body_broken_after_failure, 2, str(tmp_path), timeout=1.0)[0] == "ok"
 
 
 # ---- shared memory hygiene ----------------------------------------------------------------------
