@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("triton")
 
 from ipc_harness import run_ranks  # noqa: E402
+from spmd import mark_done, wait_done  # noqa: E402
 from transports.base import (  # noqa: E402
     CommunicatorBrokenError,
     OpCode,
@@ -56,6 +57,9 @@ def _counting(t) -> dict:
     return counts
 
 
+CACHED_CALLS = 40  # half through the latency closure, half through all_reduce; nothing here counts calls
+
+
 def _no_host_wait(group, eager):
     from transports.ipc import IPCTransport
 
@@ -72,7 +76,7 @@ def _no_host_wait(group, eager):
     call(x.data_ptr(), out.data_ptr())  # the first call binds the launch
     counts = _counting(t)
     bad = 0
-    for i in range(200):
+    for i in range(CACHED_CALLS):
         out.zero_()
         if i % 2:
             call(x.data_ptr(), out.data_ptr())
@@ -94,12 +98,12 @@ def test_cached_calls_neither_read_signal_words_nor_synchronize(eager):
         assert res[0] == "ok", res
         bad, during, after, done = res[1]
         assert bad == 0
-        assert during == {"read": 0, "sync": 0}, during  # 200 calls, no host round trip
+        assert during == {"read": 0, "sync": 0}, during  # CACHED_CALLS calls, no host round trip
         assert after == {"read": 0, "sync": 1}, after  # synchronize(): one
-        assert done >= 201  # every kernel reported its end in the status block
+        assert done >= CACHED_CALLS + 1  # every kernel reported its end in the status block
 
 
-def _lazy_failure(group, how):
+def _lazy_failure(group, how, flags):
     from transports.ipc import IPCTransport
 
     t = IPCTransport(group, buffer_bytes=BUF, eager_check=False)
@@ -112,33 +116,36 @@ def _lazy_failure(group, how):
         if how == "killed":
             time.sleep(0.3)  # rank 0 is inside its kernel by now
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(group.timeout + 3.0)  # never arrives
+        wait_done(flags, [0])  # never arrives: away (not closed) until rank 0 is done
         t.close()
         return None
-    t0 = time.monotonic()
-    t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM, sig)  # returns: errors are read lazily
-    returned = time.monotonic() - t0
     try:
-        if how == "sync":
-            t.synchronize()
-        else:
+        t0 = time.monotonic()
+        t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM, sig)  # returns: errors are read lazily
+        returned = time.monotonic() - t0
+        try:
+            if how == "sync":
+                t.synchronize()
+            else:
+                t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM, sig)
+            outcome = ("no error", "", [])
+        except Exception as e:  # noqa: BLE001 - inspected by the test
+            outcome = (type(e).__name__, str(e), getattr(e, "missing_ranks", None))
+        raised = time.monotonic() - t0
+        try:
             t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM, sig)
-        outcome = ("no error", "", [])
-    except Exception as e:  # noqa: BLE001 - inspected by the test
-        outcome = (type(e).__name__, str(e), getattr(e, "missing_ranks", None))
-    raised = time.monotonic() - t0
-    try:
-        t.all_reduce(x, torch.empty_like(x), ReduceOp.SUM, sig)
-        later = "no error"
-    except CommunicatorBrokenError:
-        later = "broken"
+            later = "no error"
+        except CommunicatorBrokenError:
+            later = "broken"
+    finally:
+        mark_done(flags, 0)
     t.close()
     return outcome, returned, raised, later, name
 
 
 @pytest.mark.parametrize("how", ["next_call", "sync", "killed"])
-def test_a_failure_surfaces_at_the_next_call_or_synchronize_naming_the_rank(how):
-    results = run_ranks(_lazy_failure, 2, how, timeout=2.0)
+def test_a_failure_surfaces_at_the_next_call_or_synchronize_naming_the_rank(how, tmp_path):
+    results = run_ranks(_lazy_failure, 2, how, str(tmp_path), timeout=2.0)
     assert results[0][0] == "ok", results[0]
     (kind, msg, missing), returned, raised, later, name = results[0][1]
     if how == "killed":
