@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from ipc_harness import run_ranks  # noqa: E402
+from spmd import mark_done, wait_done  # noqa: E402
 from transports.base import (  # noqa: E402
     CollectiveTimeoutError,
     CommunicatorBrokenError,
@@ -69,8 +70,9 @@ def _sizes(n: int, itemsize: int) -> list[int]:
     return [0, 1, 37, 5 * n + 1, BUF // itemsize + 3 * n + 1]
 
 
-def _matrix(group, dtypes=FLOATS + INTS):
-    """Every cell on this rank for ``dtypes``; returns (failures, digests of all_reduce outputs)."""
+def _matrix(group, dtypes=FLOATS + INTS, ops=None):
+    """Every cell on this rank for ``dtypes`` (reductions: every op, or ``ops = (float ops, integer
+    ops)``); returns (failures, digests of all_reduce outputs)."""
     from transports.ipc import IPCTransport
 
     t = IPCTransport(group, buffer_bytes=BUF)
@@ -87,9 +89,10 @@ def _matrix(group, dtypes=FLOATS + INTS):
     try:
         for dtype in dtypes:
             item = torch.empty(0, dtype=dtype).element_size()
-            ops = OPS if dtype in FLOATS else ("sum", "max", "min")
+            ops_of = (OPS, ("sum", "max", "min")) if ops is None else ops
+            ops_of = ops_of[0] if dtype in FLOATS else ops_of[1]
             for numel in _sizes(n, item):
-                for op in ops:
+                for op in ops_of:
                     rop = ReduceOp.parse(op)
                     for algo, limit in (("one_shot", 1 << 62), ("two_shot", 0)):
                         seed += 1  # fresh inputs per call: stale buffer contents must not pass
@@ -139,19 +142,27 @@ def _matrix(group, dtypes=FLOATS + INTS):
 
 # What depends on the rank count (partitions, chunk windows, all_to_all tables) runs at 3 and 4 ranks
 # for one float, bfloat16 and one integer type; what depends on the dtype alone (accumulators, the
-# bfloat16 and float16 rounding, integer widths) runs at 2 ranks for all of them. Under the
+# bfloat16 and float16 rounding, integer widths, every op's combiner) runs at 2 ranks for all of them.
+# At 3 ranks the reductions take two ops each, avg (sum, then a division by 3) and max (NaN from one
+# rank) for the floats, sum and min for int64; the slow tier's 4 ranks take every op. Under the
 # interpreter on 2 cores the full matrix at 3 and 4 ranks took 3 minutes of the suite.
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_every_collective_dtype_op_and_size(ranks):
     dtypes = FLOATS + INTS if ranks == 2 else (torch.float32, torch.bfloat16, torch.int64)
-    results = run_ranks(_matrix, ranks, dtypes, timeout=120.0)
+    ops = (("avg", "max"), ("sum", "min")) if ranks == 3 else None
+    results = run_ranks(_matrix, ranks, dtypes, ops, timeout=120.0)
     errors = [r[1] for r in results if r[0] != "ok"]
     assert not errors, errors
     fails = [f for r in results for f in r[1][0]]
     assert not fails, f"{len(fails)} failing cells:\n" + "\n".join(fails[:60])
     digests = [r[1][1] for r in results]
     assert all(d == digests[0] for d in digests), "all_reduce results differ across ranks"
-    assert len(digests[0]) > 100
+    ops_of = (OPS, ("sum", "max", "min")) if ops is None else ops
+    # one digest per all_reduce: (one- and two-shot) x size x op of every dtype
+    assert len(digests[0]) == sum(2 * len(_sizes(ranks, 1)) * len(ops_of[dt not in FLOATS]) for dt in dtypes)
+
+
+CALLS = 100  # sizes 1-7 in turn; EPOCH is an int64 that never wraps, so more calls check nothing new
 
 
 def _long_run(group):
@@ -162,7 +173,7 @@ def _long_run(group):
     bad = []
     try:
         start = t._regions.read(group.rank, L.EPOCH, 1)  # after creation's P2P probe (one all_gather)
-        for i in range(300):
+        for i in range(CALLS):
             x = _input(i, group.rank, 1 + i % 7, torch.float32)
             xs = [_input(i, r, 1 + i % 7, torch.float32) for r in range(group.size)]
             out = torch.empty_like(x)
@@ -176,12 +187,12 @@ def _long_run(group):
     return bad, epochs
 
 
-def test_300_calls_keep_epochs_in_step():
+def test_100_calls_keep_epochs_in_step():
     results = run_ranks(_long_run, 2, timeout=60.0)
     assert all(r[0] == "ok" for r in results), results
     for bad, epochs in (r[1] for r in results):
         assert bad == []
-        assert epochs == [600]  # two barriers a call, advanced by the kernel only
+        assert epochs == [2 * CALLS]  # two barriers a call, advanced by the kernel only
 
 
 def _killed_peer(group, victim):
@@ -225,7 +236,7 @@ def test_sigkilled_peer_makes_the_others_raise_naming_it():
     assert not [f for f in os.listdir("/dev/shm") if f == results[0][1][3]]
 
 
-def _stalled_or_closed(group, how):
+def _stalled_or_closed(group, how, flags):
     from transports.ipc import IPCTransport
 
     t = IPCTransport(group, buffer_bytes=BUF)
@@ -235,7 +246,7 @@ def _stalled_or_closed(group, how):
         if how == "close":
             t.close()
         else:
-            time.sleep(4.0)
+            wait_done(flags, [0])  # stalled: neither calls nor closes until rank 0 is done
             t.close()
         return None
     t0 = time.monotonic()
@@ -245,12 +256,13 @@ def _stalled_or_closed(group, how):
     except (CollectiveTimeoutError, PeerFailedError) as e:
         return (type(e).__name__, str(e), e.missing_ranks), time.monotonic() - t0
     finally:
+        mark_done(flags, 0)
         t.close()
 
 
 @pytest.mark.parametrize("how", ["close", "stall"])
-def test_closed_or_stalled_peer(how):
-    results = run_ranks(_stalled_or_closed, 2, how, timeout=1.5)
+def test_closed_or_stalled_peer(how, tmp_path):
+    results = run_ranks(_stalled_or_closed, 2, how, str(tmp_path), timeout=1.5)
     assert results[1][0] == "ok", results[1]
     assert results[0][0] == "ok", results[0]
     (kind, msg, missing), waited = results[0][1]
