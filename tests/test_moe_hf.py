@@ -97,12 +97,12 @@ def _expert_numel(model) -> int:
     return sum(p.numel() for _, m in experts_modules(model) for p in m.parameters(recurse=False))
 
 
-def _in_memory(comm) -> dict:
-    """expert_parallel on every family: the comparison, parameter counts, and the gathered checkpoint."""
+def _in_memory(comm, families: list) -> dict:
+    """expert_parallel on ``families``: the comparison, parameter counts, and the gathered checkpoint."""
     from moe.hf import expert_parallel, gather_experts_state_dict
 
     res = {}
-    for name in FAMILIES:
+    for name in families:
         ref = _tiny(name)
         model = copy.deepcopy(ref)
         full, experts = _numel(ref), _expert_numel(ref)
@@ -181,15 +181,26 @@ def _check(results: dict, families, size: int) -> None:
                 assert r["local_experts"] == [8 // size], (rank, name, r)
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_expert_parallel_in_memory_equals_one_process(size):
-    results = collectives.launch(_in_memory, size, transport="shm", timeout=120.0)
-    _check(results, FAMILIES, size)
+# Every family at 2 ranks; at 4 ranks (2 experts a rank) the default run takes the two whose
+# experts split least plainly: DeepSeek-V3 (group-limited routing, 4 groups of 2 experts: one group
+# a rank; shared experts, a dense first layer) and GPT-OSS (expert biases, the clamped SwiGLU). Every
+# family at 4 ranks, both entry points: the slow tier's [4-every] cases (tests/conftest.py SLOW).
+AT_4 = ["deepseek_v3", "gpt_oss"]
+FAMILY_SETS = {"every": list(FAMILIES), "two": AT_4, "deepseek_v3": ["deepseek_v3"]}
 
 
-@pytest.mark.parametrize("size,backend", [(2, "gloo"), (4, "gloo"), (2, "moecomm")])
-def test_distributed_config_ep_implementation_moecomm(size, backend, saved, tmp_path):
-    families = list(FAMILIES) if backend == "gloo" else ["deepseek_v3"]
+@pytest.mark.parametrize("size,families", [(2, "every"), (4, "two"), (4, "every")], ids=["2", "4", "4-every"])
+def test_expert_parallel_in_memory_equals_one_process(size, families):
+    families = FAMILY_SETS[families]
+    results = collectives.launch(_in_memory, size, families, transport="shm", timeout=120.0)
+    _check(results, families, size)
+
+
+@pytest.mark.parametrize("size,backend,families", [(2, "gloo", "every"), (4, "gloo", "two"),
+                                                   (2, "moecomm", "deepseek_v3"), (4, "gloo", "every")],
+                         ids=["2-gloo", "4-gloo", "2-moecomm", "4-gloo-every"])
+def test_distributed_config_ep_implementation_moecomm(size, backend, families, saved, tmp_path):
+    families = FAMILY_SETS[families]
     results = collectives.launch(_from_pretrained, size, saved, str(tmp_path / "init"), backend, families,
                                  transport="shm", timeout=180.0)
     _check(results, families, size)
