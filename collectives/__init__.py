@@ -18,12 +18,12 @@ from transports.settings import check_timeout, parse_options
 from ._factory import build_communicator as _build
 from ._p2p import P2POp, P2PWork
 from .communicator import Communicator
-from .launcher import RankFailedError, RemoteTraceback, launch
+from .launcher import RankFailedError, RemoteTraceback, launch, launch_preload
 from .rendezvous import detect_launch
 from .selection import Plan
 from .topology import Topology
 
-__all__ = ["init", "launch", "Communicator", "P2POp", "P2PWork", "Topology", "Plan", "CollectiveTimeoutError", "PeerFailedError",
+__all__ = ["init", "launch", "launch_preload", "Communicator", "P2POp", "P2PWork", "Topology", "Plan", "CollectiveTimeoutError", "PeerFailedError",
            "CommunicatorBrokenError", "RankFailedError", "RemoteTraceback", "detect_launch"]
 
 log = logging.getLogger("collectives")

@@ -77,6 +77,31 @@ def _refuse_inside_mpi() -> None:
             "launch start its own ranks")
 
 
+def launch_preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` once, beside torch and moecomm, before any rank is forked.
+
+    Each launched rank unpickles its function, importing the function's module and what that imports;
+    a module the server already holds costs nothing per rank. For a test suite whose bodies live in
+    modules that import pytest or other heavy packages, that is most of a short launch. Like
+    :func:`multiprocessing.set_forkserver_preload`, it must come before the server starts; a module
+    that fails to import there is imported again, and fails, in the rank that needs it.
+
+    Args:
+        modules: importable module names ("pytest", "mypkg.helpers").
+
+    Raises:
+        TypeError: a name that is not a non-empty str.
+        RuntimeError: after the first :func:`launch` of this process (its server has started).
+    """
+    bad = [m for m in modules if not isinstance(m, str) or not m]
+    if bad:
+        raise TypeError(f"launch_preload: module names must be non-empty strings, got {bad!r}")
+    if _ctx is not None:
+        raise RuntimeError("launch_preload: the fork server has started (a launch ran in this process); "
+                           "call launch_preload before the first launch")
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
 def _context() -> mp.context.BaseContext:
     global _ctx
     if _ctx is None:

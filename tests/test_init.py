@@ -88,6 +88,37 @@ def test_launch_ranks_see_the_callers_current_environment(monkeypatch):
     assert [s["shm_yield"] for s in collectives.launch(_settings_of, 2, timeout=60.0)] == [3, 3]
 
 
+def test_launch_preload_imports_modules_once_in_the_fork_server_and_only_before_the_first_launch(tmp_path):
+    """Ranks fork holding the preloaded module (a module not preloaded is absent); a later call is refused,
+    as are names that are not strings. In a fresh process: this one's fork server has started."""
+    for bad in ("", 3, None):
+        with pytest.raises(TypeError, match="launch_preload"):
+            collectives.launch_preload(bad)
+    script = tmp_path / "preload.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import collectives
+
+        def held(comm):
+            return ["xml.dom.minidom" in sys.modules, "wave" in sys.modules]
+
+        if __name__ == "__main__":
+            import transports.shm  # the server's own preload, so that the check below means something
+            assert "xml.dom.minidom" not in sys.modules and "wave" not in sys.modules
+            collectives.launch_preload("xml.dom.minidom")
+            print(collectives.launch(held, 2, timeout=60.0, transport="shm"))
+            try:
+                collectives.launch_preload("wave")
+            except RuntimeError as e:
+                print("refused:", e)
+        """))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=_env(),
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines()[0] == "[[True, False], [True, False]]", p.stdout
+    assert "refused: launch_preload: the fork server has started" in p.stdout, p.stdout
+
+
 def test_init_options_override_launch_detection(monkeypatch):
     """options={"launch": "single"} wins over a torchrun environment (no store is contacted); bad
     launch settings and thread counts raise."""
