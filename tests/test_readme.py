@@ -63,10 +63,19 @@ def test_readme_python_block_runs_as_written(index, tmp_path):
     if "dist.init_process_group(" in code:
         commands.append([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                          str(script)])
-    for cmd in commands:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
+    # side by side (each is mostly one interpreter importing torch): the block's wall time is its slowest run
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                              cwd=tmp_path) for cmd in commands]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for cmd, p, (out, err) in zip(commands, procs, outs):
         assert p.returncode == 0, f"README python block {index} failed under {shlex.join(cmd[:-1])}:\n{code}\n" \
-                                  f"{p.stdout[-3000:]}{p.stderr[-5000:]}"
+                                  f"{out[-3000:]}{err[-5000:]}"
 
 
 def _moecomm_lines() -> list[list[str]]:
