@@ -210,16 +210,23 @@ def test_init_retry_meets_the_peers_under_torchrun(tmp_path):
     and with RANK/WORLD_SIZE/MASTER_* set by hand (rank 0 hosts the store)."""
     job = tmp_path / "retry_job.py"
     job.write_text(_RETRY_JOB)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "--max-restarts", "1", "--monitor-interval", "0.1", str(job)],
-                       capture_output=True, text=True, timeout=180, env=_env())
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    _check_retry_reports(p.stdout, p.stderr)
-
+    # the two jobs run side by side (each is mostly interpreters importing torch)
     common = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     procs = [subprocess.Popen([sys.executable, str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=_env(RANK=str(r), LOCAL_RANK=str(r), **common)) for r in range(2)]
-    outs = [p.communicate(timeout=180) for p in procs]
+    try:
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "--max-restarts", "1", "--monitor-interval", "0.1", str(job)],
+                           capture_output=True, text=True, timeout=180, env=_env())
+        outs = [q.communicate(timeout=180) for q in procs]
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+                q.wait()
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    _check_retry_reports(p.stdout, p.stderr)
+
     assert all(p.returncode == 0 for p in procs), "\n".join(o + e[-4000:] for o, e in outs)
     _check_retry_reports("".join(o for o, _ in outs), "".join(e for _, e in outs))
 
