@@ -11,6 +11,7 @@ import argparse
 import glob
 import json
 import os
+import subprocess
 import traceback
 import zlib
 from pathlib import Path
@@ -290,3 +291,33 @@ def wait_done(directory: str | os.PathLike, ranks: Sequence[int], limit: float =
             return False
         time.sleep(0.02)
     return True
+
+
+def run_side_by_side(commands: Sequence[Sequence[str]], *, timeout: float, envs: Sequence[dict] | None = None,
+                     cwd: str | os.PathLike | None = None) -> list[subprocess.CompletedProcess]:
+    """Run ``commands`` at the same time (each mostly an interpreter importing torch on one core), text output
+    captured; those still running at ``timeout`` s (or when waiting fails) are killed.
+
+    Args:
+        commands: the command lines.
+        timeout: seconds for all of them together.
+        envs: one environment per command (default: this process's).
+        cwd: their working directory.
+
+    Returns:
+        Their completed processes, in the order of ``commands``.
+    """
+    import time
+
+    envs = list(envs) if envs is not None else [None] * len(commands)
+    procs = [subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+             for cmd, env in zip(commands, envs)]
+    deadline = time.monotonic() + timeout
+    try:
+        outs = [p.communicate(timeout=max(0.1, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]

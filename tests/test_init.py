@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import collectives
-from spmd import UNDER_MPI, mpiexec_path
+from spmd import UNDER_MPI, mpiexec_path, run_side_by_side
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -210,25 +210,17 @@ def test_init_retry_meets_the_peers_under_torchrun(tmp_path):
     and with RANK/WORLD_SIZE/MASTER_* set by hand (rank 0 hosts the store)."""
     job = tmp_path / "retry_job.py"
     job.write_text(_RETRY_JOB)
-    # the two jobs run side by side (each is mostly interpreters importing torch)
+    # the torchrun job and the hand-set one run side by side
     common = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    procs = [subprocess.Popen([sys.executable, str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env(RANK=str(r), LOCAL_RANK=str(r), **common)) for r in range(2)]
-    try:
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            "--max-restarts", "1", "--monitor-interval", "0.1", str(job)],
-                           capture_output=True, text=True, timeout=180, env=_env())
-        outs = [q.communicate(timeout=180) for q in procs]
-    finally:
-        for q in procs:
-            if q.poll() is None:
-                q.kill()
-                q.wait()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--max-restarts", "1", "--monitor-interval", "0.1", str(job)]
+    p, *procs = run_side_by_side([torchrun] + [[sys.executable, str(job)]] * 2, timeout=180,
+                                 envs=[_env()] + [_env(RANK=str(r), LOCAL_RANK=str(r), **common) for r in range(2)])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     _check_retry_reports(p.stdout, p.stderr)
 
-    assert all(p.returncode == 0 for p in procs), "\n".join(o + e[-4000:] for o, e in outs)
-    _check_retry_reports("".join(o for o, _ in outs), "".join(e for _, e in outs))
+    assert all(q.returncode == 0 for q in procs), "\n".join(q.stdout + q.stderr[-4000:] for q in procs)
+    _check_retry_reports("".join(q.stdout for q in procs), "".join(q.stderr for q in procs))
 
 
 _MPI_LAUNCH_JOB = textwrap.dedent("""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd import mpiexec_path
+from spmd import mpiexec_path, run_side_by_side
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -63,19 +63,10 @@ def test_readme_python_block_runs_as_written(index, tmp_path):
     if "dist.init_process_group(" in code:
         commands.append([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                          str(script)])
-    # side by side (each is mostly one interpreter importing torch): the block's wall time is its slowest run
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                              cwd=tmp_path) for cmd in commands]
-    try:
-        outs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for cmd, p, (out, err) in zip(commands, procs, outs):
+    # side by side: the block takes its slowest run's time
+    for cmd, p in zip(commands, run_side_by_side(commands, timeout=180, envs=[_env()] * len(commands), cwd=tmp_path)):
         assert p.returncode == 0, f"README python block {index} failed under {shlex.join(cmd[:-1])}:\n{code}\n" \
-                                  f"{out[-3000:]}{err[-5000:]}"
+                                  f"{p.stdout[-3000:]}{p.stderr[-5000:]}"
 
 
 def _moecomm_lines() -> list[list[str]]:
