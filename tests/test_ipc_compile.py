@@ -3,22 +3,30 @@ backend and the ptxas it ships run on the CPU. Catches what the interpreter acce
 compiler does not (operand types of atomics, loop-carried types), and checks the barrier's PTX:
 system-scope release exchanges, acquire loads, and block-wide bar.sync around them.
 
-Runs in a subprocess: this pytest process defines the kernels under the interpreter.
+Runs in subprocesses (two, side by side, each compiling half the kernels): this pytest process defines
+the kernels under the interpreter.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("triton")
 
+if __name__ != "__main__":  # under pytest; the compiling subprocess (below) needs no harness
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ipc_harness import sm90_triton_cache  # noqa: F401 - the sm_90 compile cache test_ipc_lazy shares
+    from spmd import run_side_by_side
 
-def _compile_all() -> dict:
+SHARDS = 2  # compiling is one core's work: the shards share the kernels out over the machine's cores
+
+
+def _compile_all(shard: int = 0, shards: int = 1) -> dict:
+    """Compile every ``shards``-th kernel of the list, from the ``shard``-th (the test runs the shards side by side)."""
     os.environ.pop("TRITON_INTERPRET", None)
     import re
 
@@ -89,7 +97,7 @@ def _compile_all() -> dict:
         [(key, lamport, name, sig, cx) for key, name, sig, cx in lamport_jobs] + \
         [(key, moe_ll, name, sig, cx) for key, name, sig, cx in ll_jobs]
     report = {}
-    for name, module, kernel, signature, constexprs in everything:
+    for name, module, kernel, signature, constexprs in everything[shard::shards]:
         fn = getattr(module, kernel)
         try:
             src = ASTSource(fn, signature=signature,
@@ -104,15 +112,18 @@ def _compile_all() -> dict:
     return report
 
 
-def test_every_kernel_compiles_for_sm90_with_system_scope_barriers(tmp_path):
+def test_every_kernel_compiles_for_sm90_with_system_scope_barriers(sm90_triton_cache):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env["TRITON_CACHE_DIR"] = sm90_triton_cache
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    procs = run_side_by_side([[sys.executable, os.path.abspath(__file__), str(i), str(SHARDS)] for i in range(SHARDS)],
+                             timeout=300, envs=[env] * SHARDS, cwd=root)
+    report = {}
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert len(report) == 17, sorted(report)  # every kernel of the list, from one shard or the other
     failed = {k: v["error"] for k, v in report.items() if not v["ok"]}
     assert not failed, failed
     assert all(v["cubin"] for v in report.values())
@@ -147,4 +158,4 @@ def test_every_kernel_compiles_for_sm90_with_system_scope_barriers(tmp_path):
 
 
 if __name__ == "__main__":
-    print(json.dumps(_compile_all()))
+    print(json.dumps(_compile_all(*map(int, sys.argv[1:3]))))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -19,8 +18,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from ipc_harness import run_ranks  # noqa: E402
-from spmd import mark_done, wait_done  # noqa: E402
+from ipc_harness import run_ranks, sm90_triton_cache  # noqa: E402,F401 - the shared sm_90 compile cache
+from spmd import mark_done, run_side_by_side, wait_done  # noqa: E402
 from transports.base import (  # noqa: E402
     CommunicatorBrokenError,
     OpCode,
@@ -285,7 +284,7 @@ def _compile_recorded(launches: list) -> dict:
     return report
 
 
-def test_pre_bound_arguments_match_the_sm90_compiled_signature(tmp_path):
+def test_pre_bound_arguments_match_the_sm90_compiled_signature(sm90_triton_cache):  # noqa: F811 - the fixture
     results = run_ranks(_record_launches, 2, timeout=120.0)
     assert results[0][0] == "ok", results[0]
     launches = results[0][1]
@@ -294,15 +293,18 @@ def test_pre_bound_arguments_match_the_sm90_compiled_signature(tmp_path):
             "all_to_all_stage", "all_to_all_pull", "barrier_kernel", "all_reduce_lamport",
             "all_reduce_rmsnorm_lamport"} <= names, names
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env["TRITON_CACHE_DIR"] = sm90_triton_cache
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + os.path.join(root, "tests") + os.pathsep + env.get("PYTHONPATH", "")
+    # two subprocesses side by side, each compiling every other launch (compiling is one core's work)
     code = ("import json, sys; from test_ipc_lazy import _compile_recorded; "
-            "print(json.dumps(_compile_recorded(json.loads(sys.stdin.read()))))")
-    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(launches), env=env, capture_output=True,
-                          text=True, timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+            "print(json.dumps(_compile_recorded(json.loads(sys.argv[1]))))")
+    procs = run_side_by_side([[sys.executable, "-c", code, json.dumps(launches[i::2])] for i in range(2)],
+                             timeout=600, envs=[env] * 2, cwd=root)
+    report = {}
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report.update(json.loads(proc.stdout.strip().splitlines()[-1]))
     width = {"i32": "u32", "i64": "u64", "i1": "pred", "fp32": "f32"}
     for name, sig, const, nfull, order_ok in launches:
         got = report[f"{name}{sorted(const.items())}"]
