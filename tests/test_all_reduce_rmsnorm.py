@@ -4,15 +4,12 @@ epilogue) against its definition as a composition, on every host transport.
 The composed path (the default of every transport) must equal ``all_reduce`` + the torch ops bit for bit;
 a transport that fuses the call is stood in for by a fake hook on the shm transport, which checks what
 the communicator hands a fused transport (contiguous [rows, H] tensors, in place where allowed). The mpi
-transport's run is this module under mpiexec (:func:`test_under_mpiexec`).
+transport's run is this module under mpiexec (tests/test_launch_modes.py::test_collective_suite_under_mpiexec).
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import zlib
@@ -22,7 +19,7 @@ import pytest
 import torch
 
 import collectives
-from spmd import UNDER_MPI, mpiexec_path, outcome, rank_input, run
+from spmd import UNDER_MPI, outcome, rank_input, run
 from transports.base import CommunicatorBrokenError, PeerFailedError, ReduceOp
 
 HERE = Path(__file__).resolve().parent
@@ -318,18 +315,3 @@ def test_an_interrupted_call_breaks_the_communicator_and_the_peer_raises():
     (kind, msg), closed = first
     assert closed and kind == CommunicatorBrokenError.__name__ and "KeyboardInterrupt" in msg, first
     assert second[0] == PeerFailedError.__name__ and "rank 0" in second[1] and second[2] < 10.0, second
-
-
-# ---- the mpi transport ----------------------------------------------------------------------------------
-@pytest.mark.skipif(UNDER_MPI or mpiexec_path() is None, reason="starts its own mpiexec")
-def test_under_mpiexec():
-    """The values and errors cases through the mpi transport: this module under `mpiexec -n 2` (the
-    3-rank values case skips there)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(HERE), env.get("PYTHONPATH")]))
-    env.pop("MOECOMM_TRANSPORT", None)
-    p = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        str(Path(__file__)), "-k", "values or bad_arguments"],
-                       check=False, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
-    assert p.stdout.count(" passed") == 2 and "failed" not in p.stdout, p.stdout[-2000:]

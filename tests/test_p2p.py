@@ -1,6 +1,7 @@
 """Point-to-point calls of the Communicator (collectives/_p2p.py) over shm (inline, single copy,
 staged), gloo and mpi (the mpi cases run when pytest itself runs under mpiexec:
-:func:`test_every_case_under_mpiexec` starts that), and of the torch backend.
+tests/test_launch_modes.py::test_collective_suite_under_mpiexec
+starts that), and of the torch backend.
 
 Issue 37 item 3: send/recv went through the rendezvous store (8 MiB at most, irecv blocked, so a
 batch with receives posted first deadlocked); none of the Communicator cases existed.
@@ -11,8 +12,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from spmd import UNDER_MPI, mpiexec_path, rank_input, run
+from spmd import UNDER_MPI, rank_input, run
 
 import collectives
 from collectives import P2POp
@@ -234,21 +233,6 @@ def _arg_errors_body(comm) -> list[str]:
 def test_bad_arguments_raise_locally():
     res = collectives.launch(_arg_errors_body, 2, transport="shm", timeout=20.0)
     assert res == [["ValueError", "ValueError", "ValueError", "TypeError", "ValueError", "TypeError"]] * 2
-
-
-@pytest.mark.skipif(UNDER_MPI or mpiexec_path() is None, reason="starts its own mpiexec")
-def test_every_case_under_mpiexec():
-    """This module's cases through the mpi transport: pytest itself under mpiexec (3 ranks: the 2-rank
-    cases skip there, but the 3-rank exchange, the mismatch and the silent-peer cases run at 3...)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(HERE), env.get("PYTHONPATH")]))
-    env.pop("MOECOMM_TRANSPORT", None)
-    for n, sel in ((3, "exchange or messages_of_every_kind"), (2, "mismatch or silent")):
-        p = subprocess.run([mpiexec_path(), "-n", str(n), sys.executable, "-m", "pytest", "-q", "-x",
-                            "-p", "no:cacheprovider", str(HERE / "test_p2p.py"), "-k", sel],
-                           check=False, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
-        assert " passed" in p.stdout and "failed" not in p.stdout, p.stdout[-2000:]
 
 
 # ---- the torch backend ------------------------------------------------------------------------------

@@ -2,15 +2,13 @@
 
 Every transport must give the result of a plain all_to_all when the counts are right, and make
 every rank raise ValueError naming the wrong rank and both counts when one rank's are wrong
-(shm and the transports without native support here; mpi under mpiexec; nccl with a fake NCCL
+(shm and the transports without native support here; mpi under mpiexec, started by
+tests/test_launch_modes.py::test_collective_suite_under_mpiexec; nccl with a fake NCCL
 module, since this machine has no GPU). ExpertDispatcher passes the counts its layout knows.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import types
 from pathlib import Path
@@ -123,22 +121,6 @@ def test_recv_counts_over_emulated_ipc():
     pytest.importorskip("triton")
     res = collectives.launch(_body_recv_counts, 3, transport="ipc", timeout=60.0, options={"ipc_emulate": 1})
     assert all(r == [] for r in res), [f"rank {r}: {f}" for r, fs in enumerate(res) for f in fs]
-
-
-@pytest.mark.skipif(spmd.UNDER_MPI, reason="starts mpiexec itself")
-def test_recv_counts_under_mpiexec():
-    """The test above as `mpiexec -n 3 python -m pytest`: the mpi transport's run (and shm's beside it)."""
-    mpiexec = spmd.mpiexec_path()
-    if mpiexec is None:
-        pytest.skip("no mpiexec (install the test extra: pip install '.[test]')")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(HERE), env.get("PYTHONPATH")]))
-    env.pop("MOECOMM_TRANSPORT", None)
-    p = subprocess.run([mpiexec, "-n", "3", sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        str(Path(__file__)), "-k", "raises_everywhere"],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
-    assert "2 passed" in p.stdout, p.stdout[-2000:]
 
 
 # ---- ExpertDispatcher hands its known counts to every all_to_all ---------------------------------
