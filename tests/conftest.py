@@ -41,6 +41,11 @@ SLOW: dict[str, str] = {
         "14 s; every family at 2 ranks and deepseek_v3 + gpt_oss at 4 ranks ([4]) stay",
     "test_moe_hf.py::test_distributed_config_ep_implementation_moecomm[4-gloo-every]":
         "19 s; every family at 2 ranks and deepseek_v3 + gpt_oss at 4 ranks ([4-gloo]) stay",
+    # seconds of a quiet run (2026-11-28, 908 s in all)
+    "test_ipc_lamport.py::test_lamport_every_dtype_op_and_size_bitwise_on_every_rank[4]":
+        "6.8 s; 2 ranks (every size, three passes) and 3 ranks stay",
+    "test_ipc_lamport.py::test_fused_all_reduce_rmsnorm_matches_the_composition[4]": "6.6 s; 2 and 3 ranks stay",
+    "test_tensor_parallel.py::test_region_functions_forward_and_backward[4]": "6.1 s; 2 and 3 ranks stay",
 }
 
 
