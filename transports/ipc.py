@@ -391,12 +391,14 @@ class IPCTransport(Transport):
                 now = time.monotonic()
                 if self._progress is None or self._progress[1] != done:
                     self._progress = (now, done)
-                reason = aborted = None
+                reason = aborted = died = None
                 try:
                     for r in range(self.size):
                         if r == me:
                             continue
                         dead = r < len(self._pids) and not pid_alive(self._pids[r])
+                        if dead and died is None:
+                            died = r
                         try:  # a dead exporter's GPU memory may be gone with it
                             state = int(self._regions.read(r, L.STATE, 1)[0])
                         except Exception:  # noqa: BLE001 - then the pid says enough
@@ -416,10 +418,9 @@ class IPCTransport(Transport):
                             break
                     if reason is None and aborted is not None:
                         # a peer aborted, usually after another one died: name the dead one, the cause
-                        dead = [q for q in range(len(self._pids)) if q != me and not pid_alive(self._pids[q])]
-                        r = dead[0] if dead else aborted
-                        reason = (PeerFailedError, f"rank {self._ranks[r]} (pid {self._pids[r]}) died" if dead else
-                                  f"rank {self._ranks[r]} aborted after a failure", [self._ranks[r]])
+                        r = aborted if died is None else died
+                        why = "aborted after a failure" if died is None else f"(pid {self._pids[r]}) died"
+                        reason = (PeerFailedError, f"rank {self._ranks[r]} {why}", [self._ranks[r]])
                     if reason is None and now - self._progress[0] >= self.timeout:
                         reason = (CollectiveTimeoutError, f"timed out after the timeout of {self.timeout:.1f}s", [])
                     if reason is not None:
