@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import subprocess
+import time
 import traceback
 import zlib
 from pathlib import Path
@@ -96,6 +97,30 @@ def run(body: Callable[..., Any], nprocs: int, *args: Any, transport: str = "shm
 def shm_segments() -> set[str]:
     """Names of this user's moecomm segments in /dev/shm (to check that none is left behind)."""
     return {os.path.basename(p) for p in glob.glob(f"/dev/shm/moecomm-{os.getuid()}-*")}
+
+
+def _creator_alive(name: str) -> bool:
+    """Whether the process that created segment ``name`` (moecomm-UID-PID-TOKEN) still runs."""
+    try:
+        os.kill(int(name.split("-")[2]), 0)
+    except (IndexError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def left_behind(before: set[str], grace: float = 5.0) -> set[str]:
+    """The segments created since ``before`` that nobody will remove: their creator has exited, or is
+    this process. Segments of processes still running belong to another test (pytest-xdist runs two
+    at once) and are not counted. Waits up to ``grace`` seconds for peers that are still unlinking."""
+    deadline = time.monotonic() + grace
+    while True:
+        left = {n for n in shm_segments() - before
+                if n.split("-")[2:3] == [str(os.getpid())] or not _creator_alive(n)}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 def rank_input(kind: str, rank: int, shape: Sequence[int], dtype: torch.dtype, seed: int) -> torch.Tensor:
