@@ -338,16 +338,22 @@ def test_forced_transport_unavailable_says_what_to_do(monkeypatch):
         assert comm.plan("all_reduce", torch.ones(3)).reason.startswith("forced")
 
 
+@pytest.mark.skipif(UNDER_MPI, reason="one process against another: the spawned suite checks it")
 def test_signature_digest_is_the_same_in_every_process():
-    """The fast agreement check compares digests across processes, so they must not be salted."""
+    """The fast agreement check compares digests across processes, so they must not be salted: a
+    process whose string hashes differ from this one's (another PYTHONHASHSEED) computes the same."""
     import subprocess
     import sys
 
-    code = ("from transports.base import Signature, OpCode; import torch; "
+    from transports.base import OpCode, Signature
+
+    code = ("from transports.base import Signature, OpCode; import torch; print(hash('moecomm')); "
             "print(Signature.of(OpCode.ALL_REDUCE, dtype=torch.float32, shape=(3, 5)).value)")
-    values = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
-    assert len(values) == 1
+    seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"  # not this process's seed
+    their_hash, their_digest = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                              check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout.split()
+    assert int(their_hash) != hash("moecomm"), "the other process hashes strings as this one does"
+    assert their_digest == str(Signature.of(OpCode.ALL_REDUCE, dtype=torch.float32, shape=(3, 5)).value)
 
 
 # ---- local errors reach the peers (adversarial findings 5, 6, 8, 12, 14) --------------------------
