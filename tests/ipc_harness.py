@@ -81,14 +81,3 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60
                 p.kill()
                 p.join()
     return results
-
-
-@pytest.fixture(scope="session")
-def sm90_triton_cache(tmp_path_factory) -> str:
-    """One TRITON_CACHE_DIR for the tests that compile the kernels for sm_90 in a subprocess
-    (test_ipc_compile, test_ipc_lazy): a kernel compiled with the same signature and constexprs
-    by the second is a cache hit. Its path is fixed under the session's base temp, so the
-    modules that import this fixture (one FixtureDef each) share it; fresh every session."""
-    path = tmp_path_factory.getbasetemp() / "sm90-triton-cache"
-    path.mkdir(exist_ok=True)
-    return str(path)

@@ -3,8 +3,11 @@ backend and the ptxas it ships run on the CPU. Catches what the interpreter acce
 compiler does not (operand types of atomics, loop-carried types), and checks the barrier's PTX:
 system-scope release exchanges, acquire loads, and block-wide bar.sync around them.
 
-Runs in subprocesses (two, side by side, each compiling half the kernels): this pytest process defines
-the kernels under the interpreter.
+Also checks the ipc transport's pre-bound launches (transports/_ipc_launch.py): every launch it
+makes, recorded in emulated ranks, has the argument list that the kernel compiled for sm_90 takes.
+
+Runs in subprocesses (two, side by side, each compiling half of the kernels and half of the recorded
+launches): this pytest process defines the kernels under the interpreter.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ pytest.importorskip("triton")
 
 if __name__ != "__main__":  # under pytest; the compiling subprocess (below) needs no harness
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from ipc_harness import sm90_triton_cache  # noqa: F401 - the sm_90 compile cache test_ipc_lazy shares
+    import torch
+
+    from ipc_harness import run_ranks
     from spmd import run_side_by_side
+    from transports.base import OpCode, ReduceOp, Signature
 
 SHARDS = 2  # compiling is one core's work: the shards share the kernels out over the machine's cores
 
@@ -112,17 +118,32 @@ def _compile_all(shard: int = 0, shards: int = 1) -> dict:
     return report
 
 
-def test_every_kernel_compiles_for_sm90_with_system_scope_barriers(sm90_triton_cache):
+@pytest.fixture(scope="module")
+def sm90(tmp_path_factory) -> tuple[dict, list, dict]:
+    """The kernels of ``_compile_all``'s list and every launch the transport makes, compiled for sm_90
+    in SHARDS subprocesses side by side: (list reports, recorded launches, their reports)."""
+    results = run_ranks(_record_launches, 2, timeout=120.0)
+    assert results[0][0] == "ok", results[0]
+    launches = results[0][1]
+    recorded = tmp_path_factory.mktemp("sm90") / "launches.json"
+    recorded.write_text(json.dumps(launches))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = sm90_triton_cache
+    env["TRITON_CACHE_DIR"] = str(recorded.parent / "triton-cache")  # the shards' common cache
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    procs = run_side_by_side([[sys.executable, os.path.abspath(__file__), str(i), str(SHARDS)] for i in range(SHARDS)],
-                             timeout=300, envs=[env] * SHARDS, cwd=root)
-    report = {}
+    procs = run_side_by_side([[sys.executable, os.path.abspath(__file__), str(i), str(SHARDS), str(recorded)]
+                              for i in range(SHARDS)], timeout=600, envs=[env] * SHARDS, cwd=root)
+    listed, compiled = {}, {}
     for proc in procs:
         assert proc.returncode == 0, proc.stderr[-3000:]
-        report.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        listed.update(out["listed"])
+        compiled.update(out["recorded"])
+    return listed, launches, compiled
+
+
+def test_every_kernel_compiles_for_sm90_with_system_scope_barriers(sm90):
+    report = sm90[0]
     assert len(report) == 17, sorted(report)  # every kernel of the list, from one shard or the other
     failed = {k: v["error"] for k, v in report.items() if not v["ok"]}
     assert not failed, failed
@@ -157,5 +178,102 @@ def test_every_kernel_compiles_for_sm90_with_system_scope_barriers(sm90_triton_c
         assert "bar.sync" in ops, (name, ops)
 
 
+# ---- pre-bound launches against triton.compile for sm_90 ------------------------------------------
+def _record_launches(group):
+    """Every (kernel, runtime argument types, constexprs, full argument list) the transport launches."""
+    from transports import _ipc_launch
+    from transports.ipc import IPCTransport
+
+    seen = {}
+    real = _ipc_launch.BoundKernel.__call__
+
+    def record(self, *args, key=None):
+        name = self.kernel.__name__ if hasattr(self.kernel, "__name__") else self.kernel.fn.__name__
+        sig = self.signature(args)
+        full = self.full_args(args)
+        const = {k: (v.name if hasattr(v, "name") else v) for k, v in self.constexprs.items()}
+        order_ok = all(full[self.names.index(k)] is v for k, v in self.constexprs.items())
+        seen.setdefault(f"{name}{sorted(const.items())}", (name, sig, const, len(full), order_ok))
+        return real(self, *args, key=key)
+
+    _ipc_launch.BoundKernel.__call__ = record
+    t = IPCTransport(group, buffer_bytes=1 << 14, one_shot_max_bytes=4096)
+    x = torch.randn(5000)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for v, op in ((x[:300].to(dtype), ReduceOp.SUM), (x.to(dtype), ReduceOp.MAX)):  # one-shot, two-shot
+            t.all_reduce(v, torch.empty_like(v), op, Signature.of(OpCode.ALL_REDUCE, dtype=v.dtype, shape=v.shape, op=op))
+    t.reduce_scatter(x[:64], torch.empty(32), ReduceOp.SUM,
+                     Signature.of(OpCode.REDUCE_SCATTER, dtype=x.dtype, shape=(64,), op=ReduceOp.SUM))
+    t.all_gather(x[:8], torch.empty(16), Signature.of(OpCode.ALL_GATHER, dtype=x.dtype, shape=(8,)))
+    t.broadcast(x[:8], torch.empty(8), 0, Signature.of(OpCode.BROADCAST, dtype=x.dtype, shape=(8,)))
+    t.all_to_all(x[:4], [2, 2], 1, lambda c: torch.empty(sum(c)),
+                 Signature.of(OpCode.ALL_TO_ALL, dtype=x.dtype, shape=(4,), compare_first_dim=False))
+    t.barrier(Signature.of(OpCode.BARRIER))
+    h = x[:96].reshape(3, 32)
+    t.all_reduce_rmsnorm(h, h.clone(), torch.ones(32), 1e-6, torch.empty_like(h), torch.empty_like(h),
+                         Signature.of(OpCode.ALL_REDUCE, dtype=h.dtype, shape=h.shape, op=ReduceOp.SUM))
+    t.close()
+    return list(seen.values())
+
+
+def _compile_recorded(launches: list) -> dict:
+    """In a process without the interpreter: compile each recorded launch for sm_90 and read the
+    kernel's parameters from its PTX."""
+    import re
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from transports.kernels import collectives
+
+    modules = [collectives]
+    try:
+        from transports.kernels import lamport
+
+        modules.append(lamport)
+    except ImportError:
+        pass
+    types = {d.name: d for d in (tl.float32, tl.float64, tl.int32, tl.int64)}
+    report = {}
+    for name, sig, const, nfull, _ in launches:
+        fn = next(getattr(m, name) for m in modules if hasattr(m, name))
+        cx = {(fn.arg_names.index(k),): (types[v] if isinstance(v, str) else v) for k, v in const.items()}
+        compiled = triton.compile(ASTSource(fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32))
+        ptx = compiled.asm["ptx"]
+        entry = ptx[ptx.index(".entry") : ptx.index(")", ptx.index(".entry"))]
+        params = re.findall(r"\.param \.(\w+)", entry)
+        report[f"{name}{sorted(const.items())}"] = {"params": params, "names": list(fn.arg_names),
+                                                     "src_sig": list(compiled.src.signature.items()),
+                                                     "not_specialized": [p.name for p in fn.params
+                                                                         if p.do_not_specialize]}
+    return report
+
+
+def test_pre_bound_arguments_match_the_sm90_compiled_signature(sm90):
+    _, launches, report = sm90
+    names = {entry[0] for entry in launches}
+    assert {"all_reduce_one_shot", "all_reduce_two_shot", "reduce_scatter", "all_gather", "broadcast",
+            "all_to_all_stage", "all_to_all_pull", "barrier_kernel", "all_reduce_lamport",
+            "all_reduce_rmsnorm_lamport"} <= names, names
+    width = {"i32": "u32", "i64": "u64", "i1": "pred", "fp32": "f32"}
+    for name, sig, const, nfull, order_ok in launches:
+        got = report[f"{name}{sorted(const.items())}"]
+        assert list(sig) == got["names"] and nfull == len(got["names"]), name  # every parameter, in order
+        assert order_ok, name  # constexprs in their places
+        assert [k for k, v in sig.items() if v == "constexpr"] == list(const), name
+        ours = [("u64" if v.startswith("*") else width[v]) for v in sig.values() if v != "constexpr"]
+        # the compiled entry takes our runtime arguments, in order and width, then Triton's own scratch pointers
+        assert got["params"][: len(ours)] == ours, (name, got["params"], ours)
+        assert all(p == "u64" for p in got["params"][len(ours):]) and len(got["params"]) - len(ours) <= 2, name
+        # no integer is specialized on its value (1, multiples of 16): a compiled variant then serves every value
+        ints = [k for k, v in sig.items() if v in ("i32", "i64")]
+        assert set(ints) <= set(got["not_specialized"]), (name, sorted(set(ints) - set(got["not_specialized"])))
+
+
 if __name__ == "__main__":
-    print(json.dumps(_compile_all(*map(int, sys.argv[1:3]))))
+    shard, shards = int(sys.argv[1]), int(sys.argv[2])
+    with open(sys.argv[3]) as f:
+        launches = json.load(f)
+    print(json.dumps({"listed": _compile_all(shard, shards), "recorded": _compile_recorded(launches[shard::shards])}))

@@ -1,5 +1,5 @@
 """The ipc transport's host path: no host wait per call, errors read lazily, symmetric tensors,
-and pre-bound launches that match what Triton compiles for the GPU.
+pre-bound launches (their arguments against what Triton compiles for the GPU: test_ipc_compile).
 
 Emulation (host provider + Triton's interpreter) in forked ranks; ``eager_check=False`` makes the
 transport read its status block only at the next call and at ``synchronize()``, as it does on a GPU.
@@ -7,10 +7,8 @@ transport read its status block only at the next call and at ``synchronize()``, 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 import time
 
 import pytest
@@ -18,8 +16,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from ipc_harness import run_ranks, sm90_triton_cache  # noqa: E402,F401 - the shared sm_90 compile cache
-from spmd import mark_done, run_side_by_side, wait_done  # noqa: E402
+from ipc_harness import run_ranks  # noqa: E402
+from spmd import mark_done, wait_done  # noqa: E402
 from transports.base import (  # noqa: E402
     CommunicatorBrokenError,
     OpCode,
@@ -210,117 +208,6 @@ def test_symmetric_tensors_reduce_in_place_without_staging():
         reports.append(report)
     for dtype in reports[0]:  # bitwise the same on every rank
         assert all(torch.equal(r[dtype][3], reports[0][dtype][3]) for r in reports), dtype
-
-
-# ---- pre-bound launches against triton.compile for sm_90 ------------------------------------------
-def _record_launches(group):
-    """Every (kernel, runtime argument types, constexprs, full argument list) the transport launches."""
-    from transports import _ipc_launch
-    from transports.ipc import IPCTransport
-
-    seen = {}
-    real = _ipc_launch.BoundKernel.__call__
-
-    def record(self, *args, key=None):
-        name = self.kernel.__name__ if hasattr(self.kernel, "__name__") else self.kernel.fn.__name__
-        sig = self.signature(args)
-        full = self.full_args(args)
-        const = {k: (v.name if hasattr(v, "name") else v) for k, v in self.constexprs.items()}
-        order_ok = all(full[self.names.index(k)] is v for k, v in self.constexprs.items())
-        seen.setdefault(f"{name}{sorted(const.items())}", (name, sig, const, len(full), order_ok))
-        return real(self, *args, key=key)
-
-    _ipc_launch.BoundKernel.__call__ = record
-    t = IPCTransport(group, buffer_bytes=BUF, one_shot_max_bytes=4096)
-    x = torch.randn(5000)
-    for dtype in (torch.float32, torch.bfloat16, torch.int64):
-        v = x[:300].to(dtype)
-        t.all_reduce(v, torch.empty_like(v), ReduceOp.SUM, _sig(v))
-        w = x.to(dtype)
-        t.all_reduce(w, torch.empty_like(w), ReduceOp.MAX, _sig(w, ReduceOp.MAX))
-    t.reduce_scatter(x[:64], torch.empty(32), ReduceOp.SUM,
-                     Signature.of(OpCode.REDUCE_SCATTER, dtype=x.dtype, shape=(64,), op=ReduceOp.SUM))
-    t.all_gather(x[:8], torch.empty(16), Signature.of(OpCode.ALL_GATHER, dtype=x.dtype, shape=(8,)))
-    t.broadcast(x[:8], torch.empty(8), 0, Signature.of(OpCode.BROADCAST, dtype=x.dtype, shape=(8,)))
-    t.all_to_all(x[:4], [2, 2], 1, lambda c: torch.empty(sum(c)),
-                 Signature.of(OpCode.ALL_TO_ALL, dtype=x.dtype, shape=(4,), compare_first_dim=False))
-    t.barrier(Signature.of(OpCode.BARRIER))
-    h = x[:96].reshape(3, 32)
-    t.all_reduce_rmsnorm(h, h.clone(), torch.ones(32), 1e-6, torch.empty_like(h), torch.empty_like(h),
-                         Signature.of(OpCode.ALL_REDUCE, dtype=h.dtype, shape=h.shape, op=ReduceOp.SUM))
-    t.close()
-    return list(seen.values())
-
-
-def _compile_recorded(launches: list) -> dict:
-    """In a process without the interpreter: compile each recorded launch for sm_90 and read the
-    kernel's parameters from its PTX."""
-    import re
-
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from transports.kernels import collectives
-
-    modules = [collectives]
-    try:
-        from transports.kernels import lamport
-
-        modules.append(lamport)
-    except ImportError:
-        pass
-    types = {d.name: d for d in (tl.float32, tl.float64, tl.int32, tl.int64)}
-    report = {}
-    for name, sig, const, nfull, _ in launches:
-        fn = next(getattr(m, name) for m in modules if hasattr(m, name))
-        cx = {(fn.arg_names.index(k),): (types[v] if isinstance(v, str) else v) for k, v in const.items()}
-        compiled = triton.compile(ASTSource(fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32))
-        ptx = compiled.asm["ptx"]
-        entry = ptx[ptx.index(".entry") : ptx.index(")", ptx.index(".entry"))]
-        params = re.findall(r"\.param \.(\w+)", entry)
-        report[f"{name}{sorted(const.items())}"] = {"params": params, "names": list(fn.arg_names),
-                                                     "src_sig": list(compiled.src.signature.items()),
-                                                     "not_specialized": [p.name for p in fn.params
-                                                                         if p.do_not_specialize]}
-    return report
-
-
-def test_pre_bound_arguments_match_the_sm90_compiled_signature(sm90_triton_cache):  # noqa: F811 - the fixture
-    results = run_ranks(_record_launches, 2, timeout=120.0)
-    assert results[0][0] == "ok", results[0]
-    launches = results[0][1]
-    names = {entry[0] for entry in launches}
-    assert {"all_reduce_one_shot", "all_reduce_two_shot", "reduce_scatter", "all_gather", "broadcast",
-            "all_to_all_stage", "all_to_all_pull", "barrier_kernel", "all_reduce_lamport",
-            "all_reduce_rmsnorm_lamport"} <= names, names
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = sm90_triton_cache
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + os.path.join(root, "tests") + os.pathsep + env.get("PYTHONPATH", "")
-    # two subprocesses side by side, each compiling every other launch (compiling is one core's work)
-    code = ("import json, sys; from test_ipc_lazy import _compile_recorded; "
-            "print(json.dumps(_compile_recorded(json.loads(sys.argv[1]))))")
-    procs = run_side_by_side([[sys.executable, "-c", code, json.dumps(launches[i::2])] for i in range(2)],
-                             timeout=600, envs=[env] * 2, cwd=root)
-    report = {}
-    for proc in procs:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        report.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-    width = {"i32": "u32", "i64": "u64", "i1": "pred", "fp32": "f32"}
-    for name, sig, const, nfull, order_ok in launches:
-        got = report[f"{name}{sorted(const.items())}"]
-        assert list(sig) == got["names"] and nfull == len(got["names"]), name  # every parameter, in order
-        assert order_ok, name  # constexprs in their places
-        assert [k for k, v in sig.items() if v == "constexpr"] == list(const), name
-        ours = [("u64" if v.startswith("*") else width[v]) for v in sig.values() if v != "constexpr"]
-        # the compiled entry takes our runtime arguments, in order and width, then Triton's own scratch pointers
-        assert got["params"][: len(ours)] == ours, (name, got["params"], ours)
-        assert all(p == "u64" for p in got["params"][len(ours):]) and len(got["params"]) - len(ours) <= 2, name
-        # no integer is specialized on its value (1, multiples of 16): a compiled variant then serves every value
-        ints = [k for k, v in sig.items() if v in ("i32", "i64")]
-        assert set(ints) <= set(got["not_specialized"]), (name, sorted(set(ints) - set(got["not_specialized"])))
 
 
 def _communicator(comm):
