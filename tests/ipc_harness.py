@@ -16,8 +16,6 @@ import time
 import traceback
 from typing import Any, Callable
 
-import pytest
-
 from transports.base import GroupInfo
 from transports.settings import resolve
 
