@@ -70,6 +70,12 @@ def _sizes(n: int, itemsize: int) -> list[int]:
     return [0, 1, 37, 5 * n + 1, BUF // itemsize + 3 * n + 1]
 
 
+def _ops_at(sizes: list[int], numel: int, ops: tuple[str, ...]) -> tuple[str, ...]:
+    """The reductions run at ``numel``: every op at an odd size and past one buffer (each combiner inside
+    a chunk and across chunks), the first alone at the sizes that only move the partition (0, 1, n+1)."""
+    return ops if numel in (sizes[2], sizes[-1]) else ops[:1]
+
+
 def _matrix(group, dtypes=FLOATS + INTS, ops=None):
     """Every cell on this rank for ``dtypes`` (reductions: every op, or ``ops = (float ops, integer
     ops)``); returns (failures, digests of all_reduce outputs)."""
@@ -91,8 +97,9 @@ def _matrix(group, dtypes=FLOATS + INTS, ops=None):
             item = torch.empty(0, dtype=dtype).element_size()
             ops_of = (OPS, ("sum", "max", "min")) if ops is None else ops
             ops_of = ops_of[0] if dtype in FLOATS else ops_of[1]
-            for numel in _sizes(n, item):
-                for op in ops_of:
+            sizes = _sizes(n, item)
+            for numel in sizes:
+                for op in _ops_at(sizes, numel, ops_of):
                     rop = ReduceOp.parse(op)
                     for algo, limit in (("one_shot", 1 << 62), ("two_shot", 0)):
                         seed += 1  # fresh inputs per call: stale buffer contents must not pass
@@ -144,8 +151,9 @@ def _matrix(group, dtypes=FLOATS + INTS, ops=None):
 # for one float, bfloat16 and one integer type; what depends on the dtype alone (accumulators, the
 # bfloat16 and float16 rounding, integer widths, every op's combiner) runs at 2 ranks for all of them.
 # At 3 ranks the reductions take two ops each, avg (sum, then a division by 3) and max (NaN from one
-# rank) for the floats, sum and min for int64; the slow tier's 4 ranks take every op. Under the
-# interpreter on 2 cores the full matrix at 3 and 4 ranks took 3 minutes of the suite.
+# rank) for the floats, sum and min for int64; the slow tier's 4 ranks take every op. Every op runs at
+# two sizes (_ops_at), the first op at the others. Under the interpreter on 2 cores the full matrix at
+# 3 and 4 ranks took 3 minutes of the suite.
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_every_collective_dtype_op_and_size(ranks):
     dtypes = FLOATS + INTS if ranks == 2 else (torch.float32, torch.bfloat16, torch.int64)
@@ -158,8 +166,9 @@ def test_every_collective_dtype_op_and_size(ranks):
     digests = [r[1][1] for r in results]
     assert all(d == digests[0] for d in digests), "all_reduce results differ across ranks"
     ops_of = (OPS, ("sum", "max", "min")) if ops is None else ops
-    # one digest per all_reduce: (one- and two-shot) x size x op of every dtype
-    assert len(digests[0]) == sum(2 * len(_sizes(ranks, 1)) * len(ops_of[dt not in FLOATS]) for dt in dtypes)
+    # one digest per all_reduce: (one- and two-shot) x (size, op) of every dtype
+    assert len(digests[0]) == sum(2 * len(_ops_at(_sizes(ranks, 1), numel, ops_of[dt not in FLOATS]))
+                                  for dt in dtypes for numel in _sizes(ranks, 1))
 
 
 CALLS = 100  # sizes 1-7 in turn; EPOCH is an int64 that never wraps, so more calls check nothing new
