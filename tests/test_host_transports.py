@@ -242,8 +242,9 @@ def test_nccl_reads_its_check_setting_from_the_group(monkeypatch, check, exchang
 
 
 # ---- the mpi transport (and shm beside it) under mpiexec --------------------------------------------
-def _run_job(which: str, nprocs: int, out: Path, *mpiexec_args: str) -> dict[int, dict]:
-    """Run tests/jobs/host_transport_job.py; every rank's {case: (ok, detail)}, all failures asserted at once."""
+def _run_job(which: str, nprocs: int, out: Path, *mpiexec_args: str) -> tuple[dict[int, dict], str]:
+    """Run tests/jobs/host_transport_job.py: every rank's {case: (ok, detail)} (asserted all there),
+    and the job's output."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.pop("MOECOMM_TRANSPORT", None)
@@ -254,19 +255,38 @@ def _run_job(which: str, nprocs: int, out: Path, *mpiexec_args: str) -> dict[int
     for f in out.glob("rank*.json"):
         rep = json.loads(f.read_text())
         reports[rep["rank"]] = rep["results"]
-    assert sorted(reports) == list(range(nprocs)), f"missing rank reports\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    output = f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    assert sorted(reports) == list(range(nprocs)), f"missing rank reports\n{output}"
+    return reports, output
+
+
+def _assert_cases_passed(reports: dict[int, dict], cases: set[str]) -> None:
+    """Every rank ran ``cases`` (among others) and none failed: all failures asserted at once."""
+    missing = [f"rank {r}: {sorted(cases - set(res))}" for r, res in sorted(reports.items()) if cases - set(res)]
+    assert not missing, f"cases not run: {missing}; {reports}"
     failed = [f"rank {r} {case}: {detail}" for r, res in sorted(reports.items()) for case, (ok, detail) in res.items()
-              if not ok]
+              if case in cases and not ok]
     assert not failed, "\n".join(failed)
-    return reports
 
 
 needs_mpiexec = pytest.mark.skipif(UNDER_MPI or mpiexec_path() is None,
                                    reason="starts its own mpiexec (needs the mpich wheel of the test extra)")
 
+MAIN_CASES = {"nan_max_min", "closed_peer_named_at_once", "sleep_rank_named", "stop_rank_named", "use_after_close"}
+LATE_CASES = {"late_setup_peer_times_out"}
+
+
+@pytest.fixture(scope="module")
+def main_and_late_job(tmp_path_factory) -> dict[int, dict]:
+    """One 3-rank launch of the main cases, then the late one (it leaves MPI_COMM_WORLD out of step, so
+    it comes last). -disable-auto-cleanup: the ranks exit without MPI_Finalize after the late case, and by
+    default mpiexec kills the whole job when one rank does."""
+    reports, _ = _run_job("main+late", 3, tmp_path_factory.mktemp("host_main"), "-disable-auto-cleanup")
+    return reports
+
 
 @needs_mpiexec
-def test_mpi_transport_nan_close_stall_stop_and_use_after_close(tmp_path):
+def test_mpi_transport_nan_close_stall_stop_and_use_after_close(main_and_late_job):
     """Adversarial 4, 9 and 10 over the mpi transport (3 ranks, one launch, every case reported):
 
     - all_reduce/reduce_scatter max/min with NaN on some ranks: the same bits on every rank, NaN
@@ -277,9 +297,9 @@ def test_mpi_transport_nan_close_stall_stop_and_use_after_close(tmp_path):
       every other rank (it was "some rank never arrived (MPI cannot say which ...)");
     - a call after close() raises CommunicatorBrokenError saying so (it was "Invalid MPI_Request").
     """
-    reports = _run_job("main", 3, tmp_path)
-    expected = {"nan_max_min", "closed_peer_named_at_once", "sleep_rank_named", "stop_rank_named", "use_after_close"}
-    assert all(set(res) == expected for res in reports.values()), reports
+    reports = main_and_late_job
+    assert all(set(res) == MAIN_CASES | LATE_CASES for res in reports.values()), reports
+    _assert_cases_passed(reports, MAIN_CASES)
     stopped = [res["stop_rank_named"][1] for r, res in reports.items() if r != 1]
     assert any("rank 1: pid" in d and "is stopped" in d for d in stopped), stopped
 
@@ -288,11 +308,13 @@ def test_mpi_transport_nan_close_stall_stop_and_use_after_close(tmp_path):
 def test_mpi_transport_notices_a_dead_peer_before_the_timeout(tmp_path):
     """A rank that exits without closing (as a crash looks) is named within seconds, not at the timeout.
     (-disable-auto-cleanup: by default mpiexec kills the whole job when one rank dies.)"""
-    _run_job("dead", 2, tmp_path, "-disable-auto-cleanup")
+    reports, _ = _run_job("dead", 2, tmp_path, "-disable-auto-cleanup")
+    _assert_cases_passed(reports, {"dead_peer_noticed_before_timeout"})
 
 
 @needs_mpiexec
-def test_mpi_transport_set_up_is_bounded_when_a_peer_comes_late(tmp_path):
-    """A rank that never reaches the mpi transport's set-up (here: 4 s late against a 2 s timeout)
-    makes the others raise CollectiveTimeoutError naming the set-up; it used to block in MPI_Comm_dup."""
-    _run_job("late", 2, tmp_path, "-disable-auto-cleanup")
+def test_mpi_transport_set_up_is_bounded_when_a_peer_comes_late(main_and_late_job):
+    """A rank that never reaches the mpi transport's set-up (here: rank 1 of the main launch, held back
+    until ranks 0 and 2 gave up on their 2 s timeout) makes the others raise CollectiveTimeoutError naming
+    the set-up; it used to block in MPI_Comm_dup."""
+    _assert_cases_passed(main_and_late_job, LATE_CASES)

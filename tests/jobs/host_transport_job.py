@@ -1,6 +1,8 @@
 """Host transports under mpiexec: NaN in max/min, peers that close, stall, stop or die, or come late
-to the set-up. Run by tests/test_host_transports.py as ``mpiexec -n 3 python host_transport_job.py main
-<out dir>`` and ``mpiexec -disable-auto-cleanup -n 2 python host_transport_job.py dead|late <out dir>``.
+to the set-up. Run by tests/test_host_transports.py as ``mpiexec -disable-auto-cleanup -n 3 python
+host_transport_job.py main+late <out dir>`` (the main cases, then the late one, which leaves
+MPI_COMM_WORLD out of step: it must come last) and ``mpiexec -disable-auto-cleanup -n 2 python
+host_transport_job.py dead <out dir>``; ``main``, ``dead`` and ``late`` run one part alone.
 
 Every rank writes ``{"rank": r, "results": {case: [ok, detail]}}`` to ``<out dir>/rank<r>.json``;
 the test reports every failed case of every rank together.
@@ -9,6 +11,7 @@ the test reports every failed case of every rank together.
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import os
 import signal
@@ -191,17 +194,23 @@ def late_cases(world):
     @case("late_setup_peer_times_out")
     def _():
         # MPI_Comm_dup blocked without a deadline when a peer never made its mpi transport.
+        marks = os.path.join(sys.argv[2], "late-marks")
+        os.makedirs(marks, exist_ok=True)
         if r == 1:
             real = mpi_transport.MPITransport.__init__
 
             def late(self, group):
-                time.sleep(4.0)  # past rank 0's 2 s timeout
+                # until every other rank has given up on its 2 s timeout (bounded: 30 s at most)
+                deadline = time.monotonic() + 30
+                while len(os.listdir(marks)) < world.size - 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 real(self, group)
 
             mpi_transport.MPITransport.__init__ = late
         name, msg, missing, waited = outcome(lambda: collectives.init(transport="mpi", timeout=2.0))
         if r == 1:  # MPI_COMM_WORLD is out of step after rank 0 gave up: any bounded outcome will do
             return name is not None, f"{name}: {msg} ({waited:.2f}s)"
+        open(os.path.join(marks, f"gave-up-{r}"), "w").close()
         ok = name == "CollectiveTimeoutError" and "mpi transport set-up" in msg and waited < 8
         return ok, f"{name}: {msg} ({waited:.2f}s)"
 
@@ -214,12 +223,14 @@ def report(rank, cases):
 if __name__ == "__main__":
     which = sys.argv[1]
     world = collectives.init(timeout=60.0)
-    {"main": main_cases, "dead": dead_cases, "late": late_cases}[which](world)
+    for part in which.split("+"):
+        world.barrier()
+        {"main": main_cases, "dead": dead_cases, "late": late_cases}[part](world)
     report(world.rank, results)
-    if which == "late":  # requests of the failed set-up stay posted: no MPI_Finalize, but wait for the peer
+    if "late" in which:  # requests of the failed set-up stay posted: no MPI_Finalize, but wait for the peers
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(os.listdir(sys.argv[2])) < world.size:
+        while time.monotonic() < deadline and len(glob.glob(os.path.join(sys.argv[2], "rank*.json"))) < world.size:
             time.sleep(0.1)
-    if which in ("dead", "late"):
+    if "dead" in which or "late" in which:
         os._exit(0)  # a peer is gone without MPI_Finalize: finalizing would wait for it
     world.close()
