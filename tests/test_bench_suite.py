@@ -304,15 +304,19 @@ def test_bench_plot_and_report_from_two_saved_runs(runs, tmp_path):
     assert bad.exit_code != 0 and "not a moecomm bench" in bad.output
 
 
-def test_default_outputs_of_the_readme_command(tmp_path):
-    """`moecomm bench` with no output flags writes ./moecomm-bench.json and .png and says where."""
-    p = subprocess.run([sys.executable, "-m", "benchmarks.cli", "bench", "-b", "4K", "-e", "16K", "-f", "4",
-                        "-n", "2", "-w", "1", "--ops", "all_reduce,broadcast", "-r", "1", "-o", "sum,max",
-                        "-d", "float,bfloat16,int32"], capture_output=True, text=True, timeout=300, env=_env(),
-                       cwd=tmp_path)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert f"# wrote {tmp_path / 'moecomm-bench.json'}" in p.stdout
-    assert f"# wrote {tmp_path / 'moecomm-bench.png'}" in p.stdout
+def test_default_outputs_of_the_readme_command(tmp_path, monkeypatch):
+    """`moecomm bench` with no output flags writes ./moecomm-bench.json and .png and says where.
+
+    In-process (CliRunner): the launching process writes the files and prints where (its ranks come
+    from the test session's warm fork server); the runs fixture above is the fresh-process run."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MOECOMM_TRANSPORT", raising=False)  # as _env() for the subprocesses
+    res = CliRunner().invoke(main, ["bench", "-b", "4K", "-e", "16K", "-f", "4", "-n", "2", "-w", "1",
+                                    "--ops", "all_reduce,broadcast", "-r", "1", "-o", "sum,max",
+                                    "-d", "float,bfloat16,int32"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert f"# wrote {tmp_path / 'moecomm-bench.json'}" in res.stdout
+    assert f"# wrote {tmp_path / 'moecomm-bench.png'}" in res.stdout
     _png_size(tmp_path / "moecomm-bench.png")
     rows = load_run(tmp_path / "moecomm-bench.json")["rows"]
     # sizes x (all_reduce: dtypes x redops + broadcast: dtypes), all checked correct
