@@ -30,7 +30,12 @@ from transports.settings import resolve as resolve_settings
 
 log = logging.getLogger("collectives")
 
-_PRELOAD = ["torch", "numpy", "transports.shm", "collectives"]
+# What the fork server imports once, so that no rank imports (or, without bytecode caches, compiles) it
+# again: the package, and what creating a communicator imports lazily (the performance model that
+# picks the defaults, the transports every group probes). Not the ipc kernels: they need
+# TRITON_INTERPRET decided first (transports/ipc.py load_kernels).
+_PRELOAD = ["torch", "numpy", "transports.shm", "collectives", "collectives.model", "transports.ipc",
+            "transports.gloo", "transports.nccl", "transports._shmfast"]
 _ctx = None
 
 
