@@ -54,6 +54,15 @@ def table_rows(out: str, first: tuple[str, ...]) -> list[list[str]]:
             and line.split()[0] in first]
 
 
+def lines_only(monkeypatch) -> None:
+    """plot_runs / plot_predictions without drawing the file: the lines they return are decided before
+    they save, and the saving (constrained layout, then a tight bounding box: ~5 CPU-s a figure) is what
+    the --plot commands here check with real files. For the calls that check only the lines."""
+    from benchmarks import plot
+
+    monkeypatch.setattr(plot, "_save", lambda fig, path: Path(path))
+
+
 def assert_same_row(row: dict, direct: dict) -> None:
     """A JSON row holds the model's own prediction (floats compared exactly: no rounding on the way)."""
     for key, value in direct.items():
@@ -170,7 +179,7 @@ def test_a_system_file_with_simple_only_networking(tmp_path):
     assert "LL" in {c["protocol"] for c in one_node["candidates"]}
 
 
-def test_plot_one_line_per_node_count(tmp_path):
+def test_plot_one_line_per_node_count(tmp_path, monkeypatch):
     from benchmarks.plot import plot_predictions
     from benchmarks.predict import predicted_series
 
@@ -180,6 +189,7 @@ def test_plot_one_line_per_node_count(tmp_path):
     png = (tmp_path / "p.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    lines_only(monkeypatch)  # the command above drew this figure to a real file
     fig = plot_predictions(predicted_series(rows), tmp_path / "again.svg")
     labels = [f"{n} node{'s' if n > 1 else ''} x 8 GPUs" for n in (1, 2, 4, 8, 16, 32)]
     assert fig.lines == {"all_reduce": labels, "all_to_all": labels}
@@ -344,7 +354,7 @@ def test_report_puts_the_prediction_beside_the_run(tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_report_against_a_preset_and_chosen_peers(tmp_path):
+def test_report_against_a_preset_and_chosen_peers(tmp_path, monkeypatch):
     res = invoke("report", RUN, "--predict", "dgx-h100", "--peer", "shm,mpi4py")
     points = predicted_beside(load_run(RUN)["rows"], model.get_system("dgx-h100"), nodes=1, ranks=2,
                               peers=["shm", "mpi4py"])
@@ -360,6 +370,7 @@ def test_report_against_a_preset_and_chosen_peers(tmp_path):
     measured = {r["transport"] for r in load_run(RUN)["rows"] if r.get("library") != cm.REFERENCE}  # not memcpy
     assert {line[3] for line in table_rows(block, cm.ALL_OPS)} == measured
     overlay = prediction_overlay(points, "predicted")
+    lines_only(monkeypatch)  # test_report_puts_the_prediction_beside_the_run draws an overlay to a real file
     fig = plot_runs([("", load_run(RUN)["rows"])], tmp_path / "o.png", predicted=overlay)
     assert all("predicted" in fig.lines[op] for op in overlay)
 
