@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import collectives
 from collectives.torch_backend import MoecommProcessGroup, register
-from spmd import assert_reduced, mpiexec_path, outcome, rank_input
+from spmd import assert_reduced, mpiexec_path, outcome, rank_input, run_side_by_side
 from transports.base import SUPPORTED_DTYPES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -419,21 +419,31 @@ def _reports(out: str, nprocs: int) -> list[dict]:
     return reports
 
 
-def test_init_under_torchrun():
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        JOB], capture_output=True, text=True, timeout=180, env=_env())
+@pytest.fixture(scope="module")
+def launched_jobs() -> dict[str, subprocess.CompletedProcess]:
+    """tests/jobs/torch_backend_job.py under torchrun (2 ranks) and, where there is an mpiexec, under
+    mpiexec (3 ranks), the two launches side by side (each mostly interpreters importing torch)."""
+    commands = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             JOB]}
+    if mpiexec_path() is not None:
+        commands["mpiexec"] = [mpiexec_path(), "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT",
+                               str(_free_port()), "-n", "3", sys.executable, JOB]
+    done = run_side_by_side(list(commands.values()), timeout=240, envs=[_env()] * len(commands))
+    return dict(zip(commands, done))
+
+
+def test_init_under_torchrun(launched_jobs):
+    p = launched_jobs["torchrun"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     for rep in _reports(p.stdout, 2):
         assert rep["ok"] and rep["backend"] == "moecomm" and rep["size"] == 2, rep
 
 
 @pytest.mark.skipif(mpiexec_path() is None, reason="no mpiexec (install the test extra)")
-def test_init_under_mpiexec_from_pmi_rank_and_size():
+def test_init_under_mpiexec_from_pmi_rank_and_size(launched_jobs):
     """env:// with RANK/WORLD_SIZE taken from PMI_RANK/PMI_SIZE; the groups get MPI communicators
     (the sub-group's from MPI_Comm_create_group), and the sub-group forced onto mpi computes right."""
-    p = subprocess.run([mpiexec_path(), "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT", str(_free_port()),
-                        "-n", "3", sys.executable, JOB], capture_output=True, text=True, timeout=180,
-                       env=_env())
+    p = launched_jobs["mpiexec"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     reports = _reports(p.stdout, 3)
     for rep in reports:
