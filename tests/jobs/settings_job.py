@@ -16,6 +16,7 @@ Each rank appends one JSON line per case to ``OUT/rank<r>.jsonl`` as soon as the
 or None).
 """
 
+import gc
 import json
 import os
 import sys
@@ -52,3 +53,7 @@ for i, name in enumerate(names):
     rep["seconds"] = round(time.monotonic() - t0, 2)
     with out.open("a") as f:
         f.write(json.dumps(rep) + "\n")
+
+# Everything is closed: skip the final garbage collection of the interpreter's exit (about 0.6 CPU-s
+# with torch loaded, on a machine where the ranks share the cores); exit handlers still run.
+gc.freeze()
