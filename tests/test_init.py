@@ -143,22 +143,37 @@ def test_init_options_override_launch_detection(monkeypatch):
 
 
 _RETRY_JOB = textwrap.dedent("""
-    import json, os, sys, time
-    import torch
-    import collectives
+    import gc, json, os, sys, time
 
     rank = int(os.environ["RANK"])
     if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
         # 0: the first attempt of an elastic job fails: rank 0 has arrived at init when rank 1 exits;
         # torchrun then restarts both, and the restarted ranks must not be confused by rank 0's arrival
-        if rank == 1:
-            from collectives import _torchrun_key_base, _torchrun_store
-            store = _torchrun_store(rank, 60.0)
+        arrived = os.path.join(os.environ["RETRY_JOB_DIR"], "attempt0-rank0-arrived")
+        if rank == 1:  # needs no torch: it waits (bounded) for rank 0's word that the store counted it
+            deadline = time.monotonic() + 60
+            while not os.path.exists(arrived) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            print("attempt 0: rank 1 exits", "after" if os.path.exists(arrived) else "WITHOUT",
+                  "rank 0's arrival at init", flush=True)
+            sys.exit(3)
+        import threading
+        import collectives
+        from collectives import _torchrun_key_base
+        from collectives.rendezvous import store_client
+
+        def tell_arrival():  # once the agent's store has counted this rank's arrival at init
+            store = store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 60.0)
             while store.add(_torchrun_key_base() + "/arrivals", 0) < 1:
                 time.sleep(0.02)
-            sys.exit(3)
+            open(arrived, "w").close()
+
+        threading.Thread(target=tell_arrival, daemon=True).start()
         collectives.init(timeout=60.0)  # torchrun kills this rank when rank 1 exits
         sys.exit(4)
+    import torch
+    import collectives
+
     report = {"rank": rank, "local_errors": [], "phase2": None, "ok": []}
 
     def check(comm, seed):
@@ -187,6 +202,7 @@ _RETRY_JOB = textwrap.dedent("""
     check(comm, 2)
     comm.close()
     print(json.dumps(report), flush=True)
+    gc.freeze()  # everything is closed: no final garbage collection at exit (about 0.6 CPU-s with torch)
 """)
 
 
@@ -215,8 +231,11 @@ def test_init_retry_meets_the_peers_under_torchrun(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "--max-restarts", "1", "--monitor-interval", "0.1", str(job)]
     p, *procs = run_side_by_side([torchrun] + [[sys.executable, str(job)]] * 2, timeout=180,
-                                 envs=[_env()] + [_env(RANK=str(r), LOCAL_RANK=str(r), **common) for r in range(2)])
+                                 envs=[_env(RETRY_JOB_DIR=str(tmp_path))]
+                                 + [_env(RANK=str(r), LOCAL_RANK=str(r), **common) for r in range(2)])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    # the first attempt failed as intended: rank 1 left once rank 0 had arrived at init
+    assert "attempt 0: rank 1 exits after rank 0's arrival at init" in p.stdout, p.stdout[-3000:] + p.stderr[-5000:]
     _check_retry_reports(p.stdout, p.stderr)
 
     assert all(q.returncode == 0 for q in procs), "\n".join(q.stdout + q.stderr[-4000:] for q in procs)
@@ -224,6 +243,8 @@ def test_init_retry_meets_the_peers_under_torchrun(tmp_path):
 
 
 _MPI_LAUNCH_JOB = textwrap.dedent("""
+    import gc
+
     import collectives
 
     def touches_mpi(comm):
@@ -239,6 +260,7 @@ _MPI_LAUNCH_JOB = textwrap.dedent("""
         except RuntimeError as e:
             print("REFUSED", e, flush=True)
         comm.close()
+        gc.freeze()  # everything is closed: no final garbage collection at exit (about 0.6 CPU-s with torch)
 """)
 
 
