@@ -8,13 +8,28 @@ import time
 from typing import Iterator
 
 import pytest
+import torch
 
 import collectives
 
-# A launched test body's ranks import its test module, and with it pytest (and transformers, for the
-# Hugging Face tests): a fork server that holds them already forks the ranks ready
-# (tests/test_collectives.py took 80 s without it, 52 s with it). Not installed: skipped there.
-collectives.launch_preload("pytest", "transformers")
+# A launched test body's ranks import its test module and what the body needs: pytest, the MoE and
+# tensor-parallel packages, FSDP (3 s a rank on this VM), transformers' models (8 s), and, with no GPU,
+# the ipc kernels under Triton's interpreter (0.8 s). A fork server that holds them forks the ranks
+# ready (tests/test_collectives.py took 80 s without pytest preloaded, 52 s with it). A module that
+# is not installed is skipped there.
+_HF_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
+collectives.launch_preload(
+    "pytest", "moe", "collectives.tensor_parallel", "collectives.torch_backend", "torch.distributed.fsdp",
+    "transformers", "transformers.modeling_utils", "moe.hf",
+    *(f"transformers.models.{f}.modeling_{f}" for f in _HF_FAMILIES))
+if not torch.cuda.is_available():
+    # no GPU: every ipc kernel of the suite runs under Triton's interpreter, which must be chosen
+    # before the kernels are defined (transports/ipc.py load_kernels); the sm_90 compile tests run in
+    # subprocesses without it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        collectives.launch_preload("triton", "transports.kernels.collectives", "transports.kernels.lamport",
+                                   "transports.kernels.moe_ll")
 
 MPICH_SEGMENTS = "/dev/shm/mpich_shm_*"
 

@@ -7,7 +7,6 @@ parent gets [n] results, or the list of ranks' exceptions (type name, message, t
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
@@ -16,6 +15,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from collectives.launcher import _context
 from transports.base import GroupInfo
 from transports.settings import resolve
 
@@ -50,10 +50,10 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60
 
     A rank that never reports (killed) shows as ("missing", None).
     """
-    # forkserver, as collectives.launch: a rank forked from this (pytest) process would inherit
-    # OpenMP's thread pool of earlier torch work and hang in it
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy", "transports.ipc"])
+    # collectives.launch's fork server (one per process, whichever starts it first: its preloads, so that
+    # the ranks of both find what conftest preloads): a rank forked from this (pytest) process would
+    # inherit OpenMP's thread pool of earlier torch work and hang in it
+    ctx = _context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
