@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 import time
 from typing import Iterator
 
@@ -30,6 +31,12 @@ if not torch.cuda.is_available():
     if os.environ["TRITON_INTERPRET"] == "1":
         collectives.launch_preload("triton", "transports.kernels.collectives", "transports.kernels.lamport",
                                    "transports.kernels.moe_ll")
+
+# Where the environment sets PYTHONDONTWRITEBYTECODE (this CI image does), every interpreter the suite
+# starts (mpiexec and torchrun ranks, the CLI, the examples, the fork servers) would compile moecomm's
+# sources and rewrite the test modules' asserts again: let them cache bytecode (__pycache__, git-ignored).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
 
 MPICH_SEGMENTS = "/dev/shm/mpich_shm_*"
 
