@@ -73,14 +73,15 @@ SLOW: dict[str, str] = {
 
 # With pytest-xdist (`-n auto`, as the README's test command runs), each worker takes whole files
 # (--dist loadfile, the default here) in collection order: the files that take longest go first, so
-# the run does not end on one worker finishing a long file while the other idles. CPU-seconds of a
-# serial run of this 2-core machine (2026-11-28, 1017 s in all); a file not named keeps its place.
+# the run does not end on one worker finishing a long file while the other idles. Seconds of a
+# `-n auto` run of this 2-core machine (2026-11-28, 614 s in all); a file not named keeps its place.
 LONGEST_FIRST: dict[str, float] = {
-    "test_ipc_transport.py": 130, "test_collectives.py": 108, "test_moe_hf.py": 85, "test_launch_modes.py": 85,
-    "test_moe_low_latency.py": 77, "test_torch_backend.py": 73, "test_ipc_lamport.py": 61, "test_readme.py": 59,
-    "test_bench_suite.py": 57, "test_ipc_lazy.py": 51, "test_bench_cli.py": 43, "test_host_transports.py": 43,
-    "test_init.py": 40, "test_tensor_parallel.py": 34, "test_communicator_settings.py": 33,
-    "test_moe_dispatch.py": 32, "test_blame.py": 29, "test_ipc_lamport_kernels.py": 29,
+    "test_collectives.py": 96, "test_ipc_transport.py": 88, "test_launch_modes.py": 62, "test_ipc_lamport.py": 55,
+    "test_readme.py": 51, "test_moe_low_latency.py": 50, "test_ipc_lamport_kernels.py": 48,
+    "test_bench_suite.py": 47, "test_host_transports.py": 40, "test_torch_backend.py": 39, "test_blame.py": 38,
+    "test_ipc_compile.py": 37, "test_init.py": 36, "test_model_calibrate.py": 32, "test_faults.py": 32,
+    "test_communicator_threads.py": 25, "test_interrupted_calls.py": 25, "test_examples_hf.py": 25,
+    "test_examples_train_moe.py": 24, "test_p2p.py": 22,
 }
 # workers for `-n auto`: each runs jobs of 2 to 4 ranks (and a few of 8), so more would only
 # oversubscribe the cores and stretch the tests' bounded waits
