@@ -14,18 +14,19 @@ import torch
 import collectives
 
 # A launched test body's ranks import its test module and what the body needs: pytest, the MoE and
-# tensor-parallel packages, FSDP (3 s a rank on this VM), transformers' models (8 s), and, with no GPU,
-# the ipc kernels under Triton's interpreter (0.8 s). A fork server that holds them forks the ranks
+# tensor-parallel packages, and, with no GPU, FSDP (3 s a rank on this VM), transformers' models (8 s)
+# and the ipc kernels under Triton's interpreter (0.8 s). A fork server that holds them forks the ranks
 # ready (tests/test_collectives.py took 80 s without pytest preloaded, 52 s with it). A module that
 # is not installed is skipped there.
 _HF_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
-collectives.launch_preload(
-    "pytest", "moe", "collectives.tensor_parallel", "collectives.torch_backend", "torch.distributed.fsdp",
-    "transformers", "transformers.modeling_utils", "moe.hf",
-    *(f"transformers.models.{f}.modeling_{f}" for f in _HF_FAMILIES))
+collectives.launch_preload("pytest", "moe", "collectives.tensor_parallel", "collectives.torch_backend")
 if not torch.cuda.is_available():
-    # no GPU: every ipc kernel of the suite runs under Triton's interpreter, which must be chosen
-    # before the kernels are defined (transports/ipc.py load_kernels); the sm_90 compile tests run in
+    # The CPU suite. Not on a GPU machine: its one-call check (benchmarks/gpu_quick.py) launches none
+    # of these bodies and would pay the imports (seconds) out of its device time.
+    collectives.launch_preload("torch.distributed.fsdp", "transformers", "transformers.modeling_utils", "moe.hf",
+                               *(f"transformers.models.{f}.modeling_{f}" for f in _HF_FAMILIES))
+    # every ipc kernel of the suite runs under Triton's interpreter, which must be chosen before the
+    # kernels are defined (transports/ipc.py load_kernels); the sm_90 compile tests run in
     # subprocesses without it
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ["TRITON_INTERPRET"] == "1":
