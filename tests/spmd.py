@@ -99,25 +99,21 @@ def shm_segments() -> set[str]:
     return {os.path.basename(p) for p in glob.glob(f"/dev/shm/moecomm-{os.getuid()}-*")}
 
 
-def _creator_alive(name: str) -> bool:
-    """Whether the process that created segment ``name`` (moecomm-UID-PID-TOKEN) still runs."""
-    try:
-        os.kill(int(name.split("-")[2]), 0)
-    except (IndexError, ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def left_behind(before: set[str], grace: float = 5.0) -> set[str]:
-    """The segments created since ``before`` that nobody will remove: their creator has exited, or is
-    this process. Segments of processes still running belong to another test (pytest-xdist runs two
-    at once) and are not counted. Waits up to ``grace`` seconds for peers that are still unlinking."""
+    """The segments created since ``before`` that nobody will remove: their creator has exited (as
+    transports/_segment.py's stale-segment sweep judges it), or is this process. Segments of processes
+    still running belong to another test (pytest-xdist runs two at once) and are not counted. Waits
+    up to ``grace`` seconds for peers that are still unlinking."""
+    from transports._host import pid_alive
+    from transports._segment import _SEGMENT_RE
+
+    def orphan(name: str) -> bool:
+        m = _SEGMENT_RE.match(name)
+        return m is None or int(m.group(2)) == os.getpid() or not pid_alive(int(m.group(2)))
+
     deadline = time.monotonic() + grace
     while True:
-        left = {n for n in shm_segments() - before
-                if n.split("-")[2:3] == [str(os.getpid())] or not _creator_alive(n)}
+        left = {n for n in shm_segments() - before if orphan(n)}
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
