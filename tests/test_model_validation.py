@@ -6,7 +6,6 @@ published point cites a checkable source; DeepEP's byte count and the system var
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -17,21 +16,6 @@ from collectives.model.systems import efa_latency_us
 from tools import validate_model as vm
 
 KINDS = {"collective": "busbw_gbps", "latency": "time_us"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _simulate_each_routing_once():
-    """DeepEP's group-limited routing simulation (~1 CPU-s a call; a fixed seed, so a pure function of
-    its arguments) is run once per argument tuple in this module: the report builds it 4 times over,
-    and the EFA note test evaluates every point again."""
-    once = functools.cache(vm._deepep_group_limited_nodes)
-
-    def simulate(nodes: int, experts: int, topk: int, groups: int) -> float:
-        return once(nodes, experts, topk, groups)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(vm, "_deepep_group_limited_nodes", simulate)
-        yield
 
 
 @pytest.fixture(scope="module")

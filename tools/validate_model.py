@@ -17,6 +17,7 @@ DeepEP publishes for its normal kernels are turned into times with DeepEP's own 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -98,6 +99,7 @@ def build_system(name: str, variants: Mapping[str, Any]) -> System:
                    sources={**base.sources, "validation variant": spec["why"]})
 
 
+@functools.cache  # a fixed seed: one value per arguments, and a report asks for each point several times
 def _deepep_group_limited_nodes(nodes: int, experts: int, topk: int, groups: int) -> float:
     """E[distinct destination nodes per token] under DeepEP's test routing, by simulation.
 
