@@ -342,3 +342,13 @@ def run_side_by_side(commands: Sequence[Sequence[str]], *, timeout: float, envs:
                 p.kill()
                 p.wait()
     return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def plot_lines_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on in a test, benchmarks.plot draws no file: the lines plot_runs / plot_predictions
+    return are decided before they save, and the saving (constrained layout, then a tight bounding
+    box: ~5 CPU-s a figure) is what the --plot commands check with real files. For the calls after
+    those that check only the lines."""
+    from benchmarks import plot
+
+    monkeypatch.setattr(plot, "_save", lambda fig, path: Path(path))

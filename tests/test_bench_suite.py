@@ -9,7 +9,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ from benchmarks.report import compare_runs, ratio_table
 from transports.shm import ONE_SHOT_UNBOUNDED
 from spmd import UNDER_MPI
 from test_bench_cli import COLUMNS, header, parse_rows
-from spmd import mpiexec_path
+from spmd import mpiexec_path, plot_lines_only
 from test_launch_modes import _env
 
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="starts its own ranks")
@@ -200,15 +199,6 @@ def _png_size(path) -> tuple[int, int]:
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
-def _lines_only(monkeypatch) -> None:
-    """plot_runs without drawing the file: the lines it returns are decided before it saves, and the
-    saving (constrained layout, then a tight bounding box: ~5 CPU-s a figure) is what the --plot runs
-    check with real files. For the calls that check only the lines."""
-    from benchmarks import plot
-
-    monkeypatch.setattr(plot, "_save", lambda fig, path: Path(path))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
@@ -306,7 +296,7 @@ def test_bench_plot_and_report_from_two_saved_runs(runs, tmp_path, monkeypatch):
     assert "# moecomm auto vs the best peer" in res.output and "# two vs one: algbw ratio" in res.output
     from benchmarks.plot import plot_runs
 
-    _lines_only(monkeypatch)  # the report above drew this figure to a real file
+    plot_lines_only(monkeypatch)  # the report above drew this figure to a real file
     fig = plot_runs([("one", load_run(d / "self.json")["rows"]), ("two", load_run(second)["rows"])],
                     tmp_path / "again.png")
     assert set(fig.lines) == set(OPS4)
@@ -476,7 +466,7 @@ def test_report_rebuilds_the_memcpy_table_and_old_runs_report_without_it(runs, t
         lines = res.output.splitlines()
         assert lines[lines.index(table[0]) : lines.index(table[0]) + len(table)] == table
     rows = load_run(d / "self.json")["rows"]
-    _lines_only(monkeypatch)  # the runs fixture's --plot drew this run to a real file
+    plot_lines_only(monkeypatch)  # the runs fixture's --plot drew this run to a real file
     fig = plot_runs([("", rows)], tmp_path / "ref.png")
     assert "memcpy" not in fig.lines and all(fig.lines[op][-1] == "memcpy reference" for op in OPS4)
     # a run saved before the reference existed: no memcpy rows, no memcpy_busbw field

@@ -22,6 +22,7 @@ from benchmarks.report import predicted_beside, run_shape
 from collectives import model
 from collectives.model.calibrate import calibrate
 from collectives.model.moe import DISPATCH_DTYPES, ENGINES, MODES, UCCL_EP_PROXY_PER_PEER_US, predict_moe
+from spmd import plot_lines_only
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "benchmarks" / "results" / "cpu-compare-mpiexec.json"
@@ -52,15 +53,6 @@ def table_rows(out: str, first: tuple[str, ...]) -> list[list[str]]:
     """Data lines (not '#') of the output whose first field is one of ``first``."""
     return [line.split() for line in out.splitlines() if not line.startswith("#") and line.split()[:1]
             and line.split()[0] in first]
-
-
-def lines_only(monkeypatch) -> None:
-    """plot_runs / plot_predictions without drawing the file: the lines they return are decided before
-    they save, and the saving (constrained layout, then a tight bounding box: ~5 CPU-s a figure) is what
-    the --plot commands here check with real files. For the calls that check only the lines."""
-    from benchmarks import plot
-
-    monkeypatch.setattr(plot, "_save", lambda fig, path: Path(path))
 
 
 def assert_same_row(row: dict, direct: dict) -> None:
@@ -189,7 +181,7 @@ def test_plot_one_line_per_node_count(tmp_path, monkeypatch):
     png = (tmp_path / "p.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
-    lines_only(monkeypatch)  # the command above drew this figure to a real file
+    plot_lines_only(monkeypatch)  # the command above drew this figure to a real file
     fig = plot_predictions(predicted_series(rows), tmp_path / "again.svg")
     labels = [f"{n} node{'s' if n > 1 else ''} x 8 GPUs" for n in (1, 2, 4, 8, 16, 32)]
     assert fig.lines == {"all_reduce": labels, "all_to_all": labels}
@@ -370,7 +362,7 @@ def test_report_against_a_preset_and_chosen_peers(tmp_path, monkeypatch):
     measured = {r["transport"] for r in load_run(RUN)["rows"] if r.get("library") != cm.REFERENCE}  # not memcpy
     assert {line[3] for line in table_rows(block, cm.ALL_OPS)} == measured
     overlay = prediction_overlay(points, "predicted")
-    lines_only(monkeypatch)  # test_report_puts_the_prediction_beside_the_run draws an overlay to a real file
+    plot_lines_only(monkeypatch)  # test_report_puts_the_prediction_beside_the_run draws an overlay to a real file
     fig = plot_runs([("", load_run(RUN)["rows"])], tmp_path / "o.png", predicted=overlay)
     assert all("predicted" in fig.lines[op] for op in overlay)
 
