@@ -242,9 +242,8 @@ def test_nccl_reads_its_check_setting_from_the_group(monkeypatch, check, exchang
 
 
 # ---- the mpi transport (and shm beside it) under mpiexec --------------------------------------------
-def _run_job(which: str, nprocs: int, out: Path, *mpiexec_args: str) -> tuple[dict[int, dict], str]:
-    """Run tests/jobs/host_transport_job.py: every rank's {case: (ok, detail)} (asserted all there),
-    and the job's output."""
+def _run_job(which: str, nprocs: int, out: Path, *mpiexec_args: str) -> dict[int, dict]:
+    """Run tests/jobs/host_transport_job.py: every rank's {case: (ok, detail)} (asserted all there)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.pop("MOECOMM_TRANSPORT", None)
@@ -255,9 +254,8 @@ def _run_job(which: str, nprocs: int, out: Path, *mpiexec_args: str) -> tuple[di
     for f in out.glob("rank*.json"):
         rep = json.loads(f.read_text())
         reports[rep["rank"]] = rep["results"]
-    output = f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    assert sorted(reports) == list(range(nprocs)), f"missing rank reports\n{output}"
-    return reports, output
+    assert sorted(reports) == list(range(nprocs)), f"missing rank reports\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return reports
 
 
 def _assert_cases_passed(reports: dict[int, dict], cases: set[str]) -> None:
@@ -281,7 +279,7 @@ def main_and_late_job(tmp_path_factory) -> dict[int, dict]:
     """One 3-rank launch of the main cases, then the late one (it leaves MPI_COMM_WORLD out of step, so
     it comes last). -disable-auto-cleanup: the ranks exit without MPI_Finalize after the late case, and by
     default mpiexec kills the whole job when one rank does."""
-    reports, _ = _run_job("main+late", 3, tmp_path_factory.mktemp("host_main"), "-disable-auto-cleanup")
+    reports = _run_job("main+late", 3, tmp_path_factory.mktemp("host_main"), "-disable-auto-cleanup")
     return reports
 
 
@@ -308,7 +306,7 @@ def test_mpi_transport_nan_close_stall_stop_and_use_after_close(main_and_late_jo
 def test_mpi_transport_notices_a_dead_peer_before_the_timeout(tmp_path):
     """A rank that exits without closing (as a crash looks) is named within seconds, not at the timeout.
     (-disable-auto-cleanup: by default mpiexec kills the whole job when one rank dies.)"""
-    reports, _ = _run_job("dead", 2, tmp_path, "-disable-auto-cleanup")
+    reports = _run_job("dead", 2, tmp_path, "-disable-auto-cleanup")
     _assert_cases_passed(reports, {"dead_peer_noticed_before_timeout"})
 
 
