@@ -72,7 +72,7 @@ def _sizes(n: int, itemsize: int) -> list[int]:
 
 def _ops_at(sizes: list[int], numel: int, ops: tuple[str, ...]) -> tuple[str, ...]:
     """The reductions run at ``numel``: every op at an odd size and past one buffer (each combiner inside
-    a chunk and across chunks), the first alone at the sizes that only move the partition (0, 1, n+1)."""
+    a chunk and across chunks), the first alone at the sizes that only move the partition (0, 1, 5n+1)."""
     return ops if numel in (sizes[2], sizes[-1]) else ops[:1]
 
 
