@@ -6,7 +6,10 @@ ring up to 8 KiB, else one process_vm_readv copy, else staged chunks: transports
 mpi (``Isend``/``Irecv`` on the transport's private communicator) or gloo
 (``ProcessGroupGloo.send``/``recv``) for CPU tensors (transports/_p2p.py), and NCCL
 (``ncclSend``/``ncclRecv``, grouped; the handshake over the host channel: transports/_p2p_nccl.py)
-for CUDA tensors. A CUDA tensor without NCCL is copied through host memory.
+for CUDA tensors. A CUDA tensor without NCCL is copied through host memory. CUDA messages keep
+torch's NCCL stream contract: the data step is ordered after the work the caller's current stream
+had queued when it posted the message (not the stream current when the step is enqueued), runs on
+the communicator's point-to-point stream, and ``wait()`` makes the then-current stream wait for it.
 
 Matching is MPI's: a receive from rank s with tag t takes the earliest unmatched message rank s
 sent to this rank with tag t; receives are served in the order they were posted. Every message
@@ -74,8 +77,10 @@ class P2PWork:
 
     ``wait()`` drives progress until the operation completes (bounded by the communicator's
     timeout) and returns the received tensor (None for a send); ``is_completed()`` drives progress
-    once without waiting. For CUDA tensors over NCCL, completion means enqueued on the current
-    stream: ``wait()`` makes the current stream wait for it, as torch's NCCL Work does.
+    once without waiting. For CUDA tensors over NCCL, completion means enqueued (on the
+    point-to-point stream, after the stream current at post time): ``wait()`` makes the current
+    stream wait for it, as torch's NCCL Work does; ``is_completed()`` is True once the GPU has run
+    it (the copy into a non-contiguous ``out`` included), so no stream needs to wait then.
     """
 
     def __init__(self, comm: Any, op: Op, result: torch.Tensor | np.ndarray | None):
@@ -108,8 +113,8 @@ class P2PWork:
             self._comm._guarded("wait", self._comm._p2p_wait, [self._op], timeout)
         if self._op.error is not None:
             raise self._op.error
-        if self._op.event is not None:
-            torch.cuda.current_stream().wait_event(self._op.event)
+        if self._op.event is not None:  # the then-current stream (torch's Work.wait())
+            torch.cuda.current_stream(self._op.buf.device).wait_event(self._op.event)
         return self.result
 
 
@@ -199,6 +204,11 @@ class PointToPoint:
         if self._state.closed is not None:
             self._state.raise_closed()
         prepared = [self._p2p_prepare(*s) for s in specs]  # every argument checked before anything is posted
+        cuda_ops = [op for op, _, _, nccl_t in prepared if nccl_t is not None]
+        if cuda_ops:  # the data steps follow what the caller's stream has queued now (contiguous() copies too)
+            from transports._p2p_nccl import mark_posted
+
+            mark_posted(cuda_ops, self.device)
         works = []
         for op, channel, result, nccl_t in prepared:
             channel.post(op)
@@ -245,11 +255,9 @@ class PointToPoint:
             nccl_t = self.transports["nccl"]
             if t.device != self.device:
                 raise ValueError(f"{what}: the tensor is on {t.device}, this communicator on {self.device}")
-            buf = t if t.is_contiguous() else t.contiguous()
-            if kind == "recv" and buf is not t:
-                finish = _copy_back(t, buf)
-            op = Op(kind, peer, tag, buf, external=True, finish=finish)
-            return op, self._p2p_channel_for(peer), result, nccl_t
+            from transports._p2p_nccl import prepare
+
+            return prepare(kind, peer, tag, t), self._p2p_channel_for(peer), result, nccl_t
         if t.device.type != "cpu":  # no transport for it: through host memory
             if kind == "send":
                 buf = t.cpu()

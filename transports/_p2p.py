@@ -98,7 +98,8 @@ class Op:
     ``buf``: the contiguous tensor sent from or received into (CPU; CUDA for external messages);
     ``peer``: the group rank (None: a receive from any source, shm only); ``done``: complete from
     the caller's view (an eager send is done once posted); ``error``: why it failed;
-    ``finish``: called once when it completes (copies a staged receive back).
+    ``finish``: called once when it completes (copies a staged receive back); ``posted`` and ``event``
+    (external): CUDA events on the caller's stream at post time and after the data step.
     """
 
     __slots__ = (
@@ -119,6 +120,7 @@ class Op:
         "order",
         "other",
         "peer",
+        "posted",
         "posted_at",
         "reqs",
         "seq",
@@ -150,6 +152,7 @@ class Op:
         self.chunk = 0
         self.source = peer  # a receive from any source: who sent it
         self.event = None  # external: the CUDA event after the data step
+        self.posted = None  # external: a CUDA event on the caller's stream at post time; the data step waits on it
         self.channel: Any = None
         self.posted_at = time.monotonic()
 
