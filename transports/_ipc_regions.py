@@ -1,7 +1,8 @@
 """The ipc transport's region providers: map every rank's region, read and write its signal words.
 
 Two providers, one interface (``sig_ptrs``/``data_ptrs`` tables for the kernels, ``read``/``write``
-of signal words, the private ``status`` block, ``bind_thread``, ``sync``, ``capturing``, ``close``);
+of signal words, the private ``status`` block, ``bind_thread``, ``sync``, ``capturing``,
+``stream_probe``, ``close``);
 see :mod:`transports.ipc`. ``status`` (int64 [layout.STATUS_WORDS], NumPy) is this rank's
 status block, which the kernels write (``status_arg``) and the host reads with plain loads: no
 copy and no stream synchronization per call.
@@ -63,6 +64,11 @@ class _HostRegions:
 
     def capturing(self) -> bool:
         return False
+
+    def stream_probe(self) -> Callable[[], bool]:
+        """Whether the work queued so far has ended (see :meth:`_CudaRegions.stream_probe`): always
+        here, the interpreter ran each kernel to its end before its launch returned."""
+        return lambda: True
 
     def tensor(self, offset: int, nbytes: int, on_free: Callable[[], None]) -> torch.Tensor:
         """uint8 [nbytes] view of our own region from ``offset`` (the symmetric heap's tensors);
@@ -163,6 +169,17 @@ class _CudaRegions:
 
     def capturing(self) -> bool:
         return torch._C._cuda_isCurrentStreamCapturing()  # what torch.cuda.is_current_stream_capturing() calls
+
+    def stream_probe(self) -> Callable[[], bool]:
+        """A test, without blocking, of whether the work queued so far on our device's current stream
+        has ended (an event recorded now): it sees CUDA-graph replays there, which the host's launch
+        count does not; work on other streams it does not see. Under capture: always true (captured
+        kernels run at replays, not now, and a captured event cannot be queried)."""
+        if self.capturing():
+            return lambda: True
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event.query
 
     def tensor(self, offset: int, nbytes: int, on_free: Callable[[], None]) -> torch.Tensor:
         """uint8 [nbytes] CUDA tensor over our own region from ``offset`` (the symmetric heap's tensors);
