@@ -30,7 +30,9 @@ host raises :func:`check_agreement`'s ``ValueError`` from the peers' signatures.
 Never hang: waits in the kernels are bounded and stop when this rank's ABORT word is set. A
 watchdog thread per transport sets it while our kernels are in flight (launched, by the host's
 count, and not yet DONE, by the status block) when a peer's process dies, a peer closes or aborts,
-or DONE has not moved for the communicator's timeout.
+or DONE has not moved for the communicator's timeout. ``close()`` abandons calls still in flight:
+it sets STATE and ABORT, waits (bounded) for our kernels to end, and only then unmaps, leaking the
+regions rather than unmapping them under a kernel that has not ended (:meth:`IPCTransport.close`).
 
 Errors are asynchronous, as NCCL's are: the kernels write ERROR, MISMATCH and DONE into this rank's
 *status block*, pinned host-mapped memory (:mod:`transports._ipc_regions`), and the host reads it
@@ -924,6 +926,7 @@ class IPCTransport(Transport):
 
     # ---- teardown ------------------------------------------------------------------------------
     def abort(self, why: str) -> None:
+        """Mark our STATE aborted (peers waiting for us raise at once), then :meth:`close`."""
         if not self._broken:
             self._broken = why
             try:
@@ -932,21 +935,88 @@ class IPCTransport(Transport):
                 log.debug("ipc: could not mark the abort", exc_info=True)
         self.close()
 
+    # close(): after our ABORT, how long to wait for our kernels to end before unmapping. Aborted waits
+    # end at their next turn (microseconds); only kernels queued behind other long work need more.
+    _DRAIN_SECONDS = 5.0
+    # what close() could not unmap safely (a kernel may still touch it), kept while the process lives
+    _leaked: list = []
+
     def close(self) -> None:
-        """Announce the close in our STATE word (peers waiting for us raise at once), stop the
-        watchdog, and unmap every region. Later calls raise CommunicatorBrokenError."""
+        """Close; calls still in flight are abandoned, as ncclCommAbort abandons them (synchronize()
+        first to keep their results). Later calls raise CommunicatorBrokenError.
+
+        In this order: announce it in our STATE word (peers waiting for us raise at once), set our
+        ABORT word (our kernels' waits give up at their next turn, queued kernels skip their work),
+        wait a bounded time for our kernels to end (:meth:`_drain`), stop the watchdog, unmap every
+        region. Unmapped first, a kernel still queued would touch unmapped memory: on a GPU a sticky
+        error that ends the process's CUDA context (and the free's implicit synchronization would
+        wait for kernels spinning on peers that left). Kernels that have not ended by the bound keep
+        their memory: it is leaked for the process's life, with a warning, rather than unmapped.
+        """
         if self._broken == "closed":
             return
         try:
+            probe: Callable[[], bool] | None = self._regions.stream_probe()
+        except Exception:  # noqa: BLE001 - e.g. a failed CUDA context: the host's count alone then
+            log.debug("ipc: no stream probe at close", exc_info=True)
+            probe = None
+        try:
+            in_flight = self._in_flight(probe)
+        except Exception:  # noqa: BLE001 - an earlier asynchronous error: assume the worst
+            in_flight = True
+        try:
             if not self._broken:
-                self._regions.write(self.rank, L.STATE, L.STATE_CLOSED)
+                # a close that abandons kernels is an abort to the peers: aborted kernels still advance
+                # their epochs, which a peer's watchdog would take for a closed rank's finished call
+                self._regions.write(self.rank, L.STATE, L.STATE_ABORTED if in_flight else L.STATE_CLOSED)
+            self._regions.write(self.rank, L.ABORT, 1)
         except Exception:  # noqa: BLE001 - closing anyway
-            pass
+            log.debug("ipc: could not mark the close", exc_info=True)
         self._broken = "closed"
+        drained = self._drain(probe)
         self._stop.set()
         self._watchdog.join(timeout=1.0)
-        for regions in getattr(self, "_more_regions", []):
-            regions.close()
+        regions = [*getattr(self, "_more_regions", []), self._regions]
         self._more_regions = []
-        self._regions.close()
+        if drained:
+            for r in regions:
+                r.close()
+        else:
+            # what a late kernel may still use: the mappings, the pinned status block and the pointer
+            # tables (the providers), and the cached argument tensors
+            IPCTransport._leaked.append((regions, self._lam_ptrs, list(self._meta_cache.values()),
+                                         list(self._heap_tables.values())))
+            log.warning("ipc rank %d: kernels were still running %.1fs after close() aborted them; their "
+                        "memory stays mapped (leaked) until this process exits", self._ranks[self.rank],
+                        self._DRAIN_SECONDS)
         self._meta_cache.clear()
+
+    def _in_flight(self, probe: Callable[[], bool] | None) -> bool:
+        """Whether a kernel of ours may still run (see :meth:`_drain`). In emulation only the probe
+        counts: a launch returns when its kernel has ended, on the thread that launched it, and the
+        communicator never runs close() beside a call, so a count ahead of DONE there is a launch that
+        raised out of the interpreter (an interrupted call), not a kernel."""
+        return (not self.emulate and self._busy()) or (probe is not None and not probe())
+
+    def _drain(self, probe: Callable[[], bool] | None) -> bool:
+        """After our ABORT: wait up to :attr:`_DRAIN_SECONDS` for our kernels to end; whether they did.
+
+        It sees the kernels launched eagerly, on any stream (the host's count against the status
+        block's DONE: host-mapped, no stream synchronization), and, through ``probe`` (on a GPU an
+        event recorded at close), all work queued on the current stream before close began, CUDA-graph
+        replays included. It cannot see graph replays on other streams; unrelated long work queued on
+        the current stream delays it, and past the bound makes close() leak the regions.
+        """
+        deadline = time.monotonic() + self._DRAIN_SECONDS
+        pause = 1e-4
+        while True:
+            try:
+                if not self._in_flight(probe):
+                    return True
+            except Exception:  # noqa: BLE001 - the event reports an earlier asynchronous error
+                log.warning("ipc: could not tell whether kernels still run at close()", exc_info=True)
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
