@@ -29,9 +29,13 @@ and acks. Counters only grow (``seq`` per program lives in the region and advanc
 kernels), so CUDA-graph replays stay in step and nothing is reset between calls.
 
 FP8 (``FP8``): the sender quantizes each row to float8 e4m3 with one float32 scale per 128
-channels (amax / 448, amax at least 1e-4), rounding to nearest even with integer operations (the
-same bits under Triton's interpreter and on a GPU); a staged row is the H bytes of ``q`` then the
-H/128 scales.
+channels, torch's ``s = |x|.amax(-1).clamp(min=1e-4) / 448; (x / s).to(float8_e4m3fn)`` bit for
+bit: both divisions correctly rounded (``tl.div_rn``: a GPU's ``/`` is ``div.full.f32``, within 2
+ulp), the cast with integer operations (:func:`_e4m3`). A NaN in a group makes its scale and all its
+bytes NaN (torch's amax and clamp propagate it); an Inf makes the scale Inf, its byte NaN (Inf / Inf)
+and the others +-0. A NaN byte's sign bit is the float32 quotient's, as torch's on the same device:
+x86 (the interpreter, torch on a CPU) sets it for Inf / Inf and keeps a NaN input's, where a GPU's
+canonical NaN has none. A staged row is the H bytes of ``q`` then the H/128 scales.
 
 Input errors never stop the protocol: the sender's error word (``code + 256 * detail``, codes in
 :data:`transports.kernels.layout`) travels with its counts, it sends no rows, and every receiver's
@@ -126,18 +130,21 @@ def _end(my_sig, status, mine, seq, SEQ: tl.constexpr):
 
 @triton.jit
 def _e4m3(x):
-    """float32 -> float8 e4m3fn bits (int32 0..255), round to nearest even, |x| <= 448 saturated."""
+    """float32 -> float8 e4m3fn bits (int32 0..255) as torch's cast (c10's fp8e4m3fn_from_fp32_value,
+    torch 2.13): round to nearest even, finite overflow and Inf saturated to 448, NaN 0x7F, the sign
+    bit kept (a NaN's too). Integer operations only: no float min or compare has to see a NaN."""
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
-    a = tl.minimum(tl.abs(x), 448.0)
-    ab = a.to(tl.int32, bitcast=True).to(tl.int64)
+    mag = bits & 0x7FFFFFFF  # |x|'s bits, ordered as |x| is, NaN above Inf
+    ab = tl.minimum(mag, 0x43E00000).to(tl.int64)  # |x| saturated at 448 (a NaN too, replaced below)
     # normal (a >= 2**-6): keep 3 mantissa bits of the float32 exponent|mantissa, rebias 127 -> 7
     normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
     # subnormal: a * 2**9 rounded to an integer, from the float32 mantissa with its implicit 1
     shift = tl.minimum(141 - (ab >> 23), 40)
     m = (ab & 0x7FFFFF) | 0x800000
     sub = (m + (((1 << shift) >> 1) - 1) + ((m >> shift) & 1)) >> shift
-    q = tl.where(a >= 0.015625, normal, sub)
+    q = tl.where(ab >= 0x3C800000, normal, sub)  # 2**-6
+    q = tl.where(mag > 0x7F800000, 0x7F, q)
     return q.to(tl.int32) | sign
 
 
@@ -207,10 +214,14 @@ def ll_dispatch_send(X, IDX, T, K, host_err, reg, rank, world, sig_ptrs, status,
             for h0 in range(0, H, CB):
                 x = tl.load(X + t * H + h0 + c)
                 if FP8:
+                    # torch's bits (module docstring): a NaN makes its group's amax NaN, as torch's amax
+                    # and clamp do (tl.maximum and the max reduce drop it); divisions correctly rounded
                     xf = tl.reshape(x.to(tl.float32), (CB // 128, 128))
+                    nan = ((xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000).to(tl.int32)
                     amax = tl.maximum(tl.reduce(tl.abs(xf), 1, _max), 1e-4)
-                    scale = amax / 448.0
-                    q = tl.reshape(_e4m3(xf / scale[:, None]), (CB,)).to(tl.uint8)
+                    amax = tl.where(tl.reduce(nan, 1, _max) != 0, float("nan"), amax)
+                    scale = tl.div_rn(amax, 448.0)
+                    q = tl.reshape(_e4m3(tl.div_rn(xf, scale[:, None])), (CB,)).to(tl.uint8)
                     qp = (dst[:, None] + h0 + c[None, :]).to(tl.pointer_type(tl.uint8))
                     tl.store(qp, tl.broadcast_to(q[None, :], (KB, CB)), mask=valid[:, None])
                     g = tl.arange(0, CB // 128)
