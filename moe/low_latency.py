@@ -6,12 +6,13 @@ Notation: P ranks of the communicator, E experts (L = E / P per rank, expert ``e
 Call path: :class:`LowLatencyDispatcher` -> ``transports.ipc_moe.IPCExpertExchange`` -> two Triton
 kernels per dispatch and two per combine (``transports.kernels.moe_ll``) on the current stream.
 Every buffer is allocated at construction inside a region every rank maps, shapes depend only on
-(E, M, H, P), counts travel with the data, and nothing waits for the host: a decoding step with
-dispatch and combine can be captured in a CUDA graph and replayed.
+(E, M, H, P), counts travel with the data, and the kernels never wait for the host: a decoding step
+with dispatch and combine can be captured in a CUDA graph and replayed. Called eagerly, each call
+waits for its kernels before it returns, so that a refused call raises on every rank in that call.
 
 Compared with :class:`moe.ExpertDispatcher` (the normal mode: exact-size outputs, one host
 synchronization per layout, any transport), this mode pays fixed [L, P*M, H] buffers for no
-synchronization at all; it needs the ipc transport (one node; CUDA with triton and cupy, or
+synchronization in CUDA graphs; it needs the ipc transport (one node; CUDA with triton and cupy, or
 ``MOECOMM_IPC_EMULATE=1`` on the CPU).
 """
 
@@ -29,11 +30,13 @@ class LowLatencyHandle:
     """What :meth:`LowLatencyDispatcher.combine` needs from its dispatch.
 
     info: int32 [L, P*M], per received row ``src * M * max_topk + t * max_topk + k`` (its source
-    rank, token and slot); recv_count: int32 [L], the valid rows per local expert.
+    rank, token and slot); recv_count: int32 [L], the valid rows per local expert; call: the
+    dispatch's call word, which the combine's peers compare with theirs.
     """
 
     info: torch.Tensor
     recv_count: torch.Tensor
+    call: int
 
 
 class LowLatencyDispatcher:
@@ -96,17 +99,18 @@ class LowLatencyDispatcher:
             source rank, then token (rows past the count are unspecified); handle for
             :meth:`combine`. New tensors per call.
 
-        No host synchronization. Errors are raised on every rank, naming the rank at fault:
-        T > M, a wrong shape or dtype at once on that rank and, from the status block, on the
-        others (ValueError); expert ids outside [-1, E) or twice in a token are found by the
-        kernels and raise like the ipc transport's asynchronous errors, at the next call or at
-        ``comm.synchronize()`` on a GPU (at once in emulation). Results of a refused call are
-        unspecified.
+        Errors are raised on every rank in this call, naming the rank at fault (ValueError, or
+        TypeError on the rank of a wrong dtype): T > M, a wrong shape or dtype, expert ids
+        outside [-1, E) or twice in a token, and calls that do not pair (one rank skipped a call
+        its peers made, or the ranks differ in ``use_fp8``); the next call works. Called eagerly,
+        dispatch waits for its kernels to raise them. In a CUDA-graph replay nothing is checked
+        by the host: what the kernels record raises at the communicator's next ipc call and
+        closes its ipc transport.
         """
         recv_x, scales, info, recv_count = self.comm._guarded("LowLatencyDispatcher.dispatch", self._x.dispatch,
                                                               x, topk_idx, use_fp8)
         out = (recv_x, scales) if use_fp8 else recv_x
-        return out, recv_count, LowLatencyHandle(info, recv_count)
+        return out, recv_count, LowLatencyHandle(info, recv_count, self._x.last_call)
 
     def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: LowLatencyHandle) -> torch.Tensor:
@@ -122,7 +126,10 @@ class LowLatencyDispatcher:
         Returns:
             y: [T, H] of the dtype, ``y[t] = sum_k topk_weights[t, k] * expert_out row of (t, k)``
             over kept slots, accumulated in float32 in slot order and rounded once; a token with
-            no kept slot gets zeros. No host synchronization.
+            no kept slot gets zeros.
+
+        Raises ValueError on every rank when the ranks combine the handles of different dispatch
+        calls. Called eagerly, combine waits for its kernels, as dispatch does.
         """
         return self.comm._guarded("LowLatencyDispatcher.combine", self._x.combine, expert_out, handle.info,
-                                  handle.recv_count, topk_idx, topk_weights)
+                                  handle.recv_count, topk_idx, topk_weights, handle.call)

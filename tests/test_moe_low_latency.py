@@ -337,9 +337,9 @@ def test_ranks_constructing_with_different_sizes_raise_on_every_rank():
 
 
 def _error_between_kernels(group):
-    """On rank 1 an input error lands in the status block while a dispatch is between its two kernels
-    (as an earlier call's recv kernel records it on a GPU): the call still launches both, so no peer
-    waits for a missing half; the error raises at the next call, and the call after that works."""
+    """On rank 1 an input error lands in the status block while a dispatch is between its two kernels:
+    the call still launches both, so no peer waits for a missing half; it raises after them, in that
+    call, and the next calls work on both ranks."""
     from transports.ipc import IPCTransport
     from transports.ipc_moe import IPCExpertExchange
     from transports.kernels import layout as L
@@ -374,9 +374,121 @@ def _error_between_kernels(group):
     return outcome
 
 
-def test_an_error_recorded_between_a_calls_kernels_raises_at_the_next_call_not_midway():
+def test_an_error_recorded_between_a_calls_kernels_raises_after_both_not_midway():
     res = _ok(run_ranks(_error_between_kernels, 2, timeout=20.0))
+    # rank 0's call 0 completed: rank 1 launched both kernels before it raised
     assert [o[0] for o in res[0]] == ["ok", "ok", "ok"], res[0]
-    # rank 1: call 0 completes, its synchronize() raises the recorded error, calls 1 and 2 work
-    assert [o[0] for o in res[1]] == ["ok", "ValueError", "ok", "ok"], res[1]
-    assert "rank 0 passed expert id 9" in res[1][1][1], res[1]
+    assert [o[0] for o in res[1]] == ["ValueError", "ok", "ok"], res[1]
+    assert "rank 0 passed expert id 9" in res[1][0][1], res[1]
+
+
+# ---- every rank leaves a refused call at that call (GPU behaviour: eager_check=False) --------------
+# On a GPU the host reads the status block without waiting for the stream, so a refusal that reaches
+# the peers only through their kernels would raise there at some later call, while the rank at fault
+# raised at once: the ranks would leave the exchange at different calls and pair the next ones wrongly.
+def _refused_lazily(group, case, with_combine):
+    """Call 1 is refused on rank 1 (case); per call: the error, or what _check compares."""
+    from transports.ipc import IPCTransport
+    from transports.ipc_moe import IPCExpertExchange
+
+    t = IPCTransport(group, eager_check=False)
+    E, me, out = 4, group.rank, []
+    ex = IPCExpertExchange(t, E, M, H, torch.bfloat16, max_topk=KM)
+    for c in range(4):
+        x, idx, w = _inputs(140 + c, me, 6 + 3 * me, E, 2)
+        if c == 1 and me == 1:
+            if case == "too_many":
+                x, idx, w = _inputs(140, 1, M + 1, E, 2)
+            else:
+                idx[2, 1] = E
+        try:
+            recv, _, info, count = ex.dispatch(x, idx)
+            comb = ex.combine(_experts(recv, me), info, count, idx, w) if with_combine else None
+        except (ValueError, TypeError) as e:
+            out.append((type(e).__name__, str(e)))
+            continue
+        n = count.tolist()
+        out.append(("ok", (n, [info[le, : n[le]].tolist() for le in range(len(n))],
+                           [recv[le, : n[le]].view(torch.uint8).clone() for le in range(len(n))], None, comb)))
+    t.close()
+    return out
+
+
+@pytest.mark.parametrize("case,words", [("too_many", "17 tokens, more than max_tokens_per_rank 16"),
+                                        ("bad_id", "expert id 4, outside [-1, num_experts)")])
+@pytest.mark.parametrize("with_combine", [True, False], ids=["dispatch+combine", "dispatch only"])
+def test_without_eager_checks_every_rank_raises_at_the_refused_call_and_later_calls_pair(case, words, with_combine):
+    res = _ok(run_ranks(_refused_lazily, 2, case, with_combine, timeout=30.0))
+    for r in range(2):
+        assert [o[0] for o in res[r]] == ["ok", "ValueError", "ok", "ok"], (r, res[r])
+        assert "rank 1" in res[r][1][1] and words in res[r][1][1], res[r][1]
+    E, P = 4, 2
+    for c in (0, 2, 3):
+        plan = [(140 + c, [6, 9], 2)]
+        got = [[res[r][c][1]] for r in range(P)]
+        if with_combine:
+            _check(got, E, P, plan)
+        else:  # counts, infos and rows of the call itself (not another call's)
+            _, per = _expected(E, P, *plan[0])
+            for q in range(P):
+                n, info, rows, _, _ = got[q][0]
+                assert n == per[q][0] and info == per[q][1], (c, q)
+                assert all(torch.equal(rows[le], per[q][2][le].view(torch.uint8)) for le in range(len(n))), (c, q)
+
+
+def _mispaired(group, how):
+    """Call 1 of the exchange does not pair: rank 1 skipped a launch ("skipped": its host raised before
+    launching, as an earlier collective's lazily read error does), sent FP8 against bfloat16 ("fp8"),
+    or combined an older dispatch's handle ("handle"). Per call: the error or the counts."""
+    from transports.ipc import IPCTransport
+    from transports.ipc_moe import IPCExpertExchange
+
+    t = IPCTransport(group, eager_check=False)
+    E, me, out = 4, group.rank, []
+    ex = IPCExpertExchange(t, E, M, H, torch.bfloat16, max_topk=KM)
+    calls = [0, 1, 2, 3]
+    if how == "skipped" and me == 1:
+        calls = [0, "skip", 1, 2, 3]  # its calls 1.. pair with its peer's one call later
+    for c in calls:
+        if c == "skip":
+            start = t._start
+
+            def refuse():
+                t._start = start
+                raise ValueError("an earlier collective's error, raised before the launch")
+            t._start = refuse
+            c = 1
+        x, idx, w = _inputs(160 + c, me, 5 + me, E, 2)
+        try:
+            recv, _, info, count = ex.dispatch(x, idx, use_fp8=how == "fp8" and c == 1 and me == 1)
+            if how == "handle" and c == 1:
+                older = (info, count, ex.last_call)
+                recv, _, info, count = ex.dispatch(x, idx)
+                if me == 1:
+                    info, count = older[0], older[1]
+                    ex.combine(_experts(recv, me), info, count, idx, w, call=older[2])
+                else:
+                    ex.combine(_experts(recv, me), info, count, idx, w)
+            out.append(("ok", count.tolist()))
+        except ValueError as e:
+            out.append(("ValueError", str(e)))
+    t.close()
+    return out
+
+
+@pytest.mark.parametrize("how,words", [
+    ("skipped", ["calls do not pair", "skipped a call"]),
+    ("fp8", ["calls do not pair", "different use_fp8", "(FP8)", "(no FP8)"]),
+    ("handle", ["combined the handle of its dispatch #", "dispatch #1 ", "dispatch #2 ", "the same dispatch"])])
+def test_a_mispaired_exchange_raises_on_every_rank_instead_of_returning_data_and_the_next_call_pairs(how, words):
+    res = _ok(run_ranks(_mispaired, 2, how, timeout=30.0))
+    if how == "skipped":  # rank 1's extra attempt: it raised its own error before launching
+        assert res[1][1] == ("ValueError", "an earlier collective's error, raised before the launch"), res[1]
+        del res[1][1]
+    E, P = 4, 2
+    for r in range(P):
+        assert [o[0] for o in res[r]] == ["ok", "ValueError", "ok", "ok"], (r, res[r])
+        assert all(w in res[r][1][1] for w in words), (r, res[r][1][1])
+    for c in (0, 2, 3):  # rank 0's calls 2, 3 pair with rank 1's calls 2, 3 again
+        _, per = _expected(E, P, 160 + c, [5, 6], 2)
+        assert [res[q][c][1] for q in range(P)] == [per[q][0] for q in range(P)], c

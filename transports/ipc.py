@@ -174,16 +174,35 @@ def ipc_available(settings: dict) -> bool:
     return find_spec("cupy") is not None and torch.cuda.is_available()
 
 
-def input_error(word: int, ranks: list[int], me: int) -> str:
+def input_error(word: int, ranks: list[int], me: int, max_tokens: int | None = None) -> str:
     """The message of a status block's INPUT word (``err * MAX_RANKS + source``; see
     :mod:`transports.kernels.layout`), as rank ``me`` reports it."""
     src, err = ranks[word % L.MAX_RANKS], word // L.MAX_RANKS
     code, detail = err & 255, err >> 8
-    what = {L.INPUT_TOO_MANY_TOKENS: f"{detail} tokens, more than max_tokens_per_rank",
+    limit = "" if max_tokens is None else f" {max_tokens}"
+    what = {L.INPUT_TOO_MANY_TOKENS: f"{detail} tokens, more than max_tokens_per_rank{limit}",
             L.INPUT_BAD_ID: f"expert id {detail}, outside [-1, num_experts)",
             L.INPUT_DUPLICATE_ID: f"expert {detail} twice in one token's top-k",
             }.get(code, "inputs of the wrong shape or dtype")
     return f"low-latency dispatch: rank {src} passed {what} (seen by rank {me})"
+
+
+def pairing_error(op: str, source: int, theirs: int, mine: int, ranks: list[int], me: int) -> str:
+    """The message of a low-latency call whose source ``source`` (group rank) sent call word
+    ``theirs`` where rank ``me`` (group rank) ran ``mine`` (a word is the dispatch's call number
+    * 2 + FP8; a combine carries its handle's dispatch word)."""
+    def call(w: int) -> str:
+        return f"dispatch #{w >> 1} ({'FP8' if w & 1 else 'no FP8'})"
+
+    src, r = ranks[source], ranks[me]
+    if op == "combine":
+        why = "every rank must combine the handle of the same dispatch"
+        return (f"low-latency combine: rank {src} combined the handle of its {call(theirs)}, rank {r} that of "
+                f"its {call(mine)}; {why} (seen by rank {r})")
+    why = ("the ranks passed different use_fp8" if theirs >> 1 == mine >> 1 else
+           "a rank skipped a call its peers made, or made one they did not")
+    return (f"low-latency dispatch: the ranks' calls do not pair: rank {src} sent its {call(theirs)}, rank {r} "
+            f"is at its {call(mine)}; {why}; no rows of this call were kept (seen by rank {r})")
 
 
 def _align(n: int, a: int) -> int:
@@ -472,7 +491,8 @@ class IPCTransport(Transport):
         while this call still completed raises at the next call, and this one returns.
         """
         st = self._status
-        if st[L.S_ERROR] or st[L.S_MISMATCH] or st[L.S_INPUT] or self._reason is not None or self._pending is not None:
+        if st[L.S_ERROR] or st[L.S_MISMATCH] or st[L.S_INPUT] or st[L.S_PAIRING] or self._reason is not None \
+                or self._pending is not None:
             self._failed(completed)
 
     def _failed(self, completed: bool = False) -> None:
@@ -519,10 +539,19 @@ class IPCTransport(Transport):
             st[L.S_MISMATCH] = 0
             check_agreement(self._peer_metas(), self._ranks)
             raise ValueError("ipc: call signatures differ across ranks")  # digests differ, words equal
-        if st[L.S_INPUT]:  # a low-latency dispatch's source refused its input; the exchange went on
-            word = int(st[L.S_INPUT])
-            st[L.S_INPUT] = 0
-            raise ValueError(input_error(word, self._ranks, me))
+        if st[L.S_INPUT] or st[L.S_PAIRING]:
+            # recorded by low-latency MoE kernels that no eager call waited for (CUDA-graph replays):
+            # raised lazily, the ranks would leave the exchange at different calls, so it ends here
+            if st[L.S_INPUT]:
+                what = input_error(int(st[L.S_INPUT]), self._ranks, me)
+            else:
+                what = (f"low-latency exchange: rank {self._ranks[int(st[L.S_PAIRING]) - 1]} sent a call that does "
+                        f"not pair with rank {me}'s")
+            st[L.S_INPUT] = st[L.S_PAIRING] = 0
+            self._broken = f"{what}, in a CUDA-graph replay"
+            self._regions.write(self.rank, L.STATE, L.STATE_ABORTED)
+            raise ValueError(f"{what}; recorded in a CUDA-graph replay, where the ranks cannot all raise at one "
+                             "call: this communicator's ipc transport is closed")
 
     def _last_calls(self) -> str:
         """After a timeout: the signatures of the calls every rank last started, where they differ
@@ -909,20 +938,36 @@ class IPCTransport(Transport):
         self._more_regions.append(regions)
         return regions.sig_ptrs
 
-    def launch_exchange(self, *launches: tuple[Any, tuple, dict]) -> None:
+    def launch_exchange(self, *launches: tuple[Any, tuple, dict]) -> tuple[int, int, int, int] | None:
         """Launch one call of an exchange: its kernels ``(kernel, args, constexprs)``, back to back,
         each as ``kernel(*args, sig_ptrs, status, max_spins, **constexprs)`` on our programs and
         counted for the watchdog, as :meth:`_launch` does. Earlier failures raise before the first
         kernel only: a call that stopped between its kernels would leave its peers waiting for the
-        rest (an error recorded asynchronously meanwhile raises at the next call)."""
+        rest.
+
+        Then, outside CUDA-graph capture, wait for the kernels (the stream), raise failures, and
+        return what they recorded of this call's inputs, read and cleared: the status block's
+        (S_INPUT, S_PAIRING, S_PAIR_WORD, S_PAIR_MAX), which the caller raises. One rank's refused
+        input reaches its peers only through their kernels; raised lazily at a later call, as
+        other asynchronous errors are, it would make the ranks leave the exchange at different
+        calls, and the next call of one rank would pair with another call of its peers. Waiting
+        makes every rank raise in this call. Under capture: None (replays record; the next check
+        raises it and closes the transport, see :meth:`_failed`).
+        """
         self._start()
         tail = (self._regions.sig_ptrs, self._status_arg, self._max_spins)
         for i, (kernel, args, constexprs) in enumerate(launches):
             if i and not self._regions.capturing():
                 self._launched += 1  # counted as _start counts the first
             self._bind(kernel, constexprs)(*args, *tail)
-        if self.eager_check:
-            self._check(completed=True)
+        if self._regions.capturing():
+            return None
+        self._regions.sync()
+        st = self._status
+        words = tuple(int(st[w]) for w in (L.S_INPUT, L.S_PAIRING, L.S_PAIR_WORD, L.S_PAIR_MAX))
+        st[L.S_INPUT] = st[L.S_PAIRING] = 0
+        self._check(completed=True)
+        return words
 
     # ---- teardown ------------------------------------------------------------------------------
     def abort(self, why: str) -> None:

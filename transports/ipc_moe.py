@@ -2,15 +2,25 @@
 region every rank maps (:mod:`transports.kernels.moe_ll` has the protocol).
 
 Call path: ``moe.LowLatencyDispatcher`` -> :class:`IPCExpertExchange` (checks, outputs, launch
-arguments) -> ``IPCTransport.launch_exchange`` (failure checks, the watchdog's count, the
-pre-bound launch) -> two kernels per dispatch and two per combine, no host synchronization.
+arguments, call words) -> ``IPCTransport.launch_exchange`` (failure checks, the watchdog's count,
+the pre-bound launch; eagerly, the wait for the kernels) -> two kernels per dispatch and two per
+combine.
 
-Inputs the kernels can judge only from the data (expert ids out of range or twice in a token) go
-out as the sender's error word; every rank's status block then holds it, and the transport raises
-it as a ``ValueError`` naming the sender at its next look, as it raises every asynchronous error
-(at once in emulation, at the next call or ``synchronize()`` on a GPU). Inputs the host refuses
-(too many tokens, a wrong shape or dtype) raise here at once, after this rank's kernels have told
-the peers, which raise the same way.
+Every rank raises a refused call in that same call, so the ranks never leave the exchange at
+different calls. Inputs the kernels can judge only from the data (expert ids out of range or
+twice in a token) go out as the sender's error word; inputs the host refuses (too many tokens, a
+wrong shape or dtype) raise on their rank after its kernels have told the peers. Each receiver's
+kernel records the first source's error in its status block, which ``launch_exchange`` reads
+after waiting for the call's kernels: a ``ValueError`` naming the sender on every rank.
+
+Calls pair by the kernels' counters, which count launches. A rank that skipped one (it raised
+before launching) would pair its next call with its peers' last, so every call also carries a
+*call word* (this exchange's call number * 2 + FP8; a combine, its handle's dispatch word) that
+the receivers compare before they read any row: a difference raises on every rank, and the call
+numbers jump to one past the largest, so the next call pairs again.
+
+Under CUDA-graph capture nothing is waited for; what replays record raises at the transport's next
+check and closes it (the ranks could no longer raise at one call).
 """
 
 from __future__ import annotations
@@ -20,12 +30,13 @@ import math
 import numpy as np
 import torch
 
-from .ipc import IPCTransport, _align
+from .ipc import IPCTransport, _align, input_error, pairing_error
 from .kernels import layout as L
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _REGION_ALIGN = 256
 _COPY_WORDS = 1024  # int32 words a program copies per step
+_COUNT_CHUNK = 32  # local experts whose counts a receiving program loads at once ([MAX_RANKS, 32] int32)
 
 
 def _pow2(n: int) -> int:
@@ -92,6 +103,10 @@ class IPCExpertExchange:
         self._recv_const = {**rows, "WB": _COPY_WORDS}
         self._csend_const = {"E": E, "M": M, "KM": KM, "W": H * item // 4, "OFF_COMB": off_comb, "WB": _COPY_WORDS}
         self._crecv_const = {"KM": KM, "H": H, "OFF_COMB": off_comb, "CB": cb, "OUT_BF16": dtype == torch.bfloat16}
+        lc = min(_pow2(self.local), _COUNT_CHUNK)
+        self._recv_const["LC"] = self._csend_const["LC"] = lc
+        self._next_call = 0  # this exchange's dispatch calls so far (the call words' number)
+        self.last_call: int | None = None  # the word of the last dispatch, for a combine given no handle word
         self._dummy_x = torch.zeros(1, H, dtype=dtype, device=self.device)
         self._dummy_idx = torch.full((1, 1), -1, dtype=torch.int64, device=self.device)
         self._no_words = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -131,8 +146,15 @@ class IPCExpertExchange:
             (recv_x, scales, info, recv_count): recv_x [L, P*M, H] of the dtype (float8_e4m3fn
             with ``use_fp8``), scales float32 [L, P*M, H/128] with ``use_fp8`` else None, info
             int32 [L, P*M] (``src*M*max_topk + t*max_topk + k`` of each row), recv_count int32 [L].
+            :attr:`last_call` is then this call's word (for :meth:`combine`).
+
+        Raises:
+            ValueError / TypeError (every rank, in this call): a rank's inputs were refused, or the
+                ranks' calls do not pair (see the module docstring).
         """
         t = self.t
+        call = self._next_call * 2 + int(bool(use_fp8))
+        self._next_call += 1  # also when the launch raises: a skipped call must not pair
         P, M, H, Lc = t.size, self.max_tokens, self.hidden, self.local
         err, message, exc = self._refusal(x, topk_idx)
         if err:
@@ -152,23 +174,52 @@ class IPCExpertExchange:
             out, out2, w1, w2 = recv_x.view(torch.int32), self._no_words, H * self.dtype.itemsize // 4, 0
         info = torch.empty(rows, dtype=torch.int32, device=self.device)
         recv_count = torch.empty(Lc, dtype=torch.int32, device=self.device)
-        t.launch_exchange(
-            (self._k.ll_dispatch_send, (x, topk_idx, T, K, err, self.table, t.rank, P),
+        recorded = t.launch_exchange(
+            (self._k.ll_dispatch_send, (x, topk_idx, T, K, err, self.table, t.rank, P, call),
              {**self._send_const, "FP8": bool(use_fp8)}),
-            (self._k.ll_dispatch_recv, (out, out2, info, recv_count, self.table, t.rank, P),
+            (self._k.ll_dispatch_recv, (out, out2, info, recv_count, self.table, t.rank, P, call),
              {**self._recv_const, "W1": w1, "W2": w2}))
-        if err:
-            raise exc(message)
+        self.last_call = call
+        self._raise_recorded(recorded, "dispatch", call, exc(message) if err else None)
         return recv_x, scales, info, recv_count
+
+    def _raise_recorded(self, recorded: tuple[int, int, int, int] | None, op: str, call: int,
+                        own: Exception | None = None) -> None:
+        """Raise this call's error: ``own`` (the host refused our inputs), else what the kernels
+        recorded (``launch_exchange``'s words: a source's refused input, a source whose call word
+        differs). After a difference the call numbers move past every rank's, so the next pairs."""
+        t = self.t
+        if recorded is None:  # captured: nothing was waited for
+            if own is not None:
+                raise own
+            return
+        bad_input, pairing, their_word, top = recorded
+        if pairing and op == "dispatch":
+            self._next_call = max(self._next_call, (top >> 1) + 1)
+        if own is not None:
+            raise own
+        if pairing:
+            raise ValueError(pairing_error(op, pairing - 1, their_word, call, self._ranks, t.rank))
+        if bad_input:
+            raise ValueError(input_error(bad_input, self._ranks, self._ranks[t.rank], self.max_tokens))
 
     # ---- combine -------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, info: torch.Tensor, recv_count: torch.Tensor,
-                topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+                topk_idx: torch.Tensor, topk_weights: torch.Tensor, call: int | None = None) -> torch.Tensor:
         """Return each expert's rows to their tokens and sum them; see ``moe.LowLatencyDispatcher.combine``.
+
+        call: the word of the dispatch whose ``info``/``recv_count`` these are (default: the last
+        dispatch's); every rank must combine the same dispatch's.
 
         Returns:
             [T, H] of the dtype.
+
+        Raises:
+            ValueError (every rank, in this call): the ranks combined different dispatches.
         """
+        call = self.last_call if call is None else int(call)
+        if call is None:
+            raise RuntimeError(f"LowLatencyDispatcher.combine on rank {self._ranks[self.t.rank]}: no dispatch yet")
         t = self.t
         P, M, H, Lc = t.size, self.max_tokens, self.hidden, self.local
         me = self._ranks[t.rank]
@@ -185,6 +236,8 @@ class IPCExpertExchange:
         idx = topk_idx.to(torch.int64).contiguous()
         w = topk_weights.to(torch.float32).contiguous()
         out = torch.empty(T, H, dtype=self.dtype, device=self.device)
-        t.launch_exchange((self._k.ll_combine_send, (y, info, recv_count, self.table, t.rank, P), self._csend_const),
-                          (self._k.ll_combine_recv, (out, idx, w, T, K, self.table, t.rank, P), self._crecv_const))
+        recorded = t.launch_exchange(
+            (self._k.ll_combine_send, (y, info, recv_count, self.table, t.rank, P, call), self._csend_const),
+            (self._k.ll_combine_recv, (out, idx, w, T, K, self.table, t.rank, P, call), self._crecv_const))
+        self._raise_recorded(recorded, "combine", call)
         return out

@@ -34,6 +34,9 @@ loads, without a copy or a stream synchronization (errors are read lazily):
     S_MISMATCH 1 when a call's signature digest differed from a peer's (reset by the host)
     S_INPUT    a low-latency MoE dispatch source's refused input: ``err * MAX_RANKS + source``
                (err: an INPUT_* code + 256 * detail; reset by the host, which raises ValueError)
+    S_PAIRING  a low-latency MoE call whose peer sent another call word (another call, or FP8
+               against bfloat16): that source + 1; S_PAIR_WORD its word, S_PAIR_MAX the largest
+               word any source sent in that call (the host resynchronizes its call count from it)
     S_DONE     per program: its CALLS word after each kernel
 
 The *Lamport area* after the data buffer: LAMPORT_SLOTS slots, each ``[MAX_RANKS] int64``
@@ -69,6 +72,9 @@ assert RECV_COUNTS + MAX_RANKS <= DIGEST and EPOCH + MAX_PROGRAMS <= CALLS and C
 S_ERROR = 0
 S_MISMATCH = 1
 S_INPUT = 2
+S_PAIRING = 3
+S_PAIR_WORD = 4
+S_PAIR_MAX = 5
 S_DONE = 8
 STATUS_WORDS = S_DONE + MAX_PROGRAMS
 

@@ -15,18 +15,25 @@ Dispatch is two launches, with no host synchronization and shapes fixed by (E, M
    twice in a token) and computes, for its tokens, each slot's position among this rank's tokens
    routed to that expert. It writes token ``t``'s row into segment ``[rank*M, rank*M + n)`` of the
    expert's rows on the owner, with its info word ``rank*M*KM + t*KM + k``, and its share of this
-   rank's per-expert counts (program 0 the error word) into every rank; then every program adds 1
-   to ``D_ARRIVE[rank]`` of every rank (release).
+   rank's per-expert counts (program 0 the error and call words) into every rank; then every
+   program adds 1 to ``D_ARRIVE[rank]`` of every rank (release).
 2. :func:`ll_dispatch_recv`: wait until ``D_ARRIVE[src] >= seq * programs`` for every source
-   (acquire), then compact each local expert's segments, in source order, into the packed output
-   (``recv_x [L, P*M, ...]``, ``info [L, P*M]``, ``recv_count [L]``) and add 1 to ``D_ACK[rank]``
-   of every source: the sender waits for that before it rewrites our rows in its next call.
+   (acquire), compare every source's call word with ours, then compact each local expert's
+   segments, in source order, into the packed output (``recv_x [L, P*M, ...]``, ``info [L, P*M]``,
+   ``recv_count [L]``) and add 1 to ``D_ACK[rank]`` of every source: the sender waits for that
+   before it rewrites our rows in its next call.
 
 Combine mirrors it: :func:`ll_combine_send` writes each received row back to its source's combine
 rows ``[t*KM + k]`` (after ``C_ACK``), then arrives in ``C_ARRIVE``; :func:`ll_combine_recv`
 waits, sums ``weight * row`` over each token's kept slots in slot order in float32, rounds once,
 and acks. Counters only grow (``seq`` per program lives in the region and advances in the
 kernels), so CUDA-graph replays stay in step and nothing is reset between calls.
+
+Counters pair the ranks' calls by launch, so each call also carries a *call word* from the host
+(its call number * 2 + FP8; a combine, the word of its handle's dispatch), stored before the
+arrival (``D_CALL``/``C_CALL[src]``). A receiver reads no rows of a source whose word differs
+from its own (a combine then writes no output), and program 0 records the first such source in
+the status block (S_PAIRING, S_PAIR_WORD, S_PAIR_MAX), which the host raises.
 
 FP8 (``FP8``): the sender quantizes each row to float8 e4m3 with one float32 scale per 128
 channels, torch's ``s = |x|.amax(-1).clamp(min=1e-4) / 448; (x / s).to(float8_e4m3fn)`` bit for
@@ -40,8 +47,9 @@ canonical NaN has none. A staged row is the H bytes of ``q`` then the H/128 scal
 Input errors never stop the protocol: the sender's error word (``code + 256 * detail``, codes in
 :data:`transports.kernels.layout`) travels with its counts, it sends no rows, and every receiver's
 program 0 records ``err * MAX_RANKS + src`` in its status block's INPUT word, which the host reads
-lazily and raises as a ValueError naming the source rank. A rank records host-detected errors
-(too many tokens, a wrong shape) of its own source only for its peers: it raised already.
+after the call's kernels (``IPCTransport.launch_exchange``) and raises as a ValueError naming the
+source rank. A rank records host-detected errors (too many tokens, a wrong shape) of its own
+source only for its peers: it raises them itself.
 
 Waits are bounded and give up on ABORT (``sync.wait_flag``): ERROR names the missing rank and
 every later step of the call is skipped. A program waits only for peers' (or earlier launches')
@@ -57,8 +65,8 @@ import triton.language as tl
 from . import layout as L
 from .sync import _add, _max, _min, done, may_start, store_rounded, wait_flag
 
-# words of an exchange region (int64)
-D_ARRIVE, D_ACK, C_ARRIVE, C_ACK, D_ERR = 0, 16, 32, 48, 64
+# words of an exchange region (int64); D_CALL/C_CALL[src]: the call word src's last dispatch/combine sent
+D_ARRIVE, D_ACK, C_ARRIVE, C_ACK, D_ERR, D_CALL, C_CALL = 0, 16, 32, 48, 64, 80, 96
 D_SEND, D_RECV, C_SEND, C_RECV = 128, 192, 256, 320  # per program: calls this program has finished
 WORDS = 512
 assert L.MAX_RANKS <= 16 and C_RECV + L.MAX_PROGRAMS <= WORDS
@@ -68,18 +76,23 @@ _D_ACK = tl.constexpr(D_ACK)
 _C_ARRIVE = tl.constexpr(C_ARRIVE)
 _C_ACK = tl.constexpr(C_ACK)
 _D_ERR = tl.constexpr(D_ERR)
+_D_CALL = tl.constexpr(D_CALL)
+_C_CALL = tl.constexpr(C_CALL)
 _D_SEND = tl.constexpr(D_SEND)
 _D_RECV = tl.constexpr(D_RECV)
 _C_SEND = tl.constexpr(C_SEND)
 _C_RECV = tl.constexpr(C_RECV)
 _LL_CALLS = tl.constexpr(L.LL_CALLS)
 _S_INPUT = tl.constexpr(L.S_INPUT)
+_S_PAIRING = tl.constexpr(L.S_PAIRING)
+_S_PAIR_WORD = tl.constexpr(L.S_PAIR_WORD)
+_S_PAIR_MAX = tl.constexpr(L.S_PAIR_MAX)
 _MAX_RANKS = tl.constexpr(L.MAX_RANKS)
 _BAD_ID = tl.constexpr(L.INPUT_BAD_ID)
 _DUP_ID = tl.constexpr(L.INPUT_DUPLICATE_ID)
 _EXPERT_CHUNK = tl.constexpr(16)  # experts counted per step (a [16, NB] compare)
 
-_PER_CALL = ["T", "K", "rank", "world", "max_spins"]
+_PER_CALL = ["T", "K", "rank", "world", "call", "max_spins"]
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -108,6 +121,25 @@ def _wait_all(counter, target, my_sig, status, world, max_spins, ok):
         if ok:
             ok = wait_flag(counter + r, target, my_sig, status, r, max_spins)
     return ok
+
+
+@triton.jit
+def _paired(mine, status, world, call, WORD: tl.constexpr):
+    """[MAX_RANKS] mask of the sources whose call word (``mine[WORD + src]``, stored before their
+    arrival) equals ours; program 0 records the first that differs (S_PAIRING = source + 1, its
+    word in S_PAIR_WORD, every source's largest in S_PAIR_MAX) unless an earlier one is recorded."""
+    s = tl.arange(0, _MAX_RANKS)
+    sm = s < world
+    words = tl.load(mine + WORD + s, mask=sm, other=0, volatile=True)
+    same = sm & (words == call.to(tl.int64))
+    if tl.program_id(0) == 0:
+        first = tl.reduce(tl.where(sm & (same == 0), s, _MAX_RANKS), 0, _min)
+        if first < world:
+            if tl.load(status + _S_PAIRING, volatile=True) == 0:
+                tl.store(status + _S_PAIR_WORD, tl.reduce(tl.where(s == first, words, 0), 0, _add))
+                tl.store(status + _S_PAIR_MAX, tl.reduce(tl.where(sm, words, 0), 0, _max))
+                tl.store(status + _S_PAIRING, (first + 1).to(tl.int64))
+    return same
 
 
 @triton.jit
@@ -171,7 +203,7 @@ def _check_ids(IDX, T, K, E, TB: tl.constexpr, KB: tl.constexpr):
 
 # ---- dispatch ----------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=[*_PER_CALL, "host_err"])
-def ll_dispatch_send(X, IDX, T, K, host_err, reg, rank, world, sig_ptrs, status, max_spins,
+def ll_dispatch_send(X, IDX, T, K, host_err, reg, rank, world, call, sig_ptrs, status, max_spins,
                      E: tl.constexpr, M: tl.constexpr, KM: tl.constexpr, H: tl.constexpr, RB: tl.constexpr,
                      OFF_CNT: tl.constexpr, OFF_INFO: tl.constexpr, OFF_ROWS: tl.constexpr,
                      TB: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, CB: tl.constexpr,
@@ -180,7 +212,8 @@ def ll_dispatch_send(X, IDX, T, K, host_err, reg, rank, world, sig_ptrs, status,
 
     X: [T, H] (bfloat16/float16/float32), IDX: int64 [T, K] top-k expert ids (-1 unused), T <= M,
     K <= KM; host_err: nonzero when the host refused the inputs (then nothing but the error goes
-    out). RB: bytes of a staged row; ITEM: bytes of an element of X; CB: channels per step (divides
+    out); call: this call's word (the host's call number * 2 + FP8), which every receiver compares
+    with its own before it reads our rows. RB: bytes of a staged row; ITEM: bytes of an element of X; CB: channels per step (divides
     H; a multiple of 128 with FP8);
     TB, KB, NB: powers of two >= M, KM, M*KM.
     """
@@ -233,7 +266,7 @@ def ll_dispatch_send(X, IDX, T, K, host_err, reg, rank, world, sig_ptrs, status,
                              mask=valid[:, None])
     if ok:
         # our counts per expert (0 after an error), chunks of experts spread over the programs (each
-        # program's arrival covers its own), and program 0's error word, into every rank
+        # program's arrival covers its own), and program 0's error and call words, into every rank
         j = tl.arange(0, NB)
         flat = tl.load(IDX + j, mask=j < tl.where(err == 0, T * K, 0), other=-1)
         x_ = tl.arange(0, _EXPERT_CHUNK)
@@ -246,21 +279,28 @@ def ll_dispatch_send(X, IDX, T, K, host_err, reg, rank, world, sig_ptrs, status,
                 tl.store(cnt + l0 + x_, n, mask=l0 + x_ < local)
             if pid == 0:
                 tl.store(_words(reg, r) + _D_ERR + rank, err)
+                tl.store(_words(reg, r) + _D_CALL + rank, call.to(tl.int64))
     if ok:
         _arrive_all(reg, rank, world, _D_ARRIVE)
     _end(my_sig, status, mine, seq, _D_SEND)
 
 
 @triton.jit(do_not_specialize=_PER_CALL[2:])
-def ll_dispatch_recv(OUT, OUT2, INFO, RECV_COUNT, reg, rank, world, sig_ptrs, status, max_spins,
+def ll_dispatch_recv(OUT, OUT2, INFO, RECV_COUNT, reg, rank, world, call, sig_ptrs, status, max_spins,
                      E: tl.constexpr, M: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, RB: tl.constexpr,
-                     OFF_CNT: tl.constexpr, OFF_INFO: tl.constexpr, OFF_ROWS: tl.constexpr, WB: tl.constexpr):
+                     OFF_CNT: tl.constexpr, OFF_INFO: tl.constexpr, OFF_ROWS: tl.constexpr, WB: tl.constexpr,
+                     LC: tl.constexpr):
     """Wait for every source's arrival, then pack (step 2 of the module docstring).
 
     OUT: int32 words [L, P*M, W1] (the rows' first W1 words), OUT2: int32 [L, P*M, W2] (the rest:
     FP8 scales; W2 = 0 otherwise), INFO: int32 [L, P*M], RECV_COUNT: int32 [L]; row ``j`` of
     local expert ``l`` is the ``j``-th of the sources' rows for it, in source order, then token
-    order. WB: words copied per step.
+    order. call: this call's word (rows of a source that sent another are not read). WB: words
+    copied per step; LC: local experts whose counts one load brings (a power of two).
+
+    The counts come in one [MAX_RANKS, LC] load per LC experts, the sources' error and call words
+    in one load each: 2 + ceil(L / LC) loads a program before it copies, where a load per (expert,
+    source) pair made 2 * L * P dependent ones (512 at DeepEP's decoding shape).
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -268,50 +308,62 @@ def ll_dispatch_recv(OUT, OUT2, INFO, RECV_COUNT, reg, rank, world, sig_ptrs, st
     ok = _wait_all(mine + _D_ARRIVE, seq * nprog, my_sig, status, world, max_spins, ok)
     local = E // world
     if ok:
+        s = tl.arange(0, _MAX_RANKS)
+        sm = s < world
+        take = _paired(mine, status, world, call, _D_CALL)
+        errs = tl.load(mine + _D_ERR + s, mask=sm, other=0, volatile=True)
         if pid == 0:  # record the first source's input error (not our own host-detected ones: we raised)
-            for src in range(0, world):
-                err = tl.load(mine + _D_ERR + src, volatile=True)
-                code = err & 255
-                mine_host = (src == rank) & (code != _BAD_ID) & (code != _DUP_ID)
-                if (err != 0) & (mine_host == 0):
-                    if tl.load(status + _S_INPUT, volatile=True) == 0:
-                        tl.store(status + _S_INPUT, err * _MAX_RANKS + src)
+            code = errs & 255
+            own_host = (s == rank) & (code != _BAD_ID) & (code != _DUP_ID)
+            bad = take & (errs != 0) & (own_host == 0)
+            first = tl.reduce(tl.where(bad, s, _MAX_RANKS), 0, _min)
+            if first < world:
+                if tl.load(status + _S_INPUT, volatile=True) == 0:
+                    err = tl.reduce(tl.where(s == first, errs, 0), 0, _add)
+                    tl.store(status + _S_INPUT, err * _MAX_RANKS + first)
+        take = take & (errs == 0)  # a refused or unpaired source sent no rows for this call
         cnt = (tl.load(reg + rank) + OFF_CNT).to(tl.pointer_type(tl.int32))
         info = (tl.load(reg + rank) + OFF_INFO).to(tl.pointer_type(tl.int32))
         rows = tl.load(reg + rank) + OFF_ROWS
         w = tl.arange(0, WB)
-        for le in range(0, local):
-            at = 0
-            for src in range(0, world):
-                n = tl.load(cnt + src * local + le, volatile=True)
-                n = tl.where(tl.load(mine + _D_ERR + src, volatile=True) == 0, n, 0)
-                for j in range(pid, n, nprog):
-                    s = le * (world * M) + src * M + j
-                    d = le * (world * M) + at + j
-                    srow = (rows + s.to(tl.int64) * RB).to(tl.pointer_type(tl.int32))
-                    for w0 in range(0, W1, WB):
-                        m = w0 + w < W1
-                        tl.store(OUT + d.to(tl.int64) * W1 + w0 + w, tl.load(srow + w0 + w, mask=m), mask=m)
-                    for w0 in range(0, W2, WB):
-                        m = w0 + w < W2
-                        tl.store(OUT2 + d.to(tl.int64) * W2 + w0 + w, tl.load(srow + W1 + w0 + w, mask=m), mask=m)
-                    tl.store(INFO + d, tl.load(info + s))
-                at += n
-            if pid == 0:
-                tl.store(RECV_COUNT + le, at)
+        lc = tl.arange(0, LC)
+        for l0 in range(0, local, LC):
+            tile = tl.load(cnt + s[:, None] * local + l0 + lc[None, :],
+                           mask=take[:, None] & (l0 + lc[None, :] < local), other=0, volatile=True)
+            for le in range(l0, tl.minimum(l0 + LC, local)):
+                col = tl.reduce(tl.where(lc[None, :] == le - l0, tile, 0), 1, _add)  # [MAX_RANKS]: rows per source
+                at = 0
+                for src in range(0, world):
+                    n = tl.reduce(tl.where(s == src, col, 0), 0, _add)
+                    for j in range(pid, n, nprog):
+                        r = le * (world * M) + src * M + j
+                        d = le * (world * M) + at + j
+                        srow = (rows + r.to(tl.int64) * RB).to(tl.pointer_type(tl.int32))
+                        for w0 in range(0, W1, WB):
+                            m = w0 + w < W1
+                            tl.store(OUT + d.to(tl.int64) * W1 + w0 + w, tl.load(srow + w0 + w, mask=m), mask=m)
+                        for w0 in range(0, W2, WB):
+                            m = w0 + w < W2
+                            tl.store(OUT2 + d.to(tl.int64) * W2 + w0 + w, tl.load(srow + W1 + w0 + w, mask=m),
+                                     mask=m)
+                        tl.store(INFO + d, tl.load(info + r))
+                    at += n
+                if pid == 0:
+                    tl.store(RECV_COUNT + le, at)
         _arrive_all(reg, rank, world, _D_ACK)
     _end(my_sig, status, mine, seq, _D_RECV)
 
 
 # ---- combine -----------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=_PER_CALL[2:])
-def ll_combine_send(Y, INFO, RECV_COUNT, reg, rank, world, sig_ptrs, status, max_spins,
+def ll_combine_send(Y, INFO, RECV_COUNT, reg, rank, world, call, sig_ptrs, status, max_spins,
                     E: tl.constexpr, M: tl.constexpr, KM: tl.constexpr, W: tl.constexpr,
-                    OFF_COMB: tl.constexpr, WB: tl.constexpr):
+                    OFF_COMB: tl.constexpr, WB: tl.constexpr, LC: tl.constexpr):
     """Send each received row's expert output back to its source's combine rows.
 
     Y: int32 words [L, P*M, W] (the experts' outputs, W words a row), INFO, RECV_COUNT: what
-    :func:`ll_dispatch_recv` wrote (the handle).
+    :func:`ll_dispatch_recv` wrote (the handle); call: the word of the handle's dispatch, which
+    the sources compare with theirs. LC: counts read per load.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -320,36 +372,44 @@ def ll_combine_send(Y, INFO, RECV_COUNT, reg, rank, world, sig_ptrs, status, max
     local = E // world
     if ok:
         w = tl.arange(0, WB)
-        for le in range(0, local):
-            n = tl.load(RECV_COUNT + le)
-            for j in range(pid, n, nprog):
-                r = le * (world * M) + j
-                code = tl.load(INFO + r)
-                src = code // (M * KM)
-                slot = code % (M * KM)
-                dst = (tl.load(reg + src) + OFF_COMB + slot.to(tl.int64) * (W * 4)).to(tl.pointer_type(tl.int32))
-                for w0 in range(0, W, WB):
-                    m = w0 + w < W
-                    tl.store(dst + w0 + w, tl.load(Y + r.to(tl.int64) * W + w0 + w, mask=m), mask=m)
+        lc = tl.arange(0, LC)
+        for l0 in range(0, local, LC):
+            ns = tl.load(RECV_COUNT + l0 + lc, mask=l0 + lc < local, other=0)
+            for le in range(l0, tl.minimum(l0 + LC, local)):
+                n = tl.reduce(tl.where(lc == le - l0, ns, 0), 0, _add)
+                for j in range(pid, n, nprog):
+                    r = le * (world * M) + j
+                    code = tl.load(INFO + r)
+                    src = code // (M * KM)
+                    slot = code % (M * KM)
+                    dst = (tl.load(reg + src) + OFF_COMB + slot.to(tl.int64) * (W * 4)).to(tl.pointer_type(tl.int32))
+                    for w0 in range(0, W, WB):
+                        m = w0 + w < W
+                        tl.store(dst + w0 + w, tl.load(Y + r.to(tl.int64) * W + w0 + w, mask=m), mask=m)
+        if pid == 0:
+            for r in range(0, world):
+                tl.store(_words(reg, r) + _C_CALL + rank, call.to(tl.int64))
         _arrive_all(reg, rank, world, _C_ARRIVE)
     _end(my_sig, status, mine, seq, _C_SEND)
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
-def ll_combine_recv(OUT, IDX, WEIGHTS, T, K, reg, rank, world, sig_ptrs, status, max_spins,
+def ll_combine_recv(OUT, IDX, WEIGHTS, T, K, reg, rank, world, call, sig_ptrs, status, max_spins,
                     KM: tl.constexpr, H: tl.constexpr, OFF_COMB: tl.constexpr, CB: tl.constexpr,
                     OUT_BF16: tl.constexpr):
     """OUT[t] = sum over k of WEIGHTS[t, k] * (expert output of slot k) for IDX[t, k] >= 0, in
     float32, slots in order, rounded once (bfloat16: to nearest even). OUT: [T, H];
-    WEIGHTS: float32 [T, K]."""
+    WEIGHTS: float32 [T, K]; call: the word of our handle's dispatch. When a source sent rows of
+    another call, OUT is left unwritten and S_PAIRING says so."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     my_sig, mine, seq, ok = _begin(reg, sig_ptrs, status, rank, world, _C_RECV)
     ok = _wait_all(mine + _C_ARRIVE, seq * nprog, my_sig, status, world, max_spins, ok)
     if ok:
+        paired = tl.reduce(_paired(mine, status, world, call, _C_CALL).to(tl.int32), 0, _add) == world
         comb = (tl.load(reg + rank) + OFF_COMB).to(tl.pointer_type(OUT.dtype.element_ty))
         c = tl.arange(0, CB)
-        for t in range(pid, T, nprog):
+        for t in range(pid, tl.where(paired, T, 0), nprog):
             for h0 in range(0, H, CB):
                 m = h0 + c < H
                 acc = tl.full([CB], 0.0, tl.float32)
