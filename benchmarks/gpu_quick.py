@@ -8,16 +8,23 @@ so the whole check runs as one process tree of at most 8 minutes (:data:`QUICK_B
    ``--nccl-lib`` (``MOECOMM_NCCL_LIBRARY``), e.g. one built by ``tools/gpu/build_nccl.sh``, which
    every later step preloads (``LD_PRELOAD``); read which code runs (:func:`gpu_steps.source_identity`);
 2. environment: versions and ``moecomm topo --json``;
-3. the GPU test files (collectives, device binding, topology, MoE, TP);
-4. every collective x dtype x op at 2 ranks on the one GPU through nccl (where the NCCL allows two
-   ranks on one GPU: >= 2.30), ipc and auto, with the sizes 0, 1001 elements and 256 MiB and zero
-   counts in the uneven all_to_all;
-5. an all_reduce captured in a CUDA graph, 100 checked replays, through nccl and ipc; the
-   low-latency MoE dispatcher (bf16 and FP8, eager and 100 captured replays) against the CPU reference;
-6. the sweep 8 B to 64 MiB (factor 8) of moecomm's nccl and ipc against torch.distributed NCCL,
-   eagerly and 7. under CUDA graphs (``bench --cuda-graph``);
-8. ``bench-moe`` (prefill shape), ``bench-moe --mode low_latency`` (decoding shape: bf16 and FP8,
-   eager and CUDA graphs) and ``bench-tp`` (with and without sequence parallel) on the GPU.
+3. the GPU code no GPU has run yet, first, each test file in a step of its own so that one slow file
+   cannot starve the others (:data:`GPU_TEST_STEPS`): the ipc transport (bound launcher, float16,
+   fused RMSNorm, symmetric tensors, graphs), its in-kernel waits' speed, Lamport with signed zeros and
+   the fused op at hidden 7168, close with kernels in flight, the low-latency MoE dispatcher (eager and
+   CUDA graphs), NCCL point-to-point, the MoE normal mode's one host sync; then ``bench-moe --mode
+   low_latency`` (bf16 and FP8, eager and CUDA graphs);
+4. what passed on a GPU before: the NCCL, binding and topology test files, the MoE and TP ones; every
+   collective x dtype x op at 2 ranks through nccl (where the NCCL allows two ranks on one GPU:
+   >= 2.30), ipc and auto, sizes 0, 1001 elements and 32 MiB (the full run reaches 256 MiB);
+5. last, shrunk sweeps of all_reduce 8 B to 16 MiB (factor 8) of moecomm's nccl and ipc against
+   torch.distributed NCCL, eagerly and under CUDA graphs (``bench --cuda-graph``): the sizes where
+   ipc and NCCL cross.
+
+Every budget is at least 1.5x the step's last measured time or marked a guess (:data:`QUICK_TABLE`,
+printed by ``--dry-run``). The full run (``validate-gpu`` without ``--quick``) keeps what this one
+leaves out to fit: 256 MiB cases, the separate graph-replay check, ``bench-moe`` at DeepEP's
+normal-mode shape and ``bench-tp``.
 
 Without an NCCL that takes two ranks on one GPU, the steps that need one say so in their titles and
 run through ipc alone (``--transport ipc``, no torch.distributed baseline); nothing else changes.
@@ -28,42 +35,99 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .gpu_checks import MULTI_RANK_ENV, MULTI_RANK_NCCL
-from .gpu_steps import (
-    GPU_TEST_FILES,
-    LOW_LATENCY_TEST_FILE,
-    Outcome,
-    Step,
-    cli_argv,
-    source_identity,
-)
+from .gpu_steps import GPU_TEST_FILES, ROOT, Outcome, Step, cli_argv, pytest_argv, source_identity
 
 # Wall time of the whole quick check, setup included: 8 of the lease's 15 minutes, leaving a machine
 # start (1-2 minutes), the transfers and a short rerun.
 QUICK_BUDGET_S = 8 * 60
+MARGIN = 1.5  # a measured step's budget over its last measured time
 
-# Step budgets (s): about 3x what each step took on the GPU where the sum allows it, else less; the
-# record keeps every step's time against its budget. Measured on an H200, 2026-11-27: environment
-# 7 s, the older GPU test files 19 s, the MoE and TP GPU test files 69 s (as 14 launches; now 8), the
-# 2-rank collectives 76 s (ipc and auto, with the 256 MiB cases), graphs 10 s
-# (benchmarks/results/gpu-nvidia-h200-2026-11-27-35a6dca.txt). The GPU tests and the 2-rank
-# collectives, the steps the check exists for, get less than 3x so that the sweeps fit.
-# The low-latency MoE steps (issue 41) have not run on a GPU yet: their budgets are guesses (2-rank
-# launches, Triton compiles, 2 x 100 graph replays checked on the CPU), taken from the sweeps and the
-# collectives, which used 25-29 s and 91-96 s of theirs.
-QUICK_BUDGETS = {"setup": 15, "environment": 20, "gpu-tests": 90, "collectives-ws2": 115, "cuda-graphs": 25,
-                 "moe-low-latency": 40, "sweep-eager": 35, "sweep-graph": 35, "bench-moe": 30, "bench-moe-ll": 35,
-                 "bench-tp": 20, "bench-tp-sp": 20}
-SWEEP_ARGS = ("-b", "8", "-e", "64M", "-f", "8", "--ops", "all_reduce,all_gather,reduce_scatter,all_to_all")
+
+class Budget(NamedTuple):
+    """A quick step's budget and where its number came from."""
+
+    seconds: int
+    measured_s: float | None  # the step's last measured time, its command as planned now; None: a guess
+    source: str  # the record and its seconds, or "guess: why"
+    checks: str  # "setup"; "new": GPU code no GPU has run yet; "rerun": passed on a GPU before; "sweep": timings
+
+
+_R = "benchmarks/results/gpu-nvidia-h200-2026-11-27-"
+# Measured on one H200, 2026-11-27 (benchmarks/results/gpu-nvidia-h200-2026-11-27-notes.md), two ranks
+# sharing it under MPS, NCCL 2.30.7. pytest -q prints no per-file times: a step of several files takes
+# the record of a run of those files alone, or the difference of two runs' totals (said so).
+QUICK_TABLE: dict[str, Budget] = {
+    "setup": Budget(5, 0.03, f"{_R}eb7c865-quick.json: 0.03 s (9478cb7-quick: 0.03 s); in-process", "setup"),
+    "environment": Budget(12, 7.5, f"{_R}eb7c865-quick.json: 7.5 s (9478cb7-quick: 5.5 s)", "setup"),
+    "gpu-ipc": Budget(50, 32.7, f"{_R}08aca58-test-ipc-gpu.txt: pytest of this file alone, 32.7 s (its two "
+                      "tests, the late peer's 8 s sleep included)", "new"),
+    "gpu-ipc-spin": Budget(15, None, "guess: one process, no launch: CUDA start, 3 tiny kernels compiled, 3 waits "
+                           "of >= 0.5 s (longer if the GPU turns slower than 1 us a turn)", "new"),
+    "gpu-ipc-lamport": Budget(30, None, "guess: one 2-rank launch (~5 s: test_ipc_gpu.py's two launches took "
+                              "32.7 s, compiles included), 3 fused-RMSNorm variants of an 8192-wide tile to compile "
+                              "(the Lamport ones are cached by gpu-ipc), 67 calls", "new"),
+    "gpu-ipc-close": Budget(30, None, "guess: its docstring says about 20 s (rank 1 sleeps 10 s)", "new"),
+    "moe-low-latency": Budget(45, None, "guess: 2 launches (hidden 1024, 7168), the low-latency kernels compiled "
+                              "for each (bf16, FP8), 2 x 100 replays, 26 CPU references (~0.1-0.2 s each)", "new"),
+    "gpu-p2p": Budget(20, None, "guess: one 2-rank NCCL launch; this file and test_ipc_gpu.py together took 24.5 s "
+                      f"by difference of pytest totals ({_R}eb7c865-quick.txt 85.1 s - {_R}9478cb7-quick.txt 60.6 s), before "
+                      "the stream test was added", "new"),
+    "gpu-moe-sync": Budget(10, None, "guess: the file's one GPU test (-k cuda), a 1-rank launch", "new"),
+    "bench-moe-ll": Budget(30, None, "guess: bench-moe at DeepEP's normal-mode shape took 14.6 s with its baseline "
+                           f"({_R}9478cb7-quick.json); here 2 rank launches plus the low-latency kernels compiled at "
+                           "256 experts, 5 + 2 iterations of 4 variants, 2 graphs of 20 captured", "new"),
+    "gpu-core": Budget(29, 19.0, f"{_R}35a6dca.json gpu-tests: these three files alone, 19.0 s", "rerun"),
+    "gpu-moe-tp": Budget(67, 44.0, f"{_R}9478cb7-quick.json gpu-tests, these two files and gpu-core's, 63.1 s, "
+                         f"minus {_R}35a6dca.json gpu-tests, gpu-core's alone, 19.0 s: 44.0 s", "rerun"),
+    "collectives-ws2": Budget(100, None, f"guess: {_R}eb7c865-quick.json took 96.4 s (9478cb7: 90.6 s) with "
+                              "256 MiB cases, whose CPU inputs and references (9 cases, ~2 s each) shrink 8x at "
+                              "32 MiB; most of the rest is the cases' first-call compiles", "rerun"),
+    "sweep-eager": Budget(18, None, f"guess: 25.2 s for 4 ops x 9 sizes to 64 MiB ({_R}eb7c865-quick.json; 29.3 s "
+                          "in 9478cb7); now all_reduce alone, 8 sizes to 16 MiB, 10 + 3 calls: the launch and "
+                          "the two NCCL starts remain", "sweep"),
+    "sweep-graph": Budget(18, None, f"guess: 26.4 s for 3 ops x 9 sizes to 64 MiB ({_R}eb7c865-quick.json; 18.6 s "
+                          "in 9478cb7); now all_reduce alone, 8 sizes to 16 MiB, 5 + 2 replays", "sweep"),
+}
+QUICK_BUDGETS = {name: b.seconds for name, b in QUICK_TABLE.items()}
+
+# The GPU test steps: (files, what they check[, pytest options narrowing them]). Each of GPU_TEST_FILES is in
+# exactly one (tests/test_gpu_quick.py checks it).
+GPU_TEST_STEPS: dict[str, tuple[tuple[str, ...], str, tuple[str, ...]]] = {
+    "gpu-ipc": (("tests/test_ipc_gpu.py",), "ipc transport, 2 ranks on cuda:0: Lamport (float16 too) and staged "
+                "all_reduce through the pre-bound launcher, fused all_reduce + RMSNorm at 1024, symmetric tensors, "
+                "100 graph replays, a late peer raising at synchronize()", ()),
+    "gpu-ipc-spin": (("tests/test_ipc_spin_gpu.py",), "ipc in-kernel waits: turns per second on this GPU against "
+                     "_SPINS_PER_SECOND (a wait must last the host's timeout; -rP prints the rates)", ("-rP",)),
+    "gpu-ipc-lamport": (("tests/test_ipc_lamport_gpu.py",), "Lamport all_reduce of -0.0 / +0.0 (the sentinel) in "
+                        "float32, bf16, fp16, and the fused all_reduce + RMSNorm at hidden 7168, 2 ranks", ()),
+    "gpu-ipc-close": (("tests/test_ipc_close_gpu.py",), "ipc close() with kernels in flight, 2 ranks: returns fast, "
+                      "CUDA left clean, the late peer raises", ()),
+    "moe-low-latency": (("tests/test_moe_low_latency_gpu.py",), "moe.LowLatencyDispatcher over ipc (CUDA IPC), 2 "
+                        "ranks on cuda:0: bf16 and FP8, eager and CUDA-graph captured (100 replays), hidden 1024 and "
+                        "7168, vs the CPU reference", ()),
+    "gpu-p2p": (("tests/test_p2p_gpu.py",), "NCCL point-to-point, 2 ranks on cuda:0, and its stream contract", ()),
+    "gpu-moe-sync": (("tests/test_moe_sync.py",), "MoE normal mode: one host synchronization per layout on CUDA "
+                     "(the file's GPU test; the CPU suite runs the rest)", ("-k", "cuda")),
+    "gpu-core": (("tests/test_nccl.py", "tests/test_device_binding.py", "tests/test_gpu_topology.py"),
+                 "NCCL transport, device binding, GPU topology", ()),
+    "gpu-moe-tp": (("tests/test_moe_gpu.py", "tests/test_tp_gpu.py"), "MoE dispatch/combine and layer, "
+                   "tensor-parallel layers, 1 and 2 ranks on cuda:0", ()),
+}
+assert sorted(f for files, _, _ in GPU_TEST_STEPS.values() for f in files) == sorted(GPU_TEST_FILES)
+
+# all_reduce from 8 B to 16 MiB by 8: ipc's Lamport, one-shot and chunked paths against NCCL, where
+# auto must choose (IPC_MAX_BYTES; the notes put the crossover between 2 and 16 MiB)
+SWEEP_ARGS = ("-b", "8", "-e", "16M", "-f", "8", "--ops", "all_reduce")
 # Calls per captured graph (nccl-tests' -G). A replay is timed with its launch and a synchronisation,
 # which a graph of 10 calls left as the whole small-message time: every library read 7-12 us per call
 # at <= 256 KiB (H200, 2026-11-27); 100 calls put that floor under 1 us.
 GRAPH_CALLS = 100
+LARGE_MIB = 32  # the collectives check's largest case: 4 chunks of ipc's 8 MiB buffer (the full run: 256)
 
 
 def quick_paths(gpu_slug: str, date: str, results_dir: str | Path) -> dict[str, Path]:
@@ -73,63 +137,66 @@ def quick_paths(gpu_slug: str, date: str, results_dir: str | Path) -> dict[str, 
             "bench_json": Path(f"{stem}-bench.json"), "bench_graph_json": Path(f"{stem}-bench-graph.json")}
 
 
-def quick_plan(paths: dict[str, Path], nccl_lib: str | None, multi_rank: bool) -> list[Step]:
-    """The steps after setup, in order (budgets: :data:`QUICK_BUDGETS`). Pure.
+def _test_step(name: str, env: dict[str, str], root: Path) -> Step:
+    """A GPU test step of :data:`GPU_TEST_STEPS`; recorded as not run when a file is not in this tree."""
+    files, title, options = GPU_TEST_STEPS[name]
+    b = QUICK_TABLE[name]
+    missing = [f for f in files if not (root / f).is_file()]
+    return Step(name, f"pytest {' '.join(files)}: {title}", b.seconds, pytest_argv(*options, *files), dict(env),
+                skip=f"not in this tree: {', '.join(missing)}" if missing else None, budget_source=b.source)
+
+
+def quick_plan(paths: dict[str, Path], nccl_lib: str | None, multi_rank: bool, root: Path = ROOT) -> list[Step]:
+    """The steps after setup, in order (budgets: :data:`QUICK_TABLE`). Pure but for looking up the test files.
 
     Args:
         paths: :func:`quick_paths`.
         nccl_lib: the NCCL library every step preloads, or None (the one torch and cupy load).
         multi_rank: whether that NCCL takes two ranks on one GPU (>= 2.30): nccl, the torch baseline
             and moecomm's NCCL path run only then; else ipc alone.
+        root: the tree whose test files run (a missing one makes its step "not run").
     """
     env = dict(MULTI_RANK_ENV)
     if nccl_lib:
         env["LD_PRELOAD"] = nccl_lib
-    b = QUICK_BUDGETS
-    pytest_argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *GPU_TEST_FILES]
+    b = QUICK_TABLE
     if multi_rank:
         peers = ["--transport", "nccl,ipc", "--compare", "--peers", "nccl"]
-        bench_env, via, moe_extra, tp_extra = dict(env), "nccl, ipc and auto against torch.distributed NCCL", [], []
+        bench_env, via, moe_extra = dict(env), "nccl, ipc and auto against torch.distributed NCCL", []
     else:
         peers = ["--transport", "ipc"]
         bench_env = {**env, "MOECOMM_TRANSPORT": "ipc"}
         via = "ipc alone (this NCCL refuses two ranks on one GPU: no nccl, no torch baseline)"
-        moe_extra, tp_extra = ["--transport", "ipc", "--no-baseline"], ["--transport", "ipc"]
+        moe_extra = ["--transport", "ipc", "--no-baseline"]
     sweep = ["bench", "--device", "cuda", "--nprocs", "2", *SWEEP_ARGS, *peers, "-q", "--no-save"]
-    moe = ["bench-moe", "--device", "cuda", "--nprocs", "2", "--tokens", "4096", "--hidden", "7168", "-k", "8",
-           "--experts", "256", "-d", "bfloat16", "-n", "5", "-w", "2", *moe_extra]
-    tp = ["bench-tp", "--device", "cuda", "--sizes", "1,2", "-n", "10", "-w", "3", *tp_extra]
     moe_ll = ["bench-moe", "--device", "cuda", "--nprocs", "2", "--mode", "low_latency", "--fp8", "--cuda-graph", "20",
-              "--tokens", "128", "--hidden", "7168", "-k", "8", "--experts", "256", "-d", "bfloat16", "-n", "10", "-w",
-              "3", *moe_extra]
+              "--tokens", "128", "--hidden", "7168", "-k", "8", "--experts", "256", "-d", "bfloat16", "-n", "5", "-w",
+              "2", *moe_extra]
+
+    def step(name: str, title: str, argv: list[str], step_env: dict[str, str]) -> Step:
+        return Step(name, title, b[name].seconds, argv, dict(step_env), budget_source=b[name].source)
+
+    tests = [_test_step(name, env, root) for name in GPU_TEST_STEPS]
+    new = [t for t in tests if b[t.name].checks == "new"]
+    rerun = [t for t in tests if b[t.name].checks == "rerun"]
     return [
-        Step("environment", "device, driver, CUDA, torch, cupy, NCCL, triton versions; moecomm topo --json",
-             b["environment"], cli_argv("topo", "--json"), dict(env)),
-        Step("gpu-tests", "pytest on the GPU test files (collectives, binding, topology, MoE, TP)", b["gpu-tests"],
-             pytest_argv, dict(env)),
-        Step("collectives-ws2", "every collective x dtype x op vs a CPU reference, uneven all_to_all with zero "
-             "counts, 0 / 1001 / 256 MiB, split: 2 ranks on cuda:0" + ("" if multi_rank else ", ipc and auto only"),
-             b["collectives-ws2"], cli_argv("validate-gpu", "--check", "collectives", "--nprocs", "2"), dict(env)),
-        Step("cuda-graphs", "all_reduce captured once, 100 checked replays, 2 ranks on cuda:0"
-             + ("" if multi_rank else ", ipc only"), b["cuda-graphs"],
-             cli_argv("validate-gpu", "--check", "graphs", "--nprocs", "2"), dict(env)),
-        Step("moe-low-latency", "moe.LowLatencyDispatcher over ipc (CUDA IPC), 2 ranks on cuda:0: bf16 and FP8, "
-             "eager and CUDA-graph captured (100 replays), hidden 1024 and 7168, vs the CPU reference",
-             b["moe-low-latency"], [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                                    LOW_LATENCY_TEST_FILE], dict(env)),
-        Step("sweep-eager", f"8 B - 64 MiB, eager calls: {via}", b["sweep-eager"],
-             cli_argv(*sweep, "-J", str(paths["bench_json"]), "--plot", str(paths["png"])), bench_env),
-        Step("sweep-graph", f"8 B - 64 MiB, CUDA graphs of {GRAPH_CALLS} calls: {via}", b["sweep-graph"],
-             cli_argv(*sweep, "--cuda-graph", str(GRAPH_CALLS), "-n", "10", "-w", "2",
-                      "-J", str(paths["bench_graph_json"])), bench_env),
-        Step("bench-moe", "MoE dispatch/combine, DeepEP's shape (4096 tokens, hidden 7168, top-8 of 256, bf16), "
-             "2 ranks", b["bench-moe"], cli_argv(*moe), bench_env),
-        Step("bench-moe-ll", "MoE decoding, DeepEP's low-latency shape (128 tokens, hidden 7168, top-8 of 256): "
+        step("environment", "device, driver, CUDA, torch, cupy, NCCL, triton versions; moecomm topo --json",
+             cli_argv("topo", "--json"), env),
+        *new,
+        step("bench-moe-ll", "MoE decoding, DeepEP's low-latency shape (128 tokens, hidden 7168, top-8 of 256): "
              "low latency bf16 and FP8, eager and CUDA graphs of 20, beside the normal mode and the baseline, 2 ranks",
-             b["bench-moe-ll"], cli_argv(*moe_ll), bench_env),
-        Step("bench-tp", "tensor-parallel MLP block at TP 1 and 2", b["bench-tp"], cli_argv(*tp), bench_env),
-        Step("bench-tp-sp", "tensor-parallel MLP block at TP 1 and 2, sequence parallel", b["bench-tp-sp"],
-             cli_argv(*tp, "--sequence-parallel"), bench_env),
+             cli_argv(*moe_ll), bench_env),
+        *rerun,
+        step("collectives-ws2", "every collective x dtype x op vs a CPU reference, uneven all_to_all with zero "
+             f"counts, 0 / 1001 / {LARGE_MIB} MiB, split: 2 ranks on cuda:0" + ("" if multi_rank else ", ipc and auto "
+             "only"), cli_argv("validate-gpu", "--check", "collectives", "--nprocs", "2", "--large-mib",
+                               str(LARGE_MIB)), env),
+        step("sweep-eager", f"all_reduce 8 B - 16 MiB, eager calls: {via}",
+             cli_argv(*sweep, "-n", "10", "-w", "3", "-J", str(paths["bench_json"]), "--plot", str(paths["png"])),
+             bench_env),
+        step("sweep-graph", f"all_reduce 8 B - 16 MiB, CUDA graphs of {GRAPH_CALLS} calls: {via}",
+             cli_argv(*sweep, "--cuda-graph", str(GRAPH_CALLS), "-n", "5", "-w", "2",
+                      "-J", str(paths["bench_graph_json"])), bench_env),
     ]
 
 
@@ -202,6 +269,6 @@ def setup(nccl_lib: str | None) -> tuple[Outcome, dict[str, Any], bool]:
                      "the sweeps, MoE and TP run through ipc (tools/gpu/build_nccl.sh builds one)")
     info["source"] = source_identity()
     lines.append(f"code: {info['source']}")
-    out = Outcome("setup", status, time.monotonic() - t0, QUICK_BUDGETS["setup"], None, None,
+    out = Outcome("setup", status, time.monotonic() - t0, QUICK_TABLE["setup"].seconds, None, None,
                   "\n".join(lines), dict(info))
     return out, info, started

@@ -32,15 +32,27 @@ EXIT_NO_GPU = 3
 EXIT_INCOMPLETE = 4
 
 RESULT_PREFIX = "# validate-gpu result: "
-# The test files whose GPU tests skip without one (skipif on torch.cuda / HAS_NCCL / GPUS).
-GPU_TEST_FILES = ("tests/test_nccl.py", "tests/test_device_binding.py", "tests/test_gpu_topology.py",
-                  "tests/test_moe_gpu.py", "tests/test_moe_sync.py", "tests/test_tp_gpu.py", "tests/test_p2p_gpu.py",
-                  "tests/test_ipc_gpu.py")
-LOW_LATENCY_TEST_FILE = "tests/test_moe_low_latency_gpu.py"  # a quick step of its own
+# Every test file with GPU tests (they skip without one: skipif on torch.cuda / HAS_NCCL / GPUS), those of
+# GPU code no GPU has run yet first; the quick check runs them in steps of their own (gpu_quick.GPU_TEST_STEPS).
+GPU_TEST_FILES = ("tests/test_ipc_gpu.py", "tests/test_ipc_spin_gpu.py", "tests/test_ipc_lamport_gpu.py",
+                  "tests/test_ipc_close_gpu.py", "tests/test_moe_low_latency_gpu.py", "tests/test_p2p_gpu.py",
+                  "tests/test_moe_sync.py", "tests/test_nccl.py", "tests/test_device_binding.py",
+                  "tests/test_gpu_topology.py", "tests/test_moe_gpu.py", "tests/test_tp_gpu.py")
 # pytest skip reasons that mean "a GPU test did not run on this GPU machine" (two GPUs are not expected).
 _GPU_SKIP = re.compile(r"needs a CUDA GPU")
 # What a device call carries instead of git history: written here by tools/gpu/prepare.sh.
 SOURCE_FILE = ROOT / ".gpu-run" / "commit.json"
+
+
+def pytest_argv(*args: str) -> list[str]:
+    """A quiet pytest run of ``args`` (files, options) that lists skip reasons (``-rs``: a GPU test that
+    skips on the GPU machine fails its step) and leaves no cache behind."""
+    return [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args]
+
+
+def is_pytest(argv: Sequence[str] | None) -> bool:
+    """Whether ``argv`` is a :func:`pytest_argv` command."""
+    return bool(argv) and list(argv[1:3]) == ["-m", "pytest"]
 
 
 def cli_argv(*args: str) -> list[str]:
@@ -98,6 +110,7 @@ class Step:
     argv: list[str] | None = None
     env: dict[str, str] = field(default_factory=dict)
     skip: str | None = None  # why this step cannot run as planned (recorded, not run)
+    budget_source: str = ""  # where the budget's number came from (a record and its seconds, or a guess)
 
 
 @dataclass
@@ -170,7 +183,7 @@ def run_step(step: Step, timeout_s: float, runner: Runner = run_command) -> Outc
         return Outcome(step.name, "error", budget_s=step.budget_s, command=command, output=f"{type(e).__name__}: {e}")
     status = "timeout" if rc is None else "pass" if rc == 0 else "fail"
     details = _result_details(text)
-    if step.name in ("gpu-tests", "moe-low-latency"):  # pytest steps: a GPU test that skipped did not pass
+    if is_pytest(step.argv):  # a GPU test that skipped on the GPU machine did not pass
         skipped = [ln for ln in text.splitlines() if ln.startswith("SKIPPED") and _GPU_SKIP.search(ln)]
         details["gpu_tests_skipped"] = skipped
         if status == "pass" and skipped:

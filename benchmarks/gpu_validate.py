@@ -39,10 +39,11 @@ from typing import Sequence
 import click
 
 from .gpu_checks import MULTI_RANK_ENV, check_abort, check_collectives, check_graphs
-from .gpu_quick import QUICK_BUDGET_S, QUICK_BUDGETS, quick_paths, quick_plan, setup, stop_mps
+from .gpu_checks import LARGE_NUMEL
+from .gpu_quick import QUICK_BUDGET_S, QUICK_TABLE, quick_paths, quick_plan, setup, stop_mps
 # re-exported: the exit codes, Outcome and the runners are part of this command's interface
 from .gpu_steps import (EXIT_FAILED, EXIT_INCOMPLETE, EXIT_NO_GPU, EXIT_OK, GPU_TEST_FILES,  # noqa: F401
-                        RESULT_PREFIX, ROOT, Outcome, Step, cli_argv, exit_code, run_command, run_plan,
+                        RESULT_PREFIX, ROOT, Outcome, Step, cli_argv, exit_code, pytest_argv, run_command, run_plan,
                         source_identity, write_record)
 from .options import FiniteFloat
 
@@ -81,11 +82,12 @@ def plan(gpu_name: str, date: str, results_dir: str | Path = RESULTS_DIR) -> tup
     """The validation run: its steps (in order, with budgets summing to at most 25 minutes) and
     its output files. Pure: looks at nothing but our CLI's options."""
     paths = output_paths(gpu_name, date, results_dir)
-    pytest_argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *GPU_TEST_FILES]
+    tests = [f for f in GPU_TEST_FILES if (ROOT / f).is_file()]  # one not in this tree would stop pytest
     steps = [
         Step("environment", "device, driver, CUDA, torch, cupy, NCCL, triton versions; moecomm topo --json", 60,
              cli_argv("topo", "--json")),
-        Step("gpu-tests", "pytest on the GPU tests (NCCL_MULTI_RANK_GPU_ENABLE=1)", 240, pytest_argv,
+        # the quick check's GPU test steps add up to 296 s, each file with its own process and start
+        Step("gpu-tests", "pytest on the GPU tests (NCCL_MULTI_RANK_GPU_ENABLE=1)", 300, pytest_argv(*tests),
              dict(MULTI_RANK_ENV)),
         Step("collectives-ws1", "every collective x dtype x op vs a CPU reference, 1 rank on cuda:0", 90,
              cli_argv("validate-gpu", "--check", "collectives", "--nprocs", "1"), dict(MULTI_RANK_ENV)),
@@ -98,7 +100,7 @@ def plan(gpu_name: str, date: str, results_dir: str | Path = RESULTS_DIR) -> tup
              "through nccl and ipc, 2 ranks on cuda:0", 60,
              cli_argv("validate-gpu", "--check", "abort", "--nprocs", "2"), dict(MULTI_RANK_ENV)),
         Step("bench-sweep", "moecomm bench --device cuda --compare, 8 B to 256 MiB, 2 ranks, against "
-             "torch.distributed NCCL", 390,
+             "torch.distributed NCCL", 330,
              cli_argv("bench", "--device", "cuda", "--compare", "--peers", "nccl", "-b", "8", "-e", "256M",
                   "--nprocs", "2", "-q", "-J", str(paths["bench_json"]), "--plot", str(paths["png"])),
              dict(MULTI_RANK_ENV)),
@@ -133,11 +135,13 @@ def select_steps(steps: Sequence[Step], names: str) -> list[Step]:
 
 
 def format_plan(steps: Sequence[Step], paths: dict[str, Path], *, budget: float = TOTAL_BUDGET_S,
-                setup: tuple[int, str] | None = None) -> list[str]:
-    """The plan as printed by ``--dry-run``: every step, its budget, the exact command, the outputs.
+                setup: tuple[int, str] | None = None, setup_source: str = "") -> list[str]:
+    """The plan as printed by ``--dry-run``: every step, its budget and where that came from, the exact
+    command, the outputs.
 
     Args:
-        budget: the run's budget; setup: (budget, what it does) of an in-process step 0 before the steps.
+        budget: the run's budget; setup: (budget, what it does) of an in-process step 0 before the steps;
+        setup_source: where setup's budget came from.
     """
     total = sum(s.budget_s for s in steps) + (setup[0] if setup else 0)
     lines = [f"# moecomm validate-gpu plan: {len(steps) + bool(setup)} steps, {total} s of {budget:.0f} s budget"]
@@ -146,12 +150,16 @@ def format_plan(steps: Sequence[Step], paths: dict[str, Path], *, budget: float 
                      "is left), and one is not started with under 5 s left")
     if setup:
         lines.append(f"0. setup ({setup[0]} s): {setup[1]}")
+        if setup_source:
+            lines.append(f"   budget: {setup_source}")
     before = setup[0] if setup else 0  # seconds the steps before may take (their whole budgets)
     for i, s in enumerate(steps, 1):
         left = budget - before
         cut = ("" if left >= s.budget_s else f"; {left:.0f} s if the steps before use all of theirs" if left >= 5
                else "; not started if the steps before use all of theirs")
         lines.append(f"{i}. {s.name} ({s.budget_s} s{cut}): {s.title}")
+        if s.budget_source:
+            lines.append(f"   budget: {s.budget_source}")
         before += s.budget_s
         env = " ".join(f"{k}={v}" for k, v in s.env.items())
         if s.name == "environment":
@@ -193,6 +201,8 @@ def _gpu_name() -> str | None:
 @click.option("--check", type=click.Choice(["collectives", "graphs", "abort"]), default=None, hidden=True,
               help="Run one GPU check (a step of the run) and print its result.")
 @click.option("--nprocs", type=click.IntRange(min=1), default=2, hidden=True, help="Ranks of --check.")
+@click.option("--large-mib", type=click.IntRange(min=0), default=LARGE_NUMEL >> 18, show_default=True, hidden=True,
+              help="MiB of float32 of --check collectives' largest case (0: none).")
 @click.option("--steps", "only", default=None, metavar="NAMES",
               help="Comma-separated step names to run, in plan order (to split the run over several GPU "
                    "calls, each under 10 minutes) [default: every step].")
@@ -200,7 +210,8 @@ def _gpu_name() -> str | None:
               help=f"Seconds for the whole run; a step is killed at min(its budget, what is left) "
                    f"[default: {TOTAL_BUDGET_S}, with --quick {QUICK_BUDGET_S}].")
 def validate_gpu(quick: bool, nccl_lib: str | None, dry_run: bool, results_dir: str, gpu_name: str | None,
-                 date: str | None, check: str | None, nprocs: int, only: str | None, budget: float | None) -> None:
+                 date: str | None, check: str | None, nprocs: int, large_mib: int, only: str | None,
+                 budget: float | None) -> None:
     """Validate the GPU code: environment, GPU tests, 2-rank collectives, CUDA graphs, the collective
     sweep against torch.distributed NCCL, MoE and TP benchmarks. The full run takes about 25 minutes;
     --quick fits 8. The record goes to benchmarks/results/gpu-<gpu>-<date>[-quick].{txt,json,png}.
@@ -209,7 +220,10 @@ def validate_gpu(quick: bool, nccl_lib: str | None, dry_run: bool, results_dir: 
     3 no CUDA GPU (nothing run); 4 nothing failed but a step could not run.
     """
     if check:
-        result = {"collectives": check_collectives, "graphs": check_graphs, "abort": check_abort}[check](nprocs)
+        if check == "collectives":
+            result = check_collectives(nprocs, large_numel=large_mib << 18)  # float32 elements
+        else:
+            result = {"graphs": check_graphs, "abort": check_abort}[check](nprocs)
         for f in result["failures"]:
             click.echo(f"WRONG: {f}")
         click.echo(RESULT_PREFIX + json.dumps(result))
@@ -265,7 +279,8 @@ def _run_quick(nccl_lib: str | None, dry_run: bool, results_dir: str, gpu_name: 
         what = (f"in-process: start MPS (nvidia-cuda-mps-control -d, stopped at exit); load "
                 f"{lib or 'the NCCL torch and cupy load'} and read its version (this plan assumes that a given "
                 "--nccl-lib takes two ranks on one GPU and that the default NCCL does not); read the code's commit")
-        for line in format_plan(steps, paths, budget=budget, setup=(QUICK_BUDGETS["setup"], what)):
+        for line in format_plan(steps, paths, budget=budget, setup=(QUICK_TABLE["setup"].seconds, what),
+                                setup_source=QUICK_TABLE["setup"].source):
             click.echo(line)
         return
     first, info, started = setup(nccl_lib)
@@ -278,7 +293,7 @@ def _run_quick(nccl_lib: str | None, dry_run: bool, results_dir: str, gpu_name: 
         steps = quick_plan(paths, info["nccl_lib"], info["multi_rank"])
         if only:
             steps = select_steps(steps, only)
-        for line in format_plan(steps, paths, budget=budget, setup=(QUICK_BUDGETS["setup"], "done above")):
+        for line in format_plan(steps, paths, budget=budget, setup=(QUICK_TABLE["setup"].seconds, "done above")):
             click.echo(line)
         outcomes = [first, *run_plan(steps, total_s=budget - (time.monotonic() - t0))]
     finally:

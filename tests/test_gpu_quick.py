@@ -1,6 +1,8 @@
-"""`moecomm validate-gpu --quick` without a GPU: the plan fits 8 minutes and runs what issue 38 asks
-in order, every command parses, the no-GPU exit, the setup step (MPS, the carried NCCL, the code
-that ran) and the record's run facts. The run itself needs a GPU; tools/gpu/quick.sh makes it."""
+"""`moecomm validate-gpu --quick` without a GPU: the plan fits 8 minutes and runs what issues 38 and 50
+ask in order (GPU code never run first, sweeps last), every budget is 1.5x its step's measured time in
+the records or marked a guess, every GPU test file runs in exactly one step, every command parses, the
+no-GPU exit, the setup step (MPS, the carried NCCL,
+the code that ran) and the record's run facts. The run itself needs a GPU; tools/gpu/quick.sh makes it."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from benchmarks.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU = "NVIDIA H200"
-QUICK = ["environment", "gpu-tests", "collectives-ws2", "cuda-graphs", "moe-low-latency", "sweep-eager",
-         "sweep-graph", "bench-moe", "bench-moe-ll", "bench-tp", "bench-tp-sp"]
+QUICK = ["environment", "gpu-ipc", "gpu-ipc-spin", "gpu-ipc-lamport", "gpu-ipc-close", "moe-low-latency", "gpu-p2p",
+         "gpu-moe-sync", "bench-moe-ll", "gpu-core", "gpu-moe-tp", "collectives-ws2", "sweep-eager", "sweep-graph"]
 
 
 def _forbid(*_a, **_k):
@@ -44,7 +46,7 @@ def test_the_quick_plan_fits_eight_minutes_and_runs_the_steps_in_order(monkeypat
     lib = tmp_path / "libnccl.so.2"
     lib.write_bytes(b"\0")
     out = _dry(tmp_path, *(["--nccl-lib", str(lib)] if with_lib else []))
-    total, budget = map(int, re.search(r"plan: 12 steps, (\d+) s of (\d+) s budget", out).groups())
+    total, budget = map(int, re.search(r"plan: 15 steps, (\d+) s of (\d+) s budget", out).groups())
     assert total <= budget == gq.QUICK_BUDGET_S == 8 * 60
     assert total == sum(gq.QUICK_BUDGETS.values())
     positions = [out.index(f"{i}. {name} (") for i, name in enumerate(["setup", *QUICK])]
@@ -54,6 +56,7 @@ def test_the_quick_plan_fits_eight_minutes_and_runs_the_steps_in_order(monkeypat
     assert [s.name for s in steps] == QUICK
     for s in steps:
         assert f"({s.budget_s} s)" in out and s.budget_s == gq.QUICK_BUDGETS[s.name]
+        assert f"   budget: {gq.QUICK_TABLE[s.name].source}" in out  # where the number came from
         assert s.env["NCCL_MULTI_RANK_GPU_ENABLE"] == "1"
         assert s.env.get("LD_PRELOAD") == (str(lib.resolve()) if with_lib else None), s.name
     for p in paths.values():
@@ -61,21 +64,94 @@ def test_the_quick_plan_fits_eight_minutes_and_runs_the_steps_in_order(monkeypat
     assert not [p for p in tmp_path.iterdir() if p != lib], "a dry run writes nothing"
     by = {s.name: s.argv for s in steps}
     sweep, graph = by["sweep-eager"], by["sweep-graph"]
-    assert sweep[sweep.index("-b") + 1] == "8" and sweep[sweep.index("-e") + 1] == "64M" and "-f" in sweep
+    assert sweep[sweep.index("-b") + 1] == "8" and sweep[sweep.index("-e") + 1] == "16M" and "-f" in sweep
+    assert sweep[sweep.index("--ops") + 1] == "all_reduce"
     assert "--cuda-graph" not in sweep and graph[graph.index("--cuda-graph") + 1] == str(gq.GRAPH_CALLS)
-    assert by["bench-tp-sp"][-1] == "--sequence-parallel" and "--sequence-parallel" not in by["bench-tp"]
     assert by["bench-moe-ll"][by["bench-moe-ll"].index("--mode") + 1] == "low_latency"
     assert {"--fp8", "--cuda-graph"} <= set(by["bench-moe-ll"])
-    for name in ("bench-moe", "bench-moe-ll", "bench-tp", "bench-tp-sp", "sweep-eager", "sweep-graph"):
+    ws2 = by["collectives-ws2"]
+    assert ws2[ws2.index("--large-mib") + 1] == str(gq.LARGE_MIB) and f"{gq.LARGE_MIB} MiB" in out
+    for name in ("bench-moe-ll", "sweep-eager", "sweep-graph"):
         assert by[name][by[name].index("--device") + 1] == "cuda", name
     if with_lib:  # NCCL at 2 ranks: moecomm's nccl and ipc against torch.distributed NCCL
         assert {"--compare", "--peers"} <= set(sweep) and sweep[sweep.index("--transport") + 1] == "nccl,ipc"
-        assert "--transport" not in by["bench-moe"]
+        assert "--transport" not in by["bench-moe-ll"]
     else:  # the image's NCCL refuses two ranks on one GPU: ipc alone, and the titles say why
         assert "--compare" not in sweep and sweep[sweep.index("--transport") + 1] == "ipc"
-        assert by["bench-moe"][-3:] == ["--transport", "ipc", "--no-baseline"]
+        assert by["bench-moe-ll"][-3:] == ["--transport", "ipc", "--no-baseline"]
         assert all(s.env["MOECOMM_TRANSPORT"] == "ipc" for s in steps if s.name.startswith(("sweep", "bench")))
         assert "refuses two ranks on one GPU" in out
+
+
+def _record_seconds(record: str, step: str) -> float:
+    """A step's seconds in a committed validate-gpu record (benchmarks/results/*.json)."""
+    steps = json.loads((ROOT / "benchmarks" / "results" / record).read_text())["steps"]
+    return next(s["seconds"] for s in steps if s["name"] == step)
+
+
+def test_every_budget_is_one_and_a_half_its_measured_time_or_a_guess_and_the_plan_fits():
+    table = gq.QUICK_TABLE
+    assert sum(b.seconds for b in table.values()) <= gq.QUICK_BUDGET_S == 8 * 60
+    assert set(table) == {"setup", *QUICK}
+    for name, b in table.items():
+        for record in re.findall(r"benchmarks/results/[\w.-]+\.(?:json|txt|md)", b.source):
+            assert (ROOT / record).is_file(), (name, record)
+        if b.measured_s is None:
+            assert b.source.startswith("guess: "), name
+        else:
+            assert not b.source.startswith("guess") and "benchmarks/results/" in b.source, name
+            assert b.seconds >= gq.MARGIN * b.measured_s and gq.MARGIN == 1.5, (name, b)
+            assert f"{b.measured_s:.1f} s" in b.source or f"{b.measured_s:g} s" in b.source, (name, b.source)
+    # the measured times are the records' (the last run of each step's command as planned now)
+    h200 = "gpu-nvidia-h200-2026-11-27-"
+    assert table["setup"].measured_s == round(_record_seconds(h200 + "eb7c865-quick.json", "setup"), 2)
+    assert table["environment"].measured_s == round(_record_seconds(h200 + "eb7c865-quick.json", "environment"), 1)
+    assert table["gpu-core"].measured_s == round(_record_seconds(h200 + "35a6dca.json", "gpu-tests"), 1)
+    both = _record_seconds(h200 + "9478cb7-quick.json", "gpu-tests") - _record_seconds(h200 + "35a6dca.json", "gpu-tests")
+    assert table["gpu-moe-tp"].measured_s == round(both, 1)
+    ipc_alone = (ROOT / "benchmarks" / "results" / (h200 + "08aca58-test-ipc-gpu.txt")).read_text()
+    assert table["gpu-ipc"].measured_s == round(float(re.search(r" in ([\d.]+)s", ipc_alone).group(1)), 1)
+
+
+def test_gpu_code_never_run_goes_first_and_sweeps_last():
+    kinds = [gq.QUICK_TABLE[name].checks for name in ["setup", *QUICK]]
+    order = ["setup", "new", "rerun", "sweep"]
+    assert [order.index(k) for k in kinds] == sorted(order.index(k) for k in kinds), kinds
+    assert kinds.count("new") >= 7 and kinds[-1] == "sweep"
+    for name in ("gpu-ipc", "gpu-ipc-lamport", "gpu-ipc-close", "moe-low-latency", "gpu-p2p"):
+        assert gq.QUICK_TABLE[name].checks == "new", name
+
+
+def test_every_gpu_test_file_runs_in_exactly_one_quick_step(tmp_path):
+    steps = gq.quick_plan(gq.quick_paths("gpu", "D", tmp_path), None, multi_rank=True)
+    ran = [a for s in steps if gpu_steps.is_pytest(s.argv) for a in s.argv if a.startswith("tests/")]
+    assert sorted(ran) == sorted(gpu_steps.GPU_TEST_FILES) and len(set(ran)) == len(ran)
+    missing = [f for f in gpu_steps.GPU_TEST_FILES if not (ROOT / f).is_file()]
+    assert not missing, missing
+    # every tests/ file with a GPU test is listed: its skip reason says so, which the run matches (_GPU_SKIP)
+    gpu_marked = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")
+                  if re.search(r"""reason=["']needs a CUDA GPU""", p.read_text())}
+    assert gpu_marked == set(gpu_steps.GPU_TEST_FILES), gpu_marked ^ set(gpu_steps.GPU_TEST_FILES)
+
+
+def test_a_test_file_not_in_the_tree_makes_its_step_not_run(tmp_path):
+    (tmp_path / "tests").mkdir()
+    for f in gpu_steps.GPU_TEST_FILES:
+        if f != "tests/test_ipc_close_gpu.py":
+            (tmp_path / f).write_text("")
+    steps = {s.name: s for s in gq.quick_plan(gq.quick_paths("gpu", "D", tmp_path), None, False, root=tmp_path)}
+    assert steps["gpu-ipc-close"].skip == "not in this tree: tests/test_ipc_close_gpu.py"
+    assert all(s.skip is None for name, s in steps.items() if name != "gpu-ipc-close")
+    out = gpu_steps.run_step(steps["gpu-ipc-close"], 1, _forbid)
+    assert out.status == "skipped" and gpu_steps.exit_code([out]) == gpu_steps.EXIT_INCOMPLETE
+
+
+def test_a_pytest_step_whose_gpu_test_skipped_fails():
+    step = gq.quick_plan(gq.quick_paths("gpu", "D", "/tmp"), None, True)[1]
+    assert step.name == "gpu-ipc" and gpu_steps.is_pytest(step.argv)
+    said = "SKIPPED [1] tests/test_ipc_gpu.py:9: needs a CUDA GPU\n1 skipped in 0.1s"
+    out = gpu_steps.run_step(step, 5, lambda argv, t, env: (0, said, 0.1))
+    assert out.status == "fail" and out.details["gpu_tests_skipped"]
 
 
 def test_every_quick_command_parses_with_the_cli(tmp_path):
@@ -83,7 +159,7 @@ def test_every_quick_command_parses_with_the_cli(tmp_path):
     for multi_rank in (False, True):
         for s in gq.quick_plan(paths, None, multi_rank):
             if s.argv[:3] != [sys.executable, "-m", "benchmarks.cli"]:
-                assert s.argv[:3] == [sys.executable, "-m", "pytest"] and s.name in ("gpu-tests", "moe-low-latency")
+                assert s.argv[:3] == [sys.executable, "-m", "pytest"] and s.name in gq.GPU_TEST_STEPS
                 assert all((ROOT / f).exists() for f in s.argv if f.startswith("tests/"))
                 continue
             args = s.argv[3:]
@@ -185,3 +261,4 @@ def test_mps_is_started_and_stopped_with_the_control_command(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     started, said = gq.start_mps(runner)
     assert not started and "time-sliced" in said
+

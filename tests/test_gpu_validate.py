@@ -252,3 +252,19 @@ def test_gpu_checks_run_nccl_at_two_ranks_on_one_gpu_only_where_nccl_allows_it(m
     assert (transports_, forced, bool(not_run)) == want
     if not_run:
         assert "older than 2.30" in not_run[0] and (".".join(map(str, version)) if version else "none") in not_run[0]
+
+
+def test_the_collectives_check_takes_its_largest_size_from_the_command_line(monkeypatch):
+    """--large-mib (the quick check's 32 MiB) reaches check_collectives as float32 elements; 256 MiB by default."""
+    seen = []
+
+    def fake(nprocs, **kw):
+        seen.append((nprocs, kw))
+        return {"failures": []}
+
+    monkeypatch.setattr(gv, "check_collectives", fake)
+    for extra, numel in (([], gpu_checks.LARGE_NUMEL), (["--large-mib", "32"], 32 << 18), (["--large-mib", "0"], 0)):
+        res = CliRunner().invoke(main, ["validate-gpu", "--check", "collectives", "--nprocs", "2", *extra])
+        assert res.exit_code == 0 and res.output.startswith(gv.RESULT_PREFIX), res.output
+        assert seen.pop() == (2, {"large_numel": numel})
+    assert gpu_checks.LARGE_NUMEL == 256 << 18
