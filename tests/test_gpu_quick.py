@@ -1,11 +1,12 @@
 """`moecomm validate-gpu --quick` without a GPU: the plan fits 8 minutes and runs what issues 38 and 50
 ask in order (GPU code never run first, sweeps last), every budget is 1.5x its step's measured time in
-the records or marked a guess, every GPU test file runs in exactly one step, every command parses, the
-no-GPU exit, the setup step (MPS, the carried NCCL,
+the records or marked a guess, every GPU test file runs in exactly one step, every command parses, no
+captured CUDA-graph body copies from the host, the no-GPU exit, the setup step (MPS, the carried NCCL,
 the code that ran) and the record's run facts. The run itself needs a GPU; tools/gpu/quick.sh makes it."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
@@ -262,3 +263,128 @@ def test_mps_is_started_and_stopped_with_the_control_command(monkeypatch):
     started, said = gq.start_mps(runner)
     assert not started and "time-sliced" in said
 
+
+# ---- what a captured CUDA-graph body must not do (issue 50, point 1) ------------------------------
+# A copy from pageable host memory (torch.tensor(list, device=...), x.to(device), .cuda()) or a host
+# synchronization (.item(), .tolist(), .cpu(), synchronize()) inside `with torch.cuda.graph(...)` makes
+# CUDA refuse the capture. The walk follows calls to functions of the same file and of the tests/
+# modules it imports from; a library's own calls (comm.all_reduce, disp.dispatch) are the library's.
+_HOST_DATA = {"tensor", "as_tensor", "asarray", "from_numpy"}  # torch.<name>(...)
+_HOST_SYNC = {"item", "tolist", "cpu", "numpy", "synchronize", "cuda"}  # <anything>.<name>(...)
+_DTYPES = {"float32", "float", "float64", "double", "float16", "half", "bfloat16", "int8", "uint8", "int16", "int32",
+           "int64", "long", "int", "bool", "float8_e4m3fn", "float8_e5m2"}
+
+
+def _is_graph_capture(node: ast.AST) -> bool:
+    f = node.func if isinstance(node, ast.Call) else None
+    return isinstance(f, ast.Attribute) and f.attr == "graph" and isinstance(f.value, ast.Attribute) \
+        and f.value.attr == "cuda"
+
+
+def _host_use(call: ast.Call) -> str | None:
+    """What ``call`` does on the host that a capture refuses, or None."""
+    f = call.func
+    if not isinstance(f, ast.Attribute):
+        return None
+    if isinstance(f.value, ast.Name) and f.value.id == "torch" and f.attr in _HOST_DATA:
+        return f"torch.{f.attr}(...): a tensor from host data"
+    if f.attr in _HOST_SYNC:
+        return f".{f.attr}(): a host synchronization or copy"
+    if f.attr == "to":
+        first = call.args[0] if call.args else None
+        dtype_only = (first is None or (isinstance(first, ast.Attribute) and first.attr in _DTYPES)) and \
+            all(k.arg in ("dtype", "non_blocking", "copy", "memory_format") for k in call.keywords)
+        if not dtype_only:
+            return ".to(<not a dtype>): a copy between devices"
+    return None
+
+
+class _Module:
+    def __init__(self, path: Path):
+        self.path = path
+        self.tree = ast.parse(path.read_text())
+        self.defs: dict[str, list[ast.FunctionDef]] = {}
+        self.imports: dict[str, tuple[str, str]] = {}  # local name -> (module, name)
+        for n in ast.walk(self.tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.defs.setdefault(n.name, []).append(n)
+            elif isinstance(n, ast.ImportFrom) and n.module:
+                for a in n.names:
+                    self.imports[a.asname or a.name] = (n.module, a.name)
+
+
+def captured_host_uses(paths: list[Path], search: list[Path]) -> tuple[list[str], int]:
+    """(every host use inside a captured body of ``paths`` as "file:line via f: what", captured blocks)."""
+    modules: dict[Path, _Module] = {}
+
+    def module(path: Path) -> _Module:
+        if path not in modules:
+            modules[path] = _Module(path)
+        return modules[path]
+
+    def resolve(mod: _Module, name: str) -> list[tuple[_Module, ast.AST]]:
+        if name in mod.defs:
+            return [(mod, d) for d in mod.defs[name]]
+        if name in mod.imports:
+            modname, orig = mod.imports[name]
+            for d in [mod.path.parent, *search]:
+                p = d / (modname.split(".")[-1] + ".py")
+                if p.is_file() and orig in module(p).defs:
+                    return [(module(p), fn) for fn in module(p).defs[orig]]
+        return []
+
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def walk(mod: _Module, nodes: list[ast.AST], via: str) -> None:
+        for top in nodes:
+            for n in ast.walk(top):
+                if not isinstance(n, ast.Call):
+                    continue
+                what = _host_use(n)
+                if what:
+                    found.append(f"{mod.path.name}:{n.lineno} via {via}: {what}")
+                if isinstance(n.func, ast.Name):
+                    for m2, fn in resolve(mod, n.func.id):
+                        if id(fn) not in seen:
+                            seen.add(id(fn))
+                            walk(m2, fn.body, f"{via} -> {fn.name}")
+
+    blocks = 0
+    for path in paths:
+        mod = module(path)
+        for n in ast.walk(mod.tree):
+            if isinstance(n, ast.With) and any(_is_graph_capture(i.context_expr) for i in n.items):
+                blocks += 1
+                seen.clear()
+                walk(mod, n.body, f"capture at {path.name}:{n.lineno}")
+    return found, blocks
+
+
+def test_no_captured_body_copies_from_the_host_or_synchronizes():
+    files = [p for d in ("tests", "benchmarks") for p in sorted((ROOT / d).glob("*.py"))
+             if "torch.cuda.graph(" in p.read_text() and p.name != Path(__file__).name]
+    names = {p.name for p in files}
+    # the GPU tests' and the quick check's captures: low-latency MoE, ipc, graphs check, sweep, bench-moe-ll
+    assert {"test_moe_low_latency_gpu.py", "test_ipc_gpu.py", "gpu_checks.py", "sweep.py", "bench_moe_ll.py"} <= names
+    found, blocks = captured_host_uses(files, [ROOT / "tests"])
+    assert blocks >= 6 and not found, found
+
+
+def test_the_capture_walk_finds_a_host_copy_in_a_helper_of_another_module(tmp_path):
+    """The mistake of issue 50: the captured step calls a helper imported from the CPU test module,
+    which builds a tensor from a list on the device."""
+    (tmp_path / "helper.py").write_text(
+        "import torch\n\ndef _experts(recv, rank):\n"
+        "    scale = torch.tensor([rank + 1.0], device=recv.device)\n    return recv * scale\n")
+    (tmp_path / "test_x.py").write_text(
+        "import torch\n\ndef body(x, device):\n    from helper import _experts\n\n"
+        "    def step(x):\n        return _experts(x, 0) + x.sum().item() * 0\n\n"
+        "    g = torch.cuda.CUDAGraph()\n    with torch.cuda.graph(g):\n        y = step(x)\n"
+        "    with torch.cuda.graph(g):\n        y = x.to(device) + x.to(torch.bfloat16).float()\n")
+    found, blocks = captured_host_uses([tmp_path / "test_x.py"], [])
+    assert blocks == 2
+    assert sorted(f.split(": ", 1)[1] for f in found) == [
+        ".item(): a host synchronization or copy", ".to(<not a dtype>): a copy between devices",
+        "torch.tensor(...): a tensor from host data"], found
+    assert "helper.py:4 via capture at test_x.py:10 -> step -> _experts: torch.tensor" in "\n".join(found)
