@@ -31,7 +31,8 @@ def _close_in_flight(group, how: str, flags: str) -> dict:
     """Rank 0 closes with a simulated kernel in flight; returns what happened, in order.
 
     how: "probe" (the kernel is seen by the provider's stream probe), "count" (by the launch count
-    against DONE, as on a GPU), "never" (it never ends: close must give up at the bound and leak).
+    against DONE, as on a GPU), "never" (it never ends: close must give up at the bound and leak),
+    "finishes" (it ends by itself within close()'s grace, before any ABORT).
     """
     from transports.ipc import IPCTransport
     from transports.kernels import layout as L
@@ -65,6 +66,11 @@ def _close_in_flight(group, how: str, flags: str) -> dict:
     ended = threading.Event()
 
     def kernel() -> None:  # gives up once our ABORT word is set, as an aborted wait does, a little later
+        if how == "finishes":  # its peers are there: it ends by itself, within close()'s grace
+            time.sleep(0.1)
+            events.append(("kernel ended",))
+            ended.set()
+            return
         while regions.read(me, L.ABORT, 1)[0] == 0:
             time.sleep(0.005)
         if how == "never":
@@ -122,6 +128,48 @@ def test_close_gives_up_at_the_bound_and_leaks_instead_of_unmapping(tmp_path):
     assert got["events"] == [("write", "STATE", L.STATE_ABORTED), ("write", "ABORT", 1), ("watchdog stopped",)], got
     assert 0.5 <= got["took"] < 3.0, got
     assert got["mapped"] and got["leaked"] and len(got["warnings"]) == 1, got
+
+
+def test_close_lets_a_call_in_flight_finish_within_its_grace_and_then_closes_cleanly(tmp_path):
+    """As ncclCommDestroy completes its operations: a call whose peers are there is not abandoned."""
+    from transports.kernels import layout as L
+
+    results = run_ranks(_close_in_flight, 2, "finishes", str(tmp_path), timeout=60.0)
+    assert [r[0] for r in results] == ["ok", "ok"], results
+    got = results[0][1]
+    assert got["events"] == [("kernel ended",), ("write", "STATE", L.STATE_CLOSED), ("write", "ABORT", 1),
+                             ("watchdog stopped",), ("unmap", 0), ("unmap", 1)], got
+    assert got["took"] < 0.5 and not got["mapped"] and not got["leaked"], got
+
+
+def _failed_launch(group) -> tuple:
+    """A launch that raises before its kernel runs (here: a compile error) is not counted in flight."""
+    from transports.ipc import IPCTransport
+
+    t = IPCTransport(group, buffer_bytes=BUF)
+    before = (t._launched, t._busy())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("compile error")
+
+    bind, t._bind = t._bind, lambda kernel, const: broken
+    try:
+        t.barrier(Signature.of(OpCode.BARRIER))
+        raised = False
+    except RuntimeError:
+        raised = True
+    t._bind = bind
+    after = (t._launched, t._busy())
+    t.barrier(Signature.of(OpCode.BARRIER))  # the transport still works
+    t.close()
+    return raised, before, after
+
+
+def test_a_launch_that_raises_is_not_counted_as_a_kernel_in_flight():
+    for r in run_ranks(_failed_launch, 2, timeout=30.0):
+        assert r[0] == "ok", r
+        raised, before, after = r[1]
+        assert raised and after == before and not after[1], r
 
 
 def _spinning_kernel_then_close(group, flags: str) -> tuple:

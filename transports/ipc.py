@@ -30,8 +30,8 @@ host raises :func:`check_agreement`'s ``ValueError`` from the peers' signatures.
 Never hang: waits in the kernels are bounded and stop when this rank's ABORT word is set. A
 watchdog thread per transport sets it while our kernels are in flight (launched, by the host's
 count, and not yet DONE, by the status block) when a peer's process dies, a peer closes or aborts,
-or DONE has not moved for the communicator's timeout. ``close()`` abandons calls still in flight:
-it sets STATE and ABORT, waits (bounded) for our kernels to end, and only then unmaps, leaking the
+or DONE has not moved for the communicator's timeout. ``close()`` gives calls still in flight a
+short grace to finish, then abandons them: it sets STATE and ABORT, waits (bounded) for our kernels to end, and only then unmaps, leaking the
 regions rather than unmapping them under a kernel that has not ended (:meth:`IPCTransport.close`).
 
 Errors are asynchronous, as NCCL's are: the kernels write ERROR, MISMATCH and DONE into this rank's
@@ -599,7 +599,11 @@ class IPCTransport(Transport):
         host never waits for the stream here.
         """
         self._start()
-        self._bind(kernel, constants)(*args)
+        try:
+            self._bind(kernel, constants)(*args)
+        except BaseException:
+            self._not_launched()
+            raise
         if self.eager_check:
             self._check(completed=True)
 
@@ -610,6 +614,12 @@ class IPCTransport(Transport):
         self._check()
         if not self._regions.capturing():  # a captured kernel runs at replays, which the host does not see
             self._launched += 1
+
+    def _not_launched(self) -> None:
+        """A launch that :meth:`_start` counted raised instead (a compile error, an interrupt): uncount
+        it, or the watchdog would take it for a kernel stuck in flight and close() would wait for it."""
+        if not self._regions.capturing():
+            self._launched -= 1
 
     def _peer_metas(self) -> np.ndarray:
         return self._regions.read(self.rank, L.PEER_META, self.size * META_LEN).reshape(self.size, META_LEN)
@@ -757,14 +767,18 @@ class IPCTransport(Transport):
             start()
             key = (ptr(x_addr), ptr(out_addr), *tail)
             c = compiled.get(key)
-            if c is not None:  # the compiled kernel's launcher, nothing else
-                full[0], full[1] = x_addr, out_addr
-                launch(c, programs, full, device)
-            elif emulate:
-                bound(_at(x_addr, numel, flat, self._device), _at(out_addr, numel, flat, self._device), numel, *rest,
-                      key=key)
-            else:  # the JIT compiles this variant (it types pointers from data_ptr() and dtype)
-                bound(Pointer(x_addr, flat), Pointer(out_addr, flat), numel, *rest, key=key)
+            try:
+                if c is not None:  # the compiled kernel's launcher, nothing else
+                    full[0], full[1] = x_addr, out_addr
+                    launch(c, programs, full, device)
+                elif emulate:
+                    bound(_at(x_addr, numel, flat, self._device), _at(out_addr, numel, flat, self._device), numel,
+                          *rest, key=key)
+                else:  # the JIT compiles this variant (it types pointers from data_ptr() and dtype)
+                    bound(Pointer(x_addr, flat), Pointer(out_addr, flat), numel, *rest, key=key)
+            except BaseException:
+                self._not_launched()
+                raise
             if self.eager_check:
                 self._check(completed=True)
 
@@ -959,7 +973,11 @@ class IPCTransport(Transport):
         for i, (kernel, args, constexprs) in enumerate(launches):
             if i and not self._regions.capturing():
                 self._launched += 1  # counted as _start counts the first
-            self._bind(kernel, constexprs)(*args, *tail)
+            try:
+                self._bind(kernel, constexprs)(*args, *tail)
+            except BaseException:
+                self._not_launched()
+                raise
         if self._regions.capturing():
             return None
         self._regions.sync()
@@ -983,14 +1001,18 @@ class IPCTransport(Transport):
     # close(): after our ABORT, how long to wait for our kernels to end before unmapping. Aborted waits
     # end at their next turn (microseconds); only kernels queued behind other long work need more.
     _DRAIN_SECONDS = 5.0
+    # close() of a healthy transport first lets calls in flight finish this long (peers that are there
+    # finish them in microseconds), as ncclCommDestroy completes its operations; abort() does not
+    _GRACE_SECONDS = 0.5
     # what close() could not unmap safely (a kernel may still touch it), kept while the process lives
     _leaked: list = []
 
     def close(self) -> None:
-        """Close; calls still in flight are abandoned, as ncclCommAbort abandons them (synchronize()
-        first to keep their results). Later calls raise CommunicatorBrokenError.
+        """Close. Calls still in flight get :attr:`_GRACE_SECONDS` to finish (not after abort());
+        then they are abandoned, as ncclCommAbort abandons them (synchronize() first to be sure to
+        keep their results). Later calls raise CommunicatorBrokenError.
 
-        In this order: announce it in our STATE word (peers waiting for us raise at once), set our
+        In this order, after the grace: announce it in our STATE word (peers waiting for us raise at once), set our
         ABORT word (our kernels' waits give up at their next turn, queued kernels skip their work),
         wait a bounded time for our kernels to end (:meth:`_drain`), stop the watchdog, unmap every
         region. Unmapped first, a kernel still queued would touch unmapped memory: on a GPU a sticky
@@ -1009,6 +1031,8 @@ class IPCTransport(Transport):
             in_flight = self._in_flight(probe)
         except Exception:  # noqa: BLE001 - an earlier asynchronous error: assume the worst
             in_flight = True
+        if in_flight and not self._broken:
+            in_flight = not self._drain(probe, self._GRACE_SECONDS)
         try:
             if not self._broken:
                 # a close that abandons kernels is an abort to the peers: aborted kernels still advance
@@ -1043,8 +1067,9 @@ class IPCTransport(Transport):
         raised out of the interpreter (an interrupted call), not a kernel."""
         return (not self.emulate and self._busy()) or (probe is not None and not probe())
 
-    def _drain(self, probe: Callable[[], bool] | None) -> bool:
-        """After our ABORT: wait up to :attr:`_DRAIN_SECONDS` for our kernels to end; whether they did.
+    def _drain(self, probe: Callable[[], bool] | None, seconds: float | None = None) -> bool:
+        """Wait up to ``seconds`` (after our ABORT: :attr:`_DRAIN_SECONDS`) for our kernels to end;
+        whether they did.
 
         It sees the kernels launched eagerly, on any stream (the host's count against the status
         block's DONE: host-mapped, no stream synchronization), and, through ``probe`` (on a GPU an
@@ -1052,7 +1077,7 @@ class IPCTransport(Transport):
         replays included. It cannot see graph replays on other streams; unrelated long work queued on
         the current stream delays it, and past the bound makes close() leak the regions.
         """
-        deadline = time.monotonic() + self._DRAIN_SECONDS
+        deadline = time.monotonic() + (self._DRAIN_SECONDS if seconds is None else seconds)
         pause = 1e-4
         while True:
             try:
