@@ -388,3 +388,68 @@ def test_the_capture_walk_finds_a_host_copy_in_a_helper_of_another_module(tmp_pa
         ".item(): a host synchronization or copy", ".to(<not a dtype>): a copy between devices",
         "torch.tensor(...): a tensor from host data"], found
     assert "helper.py:4 via capture at test_x.py:10 -> step -> _experts: torch.tensor" in "\n".join(found)
+
+
+# ---- tools/gpu/prepare.sh takes the shared prebuilt NCCL (issue 50, point 9) ------------------------
+def _prepare_tree(tmp_path: Path) -> Path:
+    """A repository with tools/gpu/prepare.sh and one commit, as prepare.sh needs."""
+    repo = tmp_path / "repo"
+    (repo / "tools" / "gpu").mkdir(parents=True)
+    shutil.copy(ROOT / "tools" / "gpu" / "prepare.sh", repo / "tools" / "gpu" / "prepare.sh")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    return repo
+
+
+def _prepare(repo: Path, **env: str) -> subprocess.CompletedProcess:
+    import os
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("MOECOMM_SHARED_NCCL")}
+    return subprocess.run(["bash", "tools/gpu/prepare.sh"], cwd=repo, env={**full, **env}, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_prepare_carries_the_shared_nccl_after_checking_it_and_records_its_version(tmp_path):
+    import hashlib
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or shutil.which("git") is None or shutil.which("sha256sum") is None:
+        pytest.skip("needs a C compiler, git and sha256sum")
+    repo = _prepare_tree(tmp_path)
+    shared = tmp_path / "shared" / "gpu"
+    shared.mkdir(parents=True)
+    (tmp_path / "fake.c").write_text("int ncclGetVersion(int *v) { *v = 23007; return 0; }\n")
+    lib = shared / "libnccl.so.2"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "fake.c")], check=True)
+    digest = hashlib.sha256(lib.read_bytes()).hexdigest()
+    (shared / "README.md").write_text(f"NCCL 2.30.7 for sm_90.\n16 MB; sha256 `{digest}`.\n")
+    lib.chmod(0o555)  # read-only, as the shared folder's is: a second prepare must still replace the copy
+    for _ in range(2):
+        p = _prepare(repo, MOECOMM_SHARED_NCCL=str(lib))
+        assert p.returncode == 0, p.stderr
+    carried = repo / ".gpu-run" / "lib" / "libnccl.so.2"
+    assert carried.read_bytes() == lib.read_bytes()
+    info = json.loads((repo / ".gpu-run" / "commit.json").read_text())
+    assert info["nccl"]["version"] == "2.30.7" and info["nccl"]["sha256"] == digest and len(info["commit"]) == 40
+    assert "NCCL 2.30.7" in p.stdout and digest in p.stdout and "sha256 checked" in info["nccl"]["from"]
+    # the default is ../shared/gpu/libnccl.so.2 beside the repository, as /work/shared is to /work/main
+    shutil.rmtree(repo / ".gpu-run")
+    p = _prepare(repo)
+    assert p.returncode == 0 and carried.is_file() and "NCCL 2.30.7" in p.stdout, p.stderr
+    # a library whose sha256 is not the README's is refused, and none is carried
+    shutil.rmtree(repo / ".gpu-run")
+    p = _prepare(repo, MOECOMM_SHARED_NCCL=str(lib), MOECOMM_SHARED_NCCL_SHA256="0" * 64)
+    assert p.returncode == 1 and "not used" in p.stderr and not carried.exists()
+
+
+def test_prepare_without_a_shared_nccl_carries_none(tmp_path):
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    repo = _prepare_tree(tmp_path)
+    p = _prepare(repo, MOECOMM_SHARED_NCCL=str(tmp_path / "absent" / "libnccl.so.2"))
+    assert p.returncode == 0, p.stderr
+    assert not (repo / ".gpu-run" / "lib").exists() and "no NCCL carried" in p.stdout
+    info = json.loads((repo / ".gpu-run" / "commit.json").read_text())
+    assert "nccl" not in info and info["dirty"] is False
