@@ -102,7 +102,7 @@ GPU_TEST_STEPS: dict[str, tuple[tuple[str, ...], str, tuple[str, ...]]] = {
                 "all_reduce through the pre-bound launcher, fused all_reduce + RMSNorm at 1024, symmetric tensors, "
                 "100 graph replays, a late peer raising at synchronize()", ()),
     "gpu-ipc-spin": (("tests/test_ipc_spin_gpu.py",), "ipc in-kernel waits: turns per second on this GPU against "
-                     "_SPINS_PER_SECOND (a wait must last the host's timeout; -rP prints the rates)", ("-rP",)),
+                     "_SPINS_PER_SECOND (a wait must last the host's timeout; -rsP prints the rates)", ("-rsP",)),
     "gpu-ipc-lamport": (("tests/test_ipc_lamport_gpu.py",), "Lamport all_reduce of -0.0 / +0.0 (the sentinel) in "
                         "float32, bf16, fp16, and the fused all_reduce + RMSNorm at hidden 7168, 2 ranks", ()),
     "gpu-ipc-close": (("tests/test_ipc_close_gpu.py",), "ipc close() with kernels in flight, 2 ranks: returns fast, "

@@ -10,7 +10,7 @@ word per turn: barriers, the MoE exchange) and ``lamport._arrive`` (a tile of vo
 reduction and two words per turn) at a small and at the transport's tile. One program: nothing
 contends with it, so its turns are the fastest a launch gets.
 
-The measured turns per second are logged (``validate-gpu --quick`` shows them: pytest ``-rP``) and
+The measured turns per second are logged (``validate-gpu --quick`` shows them: pytest ``-rsP``) and
 named in a failure. On the CPU the same kernels run in Triton's interpreter, far slower than the bound
 assumes, with a tiny timeout: that proves the test's kernels and bookkeeping, not the GPU's speed.
 """
