@@ -74,7 +74,8 @@ QUICK_TABLE: dict[str, Budget] = {
     "gpu-ipc-close": Budget(30, None, "guess: its docstring says about 20 s (rank 1 sleeps 10 s)", "new"),
     "moe-low-latency": Budget(45, None, "guess: 2 launches (hidden 1024, 7168), the low-latency kernels compiled "
                               "for each (bf16, FP8), 2 x 100 replays, 26 CPU references (~0.1-0.2 s each)", "new"),
-    "gpu-p2p": Budget(20, None, "guess: one 2-rank NCCL launch; this file and test_ipc_gpu.py together took 24.5 s "
+    "gpu-p2p": Budget(20, None, "guess: two 2-rank NCCL launches (exchanges; the stream test); with one, this file "
+                      "and test_ipc_gpu.py together took 24.5 s "
                       f"by difference of pytest totals ({_R}eb7c865-quick.txt 85.1 s - {_R}9478cb7-quick.txt 60.6 s), before "
                       "the stream test was added", "new"),
     "gpu-moe-sync": Budget(10, None, "guess: the file's one GPU test (-k cuda), a 1-rank launch", "new"),
