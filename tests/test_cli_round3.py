@@ -173,8 +173,16 @@ def test_validate_gpu_dry_run_honours_the_budget(monkeypatch, tmp_path, quick):
                    "--results-dir", tmp_path, "--budget", "100")
     assert res.exit_code == 0, res.output
     assert re.search(r"plan: \d+ steps, \d+ s of 100 s budget", res.output), res.output
-    # the step that would run past the 100 s says so (here the second: every first step is under 100 s)
-    assert re.search(r"^2\. \S+ \(\d+ s; .*if the steps before", res.output, flags=re.MULTILINE), res.output
+    # the first step that would run past the 100 s says so, and none before it
+    steps = re.findall(r"^\d+\. \S+ \((\d+) s(;[^)]*)?\)", res.output, flags=re.MULTILINE)
+    total, past = 0, None
+    for i, (seconds, note) in enumerate(steps):
+        total += int(seconds)
+        if total > 100:
+            past = i
+            break
+    assert past is not None and past > 0, res.output
+    assert "if the steps before" in steps[past][1] and not any(note for _, note in steps[:past]), res.output
 
 
 # ---- moecomm predict --------------------------------------------------------------------------------
