@@ -36,6 +36,7 @@ from ._rmsnorm import FLOATS, RMSNORM_VIEW, check_rmsnorm_args, composed_rmsnorm
 from ._creation import create_transports
 from ._device import resolve_device
 from ._shared import SharedState, leaves_out_of_step, live
+from ._symmetric import agree_symmetric_args
 from .hierarchical import HierarchicalTransport, hierarchical_shape
 from .prediction import predict_plan, transport_settings
 from .selection import Plan, choose_transport
@@ -578,15 +579,25 @@ class Communicator(CallPaths, PointToPoint):
         Returns:
             [shape] dtype on this communicator's ipc device (CUDA; CPU when ipc is emulated).
         Raises:
+            CommunicatorBrokenError: this communicator is closed.
             RuntimeError: this communicator has no ipc transport.
-            ValueError (every rank): the ranks' calls differ, or the heap (setting
-                ``ipc_symmetric_bytes``) is full.
+            TypeError, ValueError (every rank; the communicator stays open): a bad shape or dtype
+                on some rank (that rank raises its own error), the ranks' calls differ, or the heap
+                (setting ``ipc_symmetric_bytes``) is full.
         """
+        if self._state.closed is not None:
+            self._state.raise_closed()
         t = self.transports.get("ipc")
         if t is None:
             raise RuntimeError("symmetric_empty needs the ipc transport (one node, CUDA and triton, or "
                                f"MOECOMM_IPC_EMULATE=1); this communicator has {sorted(self.transports)}")
-        return self._guarded("symmetric_empty", t.symmetric_empty, tuple(int(d) for d in shape), dtype)
+
+        def allocate() -> torch.Tensor:  # arguments agreed first: the transport's exchange assumes valid ones
+            dims, dt = agree_symmetric_args(self._rdv, self.global_ranks, shape, dtype,
+                                            getattr(t, "symmetric_bytes", None))
+            return t.symmetric_empty(dims, dt)
+
+        return self._guarded("symmetric_empty", allocate)
 
     def synchronize(self) -> None:
         """Wait for this rank's collectives queued on the device, and raise their failures.
