@@ -195,15 +195,16 @@ class CallPaths:
 
     def call_as(self, collective: str, x: torch.Tensor, *, op: str = "sum", root: int = 0, dtype: torch.dtype | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """all_reduce, all_gather or broadcast of ``x`` for a caller whose own call is another:
+        """all_reduce, reduce_scatter, all_gather or broadcast of ``x`` for a caller whose own call is
+        another:
         ``collective="reduce"`` (an all_reduce whose result only ``root`` keeps: ``root`` joins the
         signature, so ranks that pass different roots raise ``ValueError`` naming them), and
         ``dtype=`` the caller's dtype when ``x`` is its bytes (uint8), so that ranks whose tensors
         only look alike as bytes (int16[4], int8[8]) raise too. For the torch backend.
 
         Args:
-            collective: "reduce" (x reduced with ``op``), "all_reduce", "all_gather" or "broadcast"
-                (from group rank ``root``).
+            collective: "reduce" (x reduced with ``op``), "all_reduce", "reduce_scatter", "all_gather"
+                or "broadcast" (from group rank ``root``).
             x: the tensor that moves, as for that Communicator call.
             dtype: the caller's dtype of which ``x`` holds the bytes (its shape's last dim is the
                 caller's times the element size), or None.
@@ -212,12 +213,14 @@ class CallPaths:
         Returns:
             What the Communicator call returns (``out`` when given).
         """
-        opcode = {"reduce": OpCode.ALL_REDUCE, "all_reduce": OpCode.ALL_REDUCE, "all_gather": OpCode.ALL_GATHER,
+        opcode = {"reduce": OpCode.ALL_REDUCE, "all_reduce": OpCode.ALL_REDUCE,
+                  "reduce_scatter": OpCode.REDUCE_SCATTER, "all_gather": OpCode.ALL_GATHER,
                   "broadcast": OpCode.BROADCAST}[collective]
         view = view_code(OpCode.REDUCE if collective == "reduce" else None, dtype)
-        if opcode == OpCode.ALL_REDUCE and collective != "reduce":
+        reduces = opcode in (OpCode.ALL_REDUCE, OpCode.REDUCE_SCATTER)
+        if reduces and collective != "reduce":
             root = 0
-        return self._guarded(collective, self._run, opcode, x, out, op if opcode == OpCode.ALL_REDUCE else None,
+        return self._guarded(collective, self._run, opcode, x, out, op if reduces else None,
                              root if opcode != OpCode.ALL_GATHER else 0, view)
 
     def _run(self, opcode: OpCode, x: Array, out: Array | None, op: Any = None, src: int = 0, view: int = 0) -> Array:

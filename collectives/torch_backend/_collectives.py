@@ -10,7 +10,8 @@ Reduce, gather, scatter and uneven all-gather have no call of their own in the C
 reduce is an all-reduce whose result only the root keeps; gather, scatter and uneven all-gather are
 uneven all-to-alls in which only the ranks that need data receive it; uneven reduce-scatter is an
 all-reduce of which each rank keeps its block. Dtypes the Communicator does not move (float8,
-int8, int16, complex) travel as bytes in the collectives that only move data.
+int8, int16, complex) travel as bytes in the collectives that only move data; int8 is reduced as
+uint8 (``_ops.int8_wire``), with int8 in the call's signature.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from transports.base import SUPPORTED_DTYPES, dtype_code, dtype_name
 
-from ._ops import completed, flat_view, option, plain, reduction, unwire, wire, wire_count
+from ._ops import completed, flat_view, int8_unwire_, int8_wire, option, plain, reduction, unwire, wire, wire_count
 
 
 class Collectives:
@@ -80,7 +81,29 @@ class Collectives:
         """All-reduce ``t`` in place (PREMUL_SUM: scaled first)."""
         if factor is not None:
             t.mul_(factor)
-        self.comm.all_reduce(t, name, out=t)
+        self._all_reduce(t, name, out=t)
+
+    def _all_reduce(self, x: torch.Tensor, name: str, *, out: torch.Tensor | None = None,
+                    root: int | None = None) -> torch.Tensor:
+        """The communicator's all_reduce of ``x`` with op ``name`` (``root`` given: torch's reduce, an
+        all_reduce whose result only ``root`` keeps). int8, which the communicator does not reduce,
+        goes as uint8 (:func:`int8_wire`) with int8 in the signature (ranks passing uint8 raise)."""
+        if x.dtype != torch.int8:
+            if root is None:
+                return self.comm.all_reduce(x, name, out=out)
+            return self.comm.call_as("reduce", x, op=name, root=root, out=out)
+        res = self.comm.call_as("all_reduce" if root is None else "reduce", int8_wire(x, name), op=name,
+                                root=root or 0, dtype=torch.int8, out=None if out is None else out.view(torch.uint8))
+        return int8_unwire_(res, name)
+
+    def _reduce_scatter(self, x: torch.Tensor, name: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The communicator's reduce_scatter of ``x`` with op ``name``; int8 as in :meth:`_all_reduce`
+        (``out`` may be int8 or its uint8 wire view)."""
+        if x.dtype != torch.int8:
+            return self.comm.reduce_scatter(x, name, out=out)
+        res = self.comm.call_as("reduce_scatter", int8_wire(x, name), op=name, dtype=torch.int8,
+                                out=None if out is None else out.view(torch.uint8))
+        return int8_unwire_(res, name)
 
     # ---- all-reduce ---------------------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None, timeout: Any = None) -> dist.Work:
@@ -191,7 +214,7 @@ class Collectives:
         name, factor = self._op(rop, t)
         src = t * factor if factor is not None else t
         # the root in the signature: ranks that pass different dsts raise instead of losing the sum
-        result = self.comm.call_as("reduce", src, op=name, root=root)
+        result = self._all_reduce(src, name, root=root)
         if self.rank() == root:
             t.copy_(result)
         return completed(tensors if isinstance(tensors, list) else [tensors], [t])
@@ -370,7 +393,7 @@ class Collectives:
                 f"{out.numel()} elements of the output's dtype"), inp)
         name, factor = self._op(option(opts, "reduceOp", dist.ReduceOp.SUM), inp)
         src = flat_view(inp) * factor if factor is not None else flat_view(inp)
-        self._written(out, lambda dst: self.comm.reduce_scatter(src, name, out=dst))
+        self._written(out, lambda dst: self._reduce_scatter(src, name, out=dst))
         return completed([output], [out])
 
     _reduce_scatter_base = reduce_scatter_single
@@ -402,9 +425,9 @@ class Collectives:
         if factor is not None:
             flat.mul_(factor)
         if all(x.numel() == y.numel() for x in xs):
-            y.copy_(self.comm.reduce_scatter(flat, name).view(y.shape))
+            y.copy_(self._reduce_scatter(flat, name).view(y.shape))
         else:  # uneven blocks: reduce everything, keep this rank's block
-            total = self.comm.all_reduce(flat, name)
+            total = self._all_reduce(flat, name)
             start = sum(x.numel() for x in xs[:self.rank()])
             y.copy_(total[start:start + y.numel()].view(y.shape))
         return completed(output_tensors if isinstance(output_tensors, list) else [output_tensors], [y])
@@ -426,7 +449,7 @@ class Collectives:
         send = torch.cat([x.reshape(n, -1) for x in ins], dim=1).reshape(-1)
         if factor is not None:
             send.mul_(factor)
-        mine = self.comm.reduce_scatter(send, name)
+        mine = self._reduce_scatter(send, name)
         offset = 0
         for o in outs:
             o.copy_(mine[offset:offset + o.numel()].view(o.shape))

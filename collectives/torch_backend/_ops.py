@@ -28,7 +28,9 @@ _RED = dist.ReduceOp.RedOpType
 # torch's reductions the communicator runs, by name; BAND/BOR/BXOR only on bool (any/all)
 _OP_NAMES = {_RED.SUM: "sum", _RED.AVG: "avg", _RED.PRODUCT: "prod", _RED.MIN: "min", _RED.MAX: "max",
              _RED.PREMUL_SUM: "sum"}
-_BOOL_OPS = {_RED.BAND: "min", _RED.BOR: "max"}
+# on bool, SUM is "any" and PRODUCT "all" (gloo's a + b and a * b stored as bool, NCCL's max and min):
+# DTensor reduces Tensor.any() with SUM and Tensor.all() with PRODUCT
+_BOOL_OPS = {_RED.BAND: "min", _RED.BOR: "max", _RED.SUM: "max", _RED.PRODUCT: "min"}
 
 
 def reduction(op: Any, dtype: torch.dtype) -> tuple[str, float | torch.Tensor | None]:
@@ -36,20 +38,22 @@ def reduction(op: Any, dtype: torch.dtype) -> tuple[str, float | torch.Tensor | 
 
     Args:
         op: a ``dist.ReduceOp`` (as in the options objects) or a ``ReduceOp.RedOpType``.
-        dtype: the dtype reduced (BAND/BOR exist for bool only; PREMUL_SUM for floating dtypes).
+        dtype: the dtype reduced (BAND/BOR exist for bool only; AVG and PREMUL_SUM for floating dtypes).
 
     Returns:
-        (name, factor): name is "sum", "avg", "prod", "min" or "max"; factor is PREMUL_SUM's scalar
-        (a float or a 0-d tensor) that multiplies every rank's input, else None. Raises TypeError
-        for an op moecomm does not run on ``dtype`` (the caller reports it to the peers).
+        (name, factor): name is "sum", "avg", "prod", "min" or "max" (on bool SUM and BOR are "max",
+        PRODUCT and BAND "min"); factor is PREMUL_SUM's scalar (a float or a 0-d tensor) that
+        multiplies every rank's input, else None. Raises TypeError for an op moecomm does not run
+        on ``dtype`` (the caller reports it to the peers).
     """
     kind = getattr(op, "op", op)
-    name = _OP_NAMES.get(kind)
-    if name is None and dtype == torch.bool:
-        name = _BOOL_OPS.get(kind)
+    name = _BOOL_OPS.get(kind) if dtype == torch.bool else None
+    name = name or _OP_NAMES.get(kind)
     if name is None:
         raise TypeError(f"reduce op {kind} is not supported by moecomm for {dtype}; use SUM, AVG, PRODUCT, MIN, "
                         "MAX or PREMUL_SUM (BAND/BOR on bool tensors)")
+    if name == "avg" and not dtype.is_floating_point:  # named here: int8 reaches the communicator as uint8
+        raise TypeError(f"reduce op AVG needs a floating dtype, got {dtype}; use SUM and divide")
     if kind != _RED.PREMUL_SUM:
         return name, None
     if not dtype.is_floating_point:
@@ -58,6 +62,36 @@ def reduction(op: Any, dtype: torch.dtype) -> tuple[str, float | torch.Tensor | 
     if factor is None:  # a bare RedOpType.PREMUL_SUM, or a torch that does not expose the factor
         raise TypeError("PREMUL_SUM without its factor: pass dist._make_nccl_premul_sum(factor)")
     return name, factor
+
+
+def int8_wire(t: torch.Tensor, name: str) -> torch.Tensor:
+    """int8 ``t`` as the uint8 tensor whose uint8 reduction ``name`` has the int8 result's bits.
+
+    The communicator reduces uint8, not int8: int8 sum and product wrap modulo 256 as uint8's do on
+    the same bits (two's complement), so those reduce ``t``'s bytes as they are; max and min reduce
+    ``t``'s bytes with the sign bit flipped (``v ^ 0x80`` orders int8 as uint8), undone by
+    :func:`int8_unwire_`.
+
+    Args:
+        t: int8 tensor [*] (any strides).
+        name: the communicator's op ("sum", "prod", "max" or "min").
+
+    Returns:
+        [*] uint8: a view of ``t`` (sum, prod) or a new tensor (max, min).
+    """
+    u = t.view(torch.uint8)
+    return u ^ 0x80 if name in ("max", "min") else u
+
+
+def int8_unwire_(u: torch.Tensor, name: str) -> torch.Tensor:
+    """Undo :func:`int8_wire` on a reduced uint8 tensor, in place.
+
+    Returns:
+        ``u``'s memory as int8.
+    """
+    if name in ("max", "min"):
+        u.bitwise_xor_(0x80)
+    return u.view(torch.int8)
 
 
 def completed(outputs: Any, tensors: Sequence[torch.Tensor] = ()) -> dist.Work:

@@ -5,7 +5,8 @@
 
 env:// rendezvous, an all-reduce and an uneven all-to-all on the world group, a sub-group of the
 first and last rank (under mpiexec forced onto the mpi transport, so its MPI communicator comes
-from MPI_Comm_create_group), one DDP step checked against the same step on one process.
+from MPI_Comm_create_group) with bool and int8 reductions on it, one DDP step checked against the
+same step on one process.
 """
 
 import datetime
@@ -44,6 +45,18 @@ def launched() -> None:
         dist.all_reduce(y, group=pair)
         ok &= torch.equal(y, torch.full((3,), float(1 + n)))
         report["pair_plan"] = pair.comm.plan("all_reduce", y).transport
+        # bool SUM/PRODUCT (DTensor's any/all) and int8 (moved as uint8), as torch computes them
+        mine = torch.tensor([True, False, r == 0, r != 0])
+        for op, ref in ((dist.ReduceOp.SUM, [True, False, True, True]),
+                        (dist.ReduceOp.PRODUCT, [True, False, False, False])):
+            b = mine.clone()
+            dist.all_reduce(b, op=op, group=pair)
+            ok &= b.tolist() == ref
+        for op, ref in ((dist.ReduceOp.SUM, [-128 + 127, 100 + 100 - 256]), (dist.ReduceOp.MAX, [127, 100]),
+                        (dist.ReduceOp.MIN, [-128, 100])):
+            i8 = torch.tensor([-128 if r == 0 else 127, 100], dtype=torch.int8)
+            dist.all_reduce(i8, op=op, group=pair)
+            ok &= i8.tolist() == ref
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
     model(torch.full((2, 4), float(r))).sum().backward()
