@@ -100,7 +100,9 @@ def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[st
         # counted without its peers, so the counts no longer line up: that calls for a restart.
         base = _torchrun_key_base()
         generation = (store.add(f"{base}/arrivals", 1) - 1) // size
-        rdv = StoreRendezvous(store, rank, size, timeout, f"{base}/g{generation}", range(size))
+        # without torchrun's agent, rank 0 hosts the store: its death is what an unreachable store means
+        host = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+        rdv = StoreRendezvous(store, rank, size, timeout, f"{base}/g{generation}", range(size), host_rank=host)
         comm = _build(rdv, transport, timeout, "torchrun", options=options, device=device)
         comm._store = store  # rank 0 hosts the server in the no-agent case; keep it alive
         return comm

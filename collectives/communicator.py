@@ -160,8 +160,9 @@ class Communicator(CallPaths, PointToPoint):
                           cuda_device=self.device.index if self.device.type == "cuda" else None)
         try:
             self.transports.update(create_transports(group, self.topology, self.device, self._forced, local_error))
-        except (TypeError, ValueError, RuntimeError):
-            self._state.shut("its creation failed")
+        except BaseException as e:  # Ctrl-C too: closing tells the peers waiting in the next exchange
+            self._state.shut("its creation failed" if isinstance(e, Exception)
+                             else f"{type(e).__name__} interrupted its creation")
             raise
 
     def _add_hierarchical(self) -> None:

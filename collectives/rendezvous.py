@@ -15,6 +15,7 @@ Three sources, tried in this order by :func:`detect_launch` (the ``launch`` sett
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import time
@@ -24,7 +25,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from transports.base import CollectiveTimeoutError, Rendezvous
+from transports._host import pid_alive
+from transports.base import CollectiveTimeoutError, PeerFailedError, Rendezvous
 from transports.mpi import wait_posted
 from transports.settings import option_or_environment
 
@@ -77,8 +79,31 @@ class LocalRendezvous(Rendezvous):
         return LocalRendezvous(self.timeout)
 
 
+# Store waits poll ``check`` instead of blocking in the store's ``wait``: a blocked wait delivers no
+# Ctrl-C until it returns and cannot see a peer that died, and every timeout of a short one logs two
+# c10d warnings. The pause between polls doubles from _POLL_MIN_S up to _POLL_MAX_S (a check is ~0.1 ms).
+_POLL_MIN_S = 0.0005
+_POLL_MAX_S = 0.01
+# How often a waiting rank looks whether a missing peer left the group or died.
+_PROBE_S = 0.2
+
+
+@functools.lru_cache(maxsize=1)
+def _this_node() -> str:
+    from .topology.placement import node_identity
+
+    return node_identity()
+
+
 class StoreRendezvous(Rendezvous):
     """Exchange through a torch.distributed Store (TCPStore/FileStore), keys under a private prefix.
+
+    A wait raises ``PeerFailedError`` naming the peer within about :data:`_PROBE_S` when that peer
+    left the group (its rendezvous was interrupted or its communicator closed: it writes a ``gone``
+    key, which also counts in the sub-groups split off at or after the round it left in) or, on this
+    node, its process died (its pid, registered under ``root`` at its first exchange); a peer on
+    another node that dies without a word is seen only at the timeout. Ctrl-C reaches a wait within
+    :data:`_POLL_MAX_S`, and the interrupted rank leaves the group so its peers raise at once.
 
     Args:
         store: a ``torch.distributed.Store`` every rank of the group reaches.
@@ -87,13 +112,26 @@ class StoreRendezvous(Rendezvous):
         timeout: seconds an exchange may wait for the other ranks.
         prefix: key prefix every rank of the group uses and no other group does.
         global_ranks: [size] world rank of each group rank, for messages.
+        root: the prefix of the world group, under which each process registers its pid once (default:
+            ``prefix``; :meth:`split` passes its own, whose ranks have registered already).
+        host_rank: the world rank whose process hosts the store server, if a rank does (an unreachable
+            store is then reported as that rank's failure); None: a launcher or agent hosts it.
     """
 
     def __init__(self, store: Any, rank: int, size: int, timeout: float, prefix: str,
-                 global_ranks: Sequence[int]):
+                 global_ranks: Sequence[int], *, root: str | None = None, host_rank: int | None = None,
+                 _peers: dict[int, tuple[str, int]] | None = None, _lineage: Sequence[tuple[str, int]] = ()):
         self.store, self.rank, self.size, self.timeout = store, rank, size, timeout
         self.prefix = prefix
         self.global_ranks = list(global_ranks)
+        self.root = prefix if root is None else root
+        self.host_rank = host_rank
+        self._registered = root is not None
+        self._peers: dict[int, tuple[str, int]] = {} if _peers is None else _peers  # world rank -> (node, pid)
+        self._left = False
+        # (prefix, round of the split's exchange) of each ancestor group: a rank that left one of them
+        # at or before that round never joined this group
+        self._lineage = list(_lineage)
         self._round = 0
         self._splits = 0
 
@@ -102,28 +140,28 @@ class StoreRendezvous(Rendezvous):
 
         Returns:
             [size] every rank's bytes in rank order. Raises CollectiveTimeoutError naming the
-            ranks that did not arrive within the timeout.
+            ranks that did not arrive within the timeout, PeerFailedError naming a rank that left
+            or died (or the store's host, when the store cannot be reached).
         """
+        import torch.distributed as dist
+
         k = self._round
         self._round += 1
         keys = [f"{self.prefix}/ag{k}/{r}" for r in range(self.size)]
-        self.store.set(keys[self.rank], data)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                left = max(0.01, deadline - time.monotonic())
-                self.store.wait(keys, datetime.timedelta(seconds=left))
-                break
-            except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
-                missing = [self.global_ranks[r] for r, key in enumerate(keys) if not self.store.check([key])]
-                if not missing:
-                    continue
-                if time.monotonic() >= deadline:
-                    raise CollectiveTimeoutError(
-                        f"rendezvous timed out on rank {self.global_ranks[self.rank]} after the timeout of "
-                        f"{self.timeout:.1f}s: "
-                        f"rank(s) {missing} never arrived", missing) from e
-        values = [bytes(self.store.get(key)) for key in keys]
+        try:
+            if not self._registered:
+                self.store.set(f"{self.root}/who/{self.global_ranks[self.rank]}", f"{_this_node()} {os.getpid()}")
+                self._registered = True
+            self.store.set(keys[self.rank], data)
+            self._await(keys)
+            values = [bytes(self.store.get(key)) for key in keys]
+        except CollectiveTimeoutError:
+            raise
+        except dist.DistError as e:  # torch's DistNetworkError/DistStoreError: the store's server is gone
+            raise self._unreachable(e) from e
+        except BaseException as e:  # Ctrl-C, an exception from a signal handler: this rank is out of step
+            self.leave(f"{type(e).__name__} interrupted its rendezvous", k)
+            raise
         if k >= 2:  # every rank has finished round k-1, hence read round k-2
             try:
                 self.store.delete_key(f"{self.prefix}/ag{k - 2}/{self.rank}")
@@ -131,12 +169,90 @@ class StoreRendezvous(Rendezvous):
                 pass
         return values
 
+    def _await(self, keys: list[str]) -> None:
+        """Return once every key is set; raise when a missing rank left or died, or at the timeout."""
+        now = time.monotonic()
+        deadline, probe_at, pause = now + self.timeout, now + _PROBE_S, _POLL_MIN_S
+        while not self.store.check(keys):
+            now = time.monotonic()
+            if now >= probe_at or now >= deadline:
+                missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+                if not missing:
+                    return
+                self._check_peers(missing, keys)
+                if now >= deadline:
+                    ranks = [self.global_ranks[r] for r in missing]
+                    raise CollectiveTimeoutError(
+                        f"rendezvous timed out on rank {self.global_ranks[self.rank]} after the timeout of "
+                        f"{self.timeout:.1f}s: rank(s) {ranks} never arrived", ranks)
+                probe_at = now + _PROBE_S
+            time.sleep(min(pause, max(0.0, deadline - now)))
+            pause = min(2 * pause, _POLL_MAX_S)
+
+    def _check_peers(self, missing: list[int], keys: list[str]) -> None:
+        """PeerFailedError when a missing rank left the group or its process (on this node) died."""
+        me = self.global_ranks[self.rank]
+        for r in missing:
+            world = self.global_ranks[r]
+            why = self._gone(world)
+            who = self._identity(world)
+            dead = why is None and who is not None and who[0] == _this_node() and not pid_alive(who[1])
+            if (why is None and not dead) or self.store.check([keys[r]]):
+                continue  # alive, or it arrived before it left (its contribution stands)
+            what = f"left the group ({why})" if why is not None else f"(pid {who[1]}) died"
+            raise PeerFailedError(f"rank {world} {what} while rank {me} waited for it in a rendezvous", [world])
+
+    def _gone(self, world: int) -> str | None:
+        """Why rank ``world`` left this group or the ancestor it was split from, or None."""
+        for prefix, before in [(self.prefix, None), *self._lineage]:
+            key = f"{prefix}/gone/{world}"
+            if self.store.check([key]):
+                at, why = self.store.get(key).decode(errors="replace").split(" ", 1)
+                if before is None or int(at) <= before:
+                    return why
+        return None
+
+    def _identity(self, world: int) -> tuple[str, int] | None:
+        """(node, pid) that rank ``world`` registered, or None before it has."""
+        if world not in self._peers:
+            key = f"{self.root}/who/{world}"
+            if not self.store.check([key]):
+                return None
+            node, pid = self.store.get(key).decode().rsplit(" ", 1)
+            self._peers[world] = (node, int(pid))
+        return self._peers[world]
+
+    def _unreachable(self, e: Exception) -> PeerFailedError:
+        host = (f"rank {self.host_rank} hosts it: it has probably died" if self.host_rank is not None
+                else "its host (the launcher, or torchrun's agent) has probably exited")
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return PeerFailedError(f"rendezvous on rank {self.global_ranks[self.rank]}: the store cannot be reached "
+                               f"({detail}); {host}", [] if self.host_rank is None else [self.host_rank])
+
+    def leave(self, why: str, at: int | None = None) -> None:
+        """Tell the peers that this rank takes no part in this group's exchanges from round ``at`` on
+        (default: the next; best effort)."""
+        if self._left:
+            return
+        self._left = True
+        try:
+            self.store.set(f"{self.prefix}/gone/{self.global_ranks[self.rank]}",
+                           f"{self._round if at is None else at} {why}")
+        except Exception:  # noqa: BLE001 - an unreachable store: the peers learn it from the store too
+            pass
+
+    def close(self) -> None:
+        """Called when this group's communicator closes: waiting peers raise instead of timing out."""
+        self.leave("its communicator was closed")
+
     def split(self, color: int, key: int, new_rank: int, new_size: int, ranks: list[int]) -> "StoreRendezvous":
         """Returns: the sub-group's rendezvous on the same store, under a prefix per split and color."""
         self._splits += 1
         return StoreRendezvous(self.store, new_rank, new_size, self.timeout,
                                f"{self.prefix}/s{self._splits}/c{color}",
-                               [self.global_ranks[r] for r in ranks])
+                               [self.global_ranks[r] for r in ranks], root=self.root if self._registered else None,
+                               host_rank=self.host_rank, _peers=self._peers,
+                               _lineage=[*self._lineage, (self.prefix, self._round - 1)])
 
 
 class MPIRendezvous(Rendezvous):
