@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from transports.ipc_moe import IPCExpertExchange
+from transports.ipc_moe import Dispatched, IPCExpertExchange
 
 
 @dataclass(frozen=True)
@@ -30,13 +30,14 @@ class LowLatencyHandle:
     """What :meth:`LowLatencyDispatcher.combine` needs from its dispatch.
 
     info: int32 [L, P*M], per received row ``src * M * max_topk + t * max_topk + k`` (its source
-    rank, token and slot); recv_count: int32 [L], the valid rows per local expert; call: the
-    dispatch's call word, which the combine's peers compare with theirs.
+    rank, token and slot); recv_count: int32 [L], the valid rows per local expert; dispatched:
+    the dispatch's call word (which the combine's peers compare with theirs) and the topk_idx it
+    sent (which the combine's must equal).
     """
 
     info: torch.Tensor
     recv_count: torch.Tensor
-    call: int
+    dispatched: Dispatched
 
 
 class LowLatencyDispatcher:
@@ -66,6 +67,8 @@ class LowLatencyDispatcher:
 
     def __init__(self, comm, num_experts: int, max_tokens_per_rank: int, hidden: int,
                  dtype: torch.dtype = torch.bfloat16, max_topk: int = 8):
+        if comm.closed:  # a closed communicator has no transports left: say it is closed, as every call does
+            comm._state.raise_closed()
         transport = comm.transports.get("ipc")
         if transport is None:
             if not comm.topology.single_node:
@@ -110,7 +113,7 @@ class LowLatencyDispatcher:
         recv_x, scales, info, recv_count = self.comm._guarded("LowLatencyDispatcher.dispatch", self._x.dispatch,
                                                               x, topk_idx, use_fp8)
         out = (recv_x, scales) if use_fp8 else recv_x
-        return out, recv_count, LowLatencyHandle(info, recv_count, self._x.last_call)
+        return out, recv_count, LowLatencyHandle(info, recv_count, self._x.last)
 
     def combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: LowLatencyHandle) -> torch.Tensor:
@@ -128,8 +131,12 @@ class LowLatencyDispatcher:
             over kept slots, accumulated in float32 in slot order and rounded once; a token with
             no kept slot gets zeros.
 
-        Raises ValueError on every rank when the ranks combine the handles of different dispatch
-        calls. Called eagerly, combine waits for its kernels, as dispatch does.
+        Raises ValueError (TypeError on the rank of a wrong type) on every rank in this call, naming
+        the rank: a wrong shape, dtype or handle, topk_idx other than those the handle's dispatch
+        sent (a stale handle), or ranks that combine different dispatches. Called eagerly, combine
+        waits for its kernels, as dispatch does.
         """
-        return self.comm._guarded("LowLatencyDispatcher.combine", self._x.combine, expert_out, handle.info,
-                                  handle.recv_count, topk_idx, topk_weights, handle.call)
+        # a handle of another kind is refused with the peers (as a non-tensor info), not here alone
+        return self.comm._guarded("LowLatencyDispatcher.combine", self._x.combine, expert_out,
+                                  getattr(handle, "info", handle), getattr(handle, "recv_count", None), topk_idx,
+                                  topk_weights, getattr(handle, "dispatched", None))

@@ -86,14 +86,15 @@ def _compile_all(shard: int = 0, shards: int = 1) -> dict:
             "max_spins": "i64"}
     rows = {"E": 256, "M": 128, "RB": 14336, "OFF_CNT": 4096, "OFF_INFO": 8192, "OFF_ROWS": 1 << 20}
     ll_jobs = [(f"ll_dispatch_send_{'fp8' if fp8 else 'bf16'}", "ll_dispatch_send",
-                {"X": "*bf16", "IDX": "*i64", "T": "i32", "K": "i32", "host_err": "i32", **exch},
+                {"X": "*bf16", "IDX": "*i64", "SAVED": "*i64", "T": "i32", "K": "i32", "host_err": "i32", **exch},
                 {**rows, "KM": 8, "H": 7168, "TB": 128, "KB": 8, "NB": 1024, "CB": 1024, "ITEM": 2, "FP8": fp8})
                for fp8 in (False, True)]
     ll_jobs += [
         ("ll_dispatch_recv", "ll_dispatch_recv", {"OUT": "*i32", "OUT2": "*i32", "INFO": "*i32", "RECV_COUNT": "*i32",
                                                   **exch}, {**rows, "W1": 3584, "W2": 0, "WB": 1024, "LC": 32}),
-        ("ll_combine_send", "ll_combine_send", {"Y": "*i32", "INFO": "*i32", "RECV_COUNT": "*i32", **exch},
-         {"E": 256, "M": 128, "KM": 8, "W": 3584, "OFF_COMB": 1 << 24, "WB": 1024, "LC": 32}),
+        ("ll_combine_send", "ll_combine_send", {"Y": "*i32", "INFO": "*i32", "RECV_COUNT": "*i32", "IDX": "*i64",
+                                                "SAVED": "*i64", "T": "i32", "K": "i32", "host_err": "i32", **exch},
+         {"E": 256, "M": 128, "KM": 8, "W": 3584, "OFF_COMB": 1 << 24, "WB": 1024, "LC": 32, "NB": 1024}),
         ("ll_combine_recv", "ll_combine_recv", {"OUT": "*bf16", "IDX": "*i64", "WEIGHTS": "*fp32", "T": "i32",
                                                 "K": "i32", **exch},
          {"KM": 8, "H": 7168, "OFF_COMB": 1 << 24, "CB": 1024, "OUT_BF16": True}),

@@ -64,7 +64,8 @@ def _exchange(group, E, plan, programs, fp8_calls=()):
     return out
 
 
-def _expected(E: int, P: int, seed: int, tokens: list[int], k: int, m: int = M, hidden: int = H) -> tuple:
+def _expected(E: int, P: int, seed: int, tokens: list[int], k: int, m: int = M, hidden: int = H, km: int = KM
+              ) -> tuple:
     """Every rank's inputs; per receiver: counts, infos and source rows per local expert."""
     L = E // P
     ins = [_inputs(seed, r, tokens[r], E, k, hidden) for r in range(P)]
@@ -75,7 +76,7 @@ def _expected(E: int, P: int, seed: int, tokens: list[int], k: int, m: int = M, 
             e = q * L + le
             got = [(s, t, j) for s in range(P) for t in range(tokens[s]) for j in range(k) if ins[s][1][t, j] == e]
             counts.append(len(got))
-            infos.append([s * m * KM + t * KM + j for s, t, j in got])
+            infos.append([s * m * km + t * km + j for s, t, j in got])
             rows.append(torch.stack([ins[s][0][t] for s, t, _ in got]) if got else
                         torch.empty(0, hidden, dtype=torch.bfloat16))
         per.append((counts, infos, rows))
@@ -91,7 +92,7 @@ def _fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check(results: list, E: int, P: int, plan: list, fp8_calls=(), exact: bool = True, m: int = M,
-           hidden: int = H) -> None:
+           hidden: int = H, km: int = KM) -> None:
     """results[rank][call] against the reference of plan[call] ((seed, tokens per rank, k)).
 
     exact: bitwise FP8 bits, scales and combine (emulation); else (a GPU) scales within float32
@@ -99,7 +100,7 @@ def _check(results: list, E: int, P: int, plan: list, fp8_calls=(), exact: bool 
     """
     L = E // P
     for c, (seed, tokens, k) in enumerate(plan):
-        ins, per = _expected(E, P, seed, tokens, k, m, hidden)
+        ins, per = _expected(E, P, seed, tokens, k, m, hidden, km)
         fp8 = c in fp8_calls
         for q in range(P):
             n, info, rows, scales, _ = results[q][c]
@@ -462,11 +463,11 @@ def _mispaired(group, how):
         try:
             recv, _, info, count = ex.dispatch(x, idx, use_fp8=how == "fp8" and c == 1 and me == 1)
             if how == "handle" and c == 1:
-                older = (info, count, ex.last_call)
+                older = (info, count, ex.last)
                 recv, _, info, count = ex.dispatch(x, idx)
                 if me == 1:
                     info, count = older[0], older[1]
-                    ex.combine(_experts(recv, me), info, count, idx, w, call=older[2])
+                    ex.combine(_experts(recv, me), info, count, idx, w, dispatched=older[2])
                 else:
                     ex.combine(_experts(recv, me), info, count, idx, w)
             out.append(("ok", count.tolist()))
@@ -492,3 +493,110 @@ def test_a_mispaired_exchange_raises_on_every_rank_instead_of_returning_data_and
     for c in (0, 2, 3):  # rank 0's calls 2, 3 pair with rank 1's calls 2, 3 again
         _, per = _expected(E, P, 160 + c, [5, 6], 2)
         assert [res[q][c][1] for q in range(P)] == [per[q][0] for q in range(P)], c
+
+
+# ---- small sizes; combine refusals (#51) ------------------------------------------------------------
+def _record(recv, count, info, comb) -> tuple:
+    n = count.tolist()
+    return (n, [info[le, : n[le]].tolist() for le in range(len(n))],
+            [recv[le, : n[le]].view(torch.uint8).clone() for le in range(len(n))], None, comb)
+
+
+def _small(group):
+    """E=4, M=4, H=128, max_topk 2: the exchange region is smaller than a signal area (it was refused)."""
+    from transports.ipc import IPCTransport
+    from transports.ipc_moe import IPCExpertExchange
+
+    t = IPCTransport(group)
+    ex = IPCExpertExchange(t, 4, 4, 128, torch.bfloat16, max_topk=2)
+    x, idx, w = _inputs(170, group.rank, [4, 3][group.rank], 4, 2, 128)
+    recv, _, info, count = ex.dispatch(x, idx)
+    out = _record(recv, count, info, ex.combine(_experts(recv, group.rank), info, count, idx, w))
+    t.close()
+    return out
+
+
+def test_small_sizes_whose_region_is_smaller_than_a_signal_area():
+    res = _ok(run_ranks(_small, 2))
+    _check([[r] for r in res], 4, 2, [(170, [4, 3], 2)], m=4, hidden=128, km=2)
+
+
+def _combine_refused(group, case):
+    """Rank 1's combine of call 1 is refused (case); the peers must raise in that call, promptly,
+    and call 2 must work. Per call: the error (with seconds) or the record."""
+    from transports.ipc import IPCTransport
+    from transports.ipc_moe import IPCExpertExchange
+
+    t = IPCTransport(group, eager_check=False)
+    E, me, out = 4, group.rank, []
+    ex = IPCExpertExchange(t, E, M, H, torch.bfloat16, max_topk=KM)
+    for c in range(3):
+        x, idx, w = _inputs(180 + c, me, 5 + me, E, 2)
+        recv, _, info, count = ex.dispatch(x, idx)
+        y = _experts(recv, me)
+        if c == 1 and me == 1:
+            if case == "shape":
+                y = y[:, :-1]
+            elif case == "dtype":
+                y = y.float()
+            elif case == "weights":
+                w = w[:, :1]
+            elif case == "handle":
+                info = None
+        t0 = time.monotonic()
+        try:
+            out.append(("ok", _record(recv, count, info, ex.combine(y, info, count, idx, w))))
+        except (ValueError, TypeError) as e:
+            out.append((type(e).__name__, str(e), time.monotonic() - t0))
+    t.close()
+    return out
+
+
+@pytest.mark.parametrize("case,kind,words", [("shape", "ValueError", "expert_out must be [2, 32, 256], got [2, 31, 256]"),
+                                             ("dtype", "TypeError", "expert_out is torch.float32"),
+                                             ("weights", "ValueError", "topk_idx and topk_weights must be [6, 2]"),
+                                             ("handle", "TypeError", "must be tensors")])
+def test_a_combine_refused_on_one_rank_raises_on_every_rank_in_that_call_and_the_next_works(case, kind, words):
+    res = _ok(run_ranks(_combine_refused, 2, case, timeout=30.0))
+    for r in range(2):
+        assert [o[0] for o in res[r]] == ["ok", kind if r == 1 else "ValueError", "ok"], (r, res[r])
+        assert res[r][1][2] < 10.0, res[r][1]  # at once, not at the 30 s timeout
+    assert words in res[1][1][1] and "rank 1" in res[1][1][1], res[1][1]
+    assert "low-latency combine: rank 1 passed inputs of the wrong shape or dtype" in res[0][1][1], res[0][1]
+    for c in (0, 2):
+        _check([[res[q][c][1]] for q in range(2)], 4, 2, [(180 + c, [5, 6], 2)])
+
+
+def _stale(group):
+    """Dispatch A, dispatch B; combine B's outputs with A's handle (refused on every rank: its
+    topk_idx are B's); then A's handle with A's own outputs and ids, and B's with B's (both valid)."""
+    from transports.ipc import IPCTransport
+    from transports.ipc_moe import IPCExpertExchange
+
+    t = IPCTransport(group, eager_check=False)
+    E, me = 4, group.rank
+    ex = IPCExpertExchange(t, E, M, H, torch.bfloat16, max_topk=KM)
+    calls = []
+    for seed in (190, 191):
+        x, idx, w = _inputs(seed, me, 5 + me, E, 2)
+        recv, _, info, count = ex.dispatch(x, idx)
+        calls.append((recv, info, count, idx, w, ex.last))
+    (ra, ia, ca, xa, wa, da), (rb, ib, cb, xb, wb, db) = calls
+    try:
+        ex.combine(_experts(rb, me), ia, ca, xb, wb, dispatched=da)
+        stale = ("ok", "")
+    except ValueError as e:
+        stale = ("ValueError", str(e))
+    a = _record(ra, ca, ia, ex.combine(_experts(ra, me), ia, ca, xa, wa, dispatched=da))
+    b = _record(rb, cb, ib, ex.combine(_experts(rb, me), ib, cb, xb, wb, dispatched=db))
+    t.close()
+    return stale, a, b
+
+
+def test_a_stale_handle_raises_on_every_rank_and_an_older_handle_with_its_own_ids_combines_right():
+    res = _ok(run_ranks(_stale, 2, timeout=30.0))
+    for r in range(2):
+        kind, msg = res[r][0]
+        assert kind == "ValueError" and "differ from those its handle's dispatch sent" in msg, res[r][0]
+    _check([[r[1]] for r in res], 4, 2, [(190, [5, 6], 2)])
+    _check([[r[2]] for r in res], 4, 2, [(191, [5, 6], 2)])

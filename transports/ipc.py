@@ -174,17 +174,18 @@ def ipc_available(settings: dict) -> bool:
     return find_spec("cupy") is not None and torch.cuda.is_available()
 
 
-def input_error(word: int, ranks: list[int], me: int, max_tokens: int | None = None) -> str:
+def input_error(word: int, ranks: list[int], me: int, max_tokens: int | None = None, op: str = "dispatch") -> str:
     """The message of a status block's INPUT word (``err * MAX_RANKS + source``; see
-    :mod:`transports.kernels.layout`), as rank ``me`` reports it."""
+    :mod:`transports.kernels.layout`) of a low-latency ``op``, as rank ``me`` reports it."""
     src, err = ranks[word % L.MAX_RANKS], word // L.MAX_RANKS
     code, detail = err & 255, err >> 8
     limit = "" if max_tokens is None else f" {max_tokens}"
     what = {L.INPUT_TOO_MANY_TOKENS: f"{detail} tokens, more than max_tokens_per_rank{limit}",
             L.INPUT_BAD_ID: f"expert id {detail}, outside [-1, num_experts)",
             L.INPUT_DUPLICATE_ID: f"expert {detail} twice in one token's top-k",
+            L.INPUT_STALE_HANDLE: "topk_idx that differ from those its handle's dispatch sent (a stale handle?)",
             }.get(code, "inputs of the wrong shape or dtype")
-    return f"low-latency dispatch: rank {src} passed {what} (seen by rank {me})"
+    return f"low-latency {op}: rank {src} passed {what} (seen by rank {me})"
 
 
 def pairing_error(op: str, source: int, theirs: int, mine: int, ranks: list[int], me: int) -> str:
@@ -948,7 +949,8 @@ class IPCTransport(Transport):
         if self._broken:
             self._raise_broken()
         provider = _HostRegions if self.emulate else _CudaRegions
-        regions = provider(self.group, _align(max(int(nbytes), 1), _REGION_ALIGN))
+        # at least a signal area: the providers map one at the start of every region they create
+        regions = provider(self.group, _align(max(int(nbytes), L.SIGNAL_WORDS * 8), _REGION_ALIGN))
         self._more_regions.append(regions)
         return regions.sig_ptrs
 

@@ -26,6 +26,8 @@ check and closes it (the ranks could no longer raise at one call).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +43,16 @@ _COUNT_CHUNK = 32  # local experts whose counts a receiving program loads at onc
 
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """What a combine needs of its dispatch besides the handle's tensors: the call word, and
+    topk_idx as the dispatch sent them (int64 [T, k], copied by its kernel), which the combine's
+    must equal."""
+
+    call: int
+    topk_idx: torch.Tensor
 
 
 class IPCExpertExchange:
@@ -101,15 +113,18 @@ class IPCExpertExchange:
         self._send_const = {**rows, "KM": KM, "H": H, "TB": _pow2(M), "KB": _pow2(KM), "NB": _pow2(M * KM),
                             "CB": cb, "ITEM": item}
         self._recv_const = {**rows, "WB": _COPY_WORDS}
-        self._csend_const = {"E": E, "M": M, "KM": KM, "W": H * item // 4, "OFF_COMB": off_comb, "WB": _COPY_WORDS}
+        self._csend_const = {"E": E, "M": M, "KM": KM, "W": H * item // 4, "OFF_COMB": off_comb, "WB": _COPY_WORDS,
+                             "NB": _pow2(M * KM)}
         self._crecv_const = {"KM": KM, "H": H, "OFF_COMB": off_comb, "CB": cb, "OUT_BF16": dtype == torch.bfloat16}
         lc = min(_pow2(self.local), _COUNT_CHUNK)
         self._recv_const["LC"] = self._csend_const["LC"] = lc
         self._next_call = 0  # this exchange's dispatch calls so far (the call words' number)
-        self.last_call: int | None = None  # the word of the last dispatch, for a combine given no handle word
+        self.last: Dispatched | None = None  # the last dispatch, for a combine given none
         self._dummy_x = torch.zeros(1, H, dtype=dtype, device=self.device)
         self._dummy_idx = torch.full((1, 1), -1, dtype=torch.int64, device=self.device)
         self._no_words = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._no_count = torch.zeros(1, dtype=torch.int32, device=self.device)  # a refused combine reads none
+        self._no_weights = torch.zeros(1, 1, dtype=torch.float32, device=self.device)
 
     @property
     def _ranks(self) -> list[int]:
@@ -146,7 +161,7 @@ class IPCExpertExchange:
             (recv_x, scales, info, recv_count): recv_x [L, P*M, H] of the dtype (float8_e4m3fn
             with ``use_fp8``), scales float32 [L, P*M, H/128] with ``use_fp8`` else None, info
             int32 [L, P*M] (``src*M*max_topk + t*max_topk + k`` of each row), recv_count int32 [L].
-            :attr:`last_call` is then this call's word (for :meth:`combine`).
+            :attr:`last` is then this call's :class:`Dispatched` (for :meth:`combine`).
 
         Raises:
             ValueError / TypeError (every rank, in this call): a rank's inputs were refused, or the
@@ -174,12 +189,13 @@ class IPCExpertExchange:
             out, out2, w1, w2 = recv_x.view(torch.int32), self._no_words, H * self.dtype.itemsize // 4, 0
         info = torch.empty(rows, dtype=torch.int32, device=self.device)
         recv_count = torch.empty(Lc, dtype=torch.int32, device=self.device)
+        saved = torch.empty(T, K, dtype=torch.int64, device=self.device) if not err else self._dummy_idx
         recorded = t.launch_exchange(
-            (self._k.ll_dispatch_send, (x, topk_idx, T, K, err, self.table, t.rank, P, call),
+            (self._k.ll_dispatch_send, (x, topk_idx, saved, T, K, err, self.table, t.rank, P, call),
              {**self._send_const, "FP8": bool(use_fp8)}),
             (self._k.ll_dispatch_recv, (out, out2, info, recv_count, self.table, t.rank, P, call),
              {**self._recv_const, "W1": w1, "W2": w2}))
-        self.last_call = call
+        self.last = Dispatched(call, saved) if not err else None
         self._raise_recorded(recorded, "dispatch", call, exc(message) if err else None)
         return recv_x, scales, info, recv_count
 
@@ -201,43 +217,74 @@ class IPCExpertExchange:
         if pairing:
             raise ValueError(pairing_error(op, pairing - 1, their_word, call, self._ranks, t.rank))
         if bad_input:
-            raise ValueError(input_error(bad_input, self._ranks, self._ranks[t.rank], self.max_tokens))
+            raise ValueError(input_error(bad_input, self._ranks, self._ranks[t.rank], self.max_tokens, op))
 
     # ---- combine -------------------------------------------------------------------------------
+    def _combine_refusal(self, expert_out: Any, info: Any, recv_count: Any, topk_idx: Any, topk_weights: Any,
+                         dispatched: Dispatched | None) -> tuple[int, str, type]:
+        """(error word, message, exception type) for combine inputs the host refuses; (0, "", None)."""
+        P, M, H, Lc = self.t.size, self.max_tokens, self.hidden, self.local
+        where = f"LowLatencyDispatcher.combine on rank {self._ranks[self.t.rank]}"
+        bad = L.INPUT_BAD_SHAPE
+        if dispatched is None:
+            return bad, f"{where}: no dispatch to combine (none yet, or the last one raised)", ValueError
+        if not all(isinstance(a, torch.Tensor) for a in (expert_out, info, recv_count, topk_idx, topk_weights)):
+            return bad, f"{where}: expert_out, the handle's tensors, topk_idx and topk_weights must be tensors", TypeError
+        if expert_out.dtype != self.dtype:
+            return bad, f"{where}: expert_out is {expert_out.dtype}, the dispatcher's dtype is {self.dtype}", TypeError
+        if tuple(expert_out.shape) != (Lc, P * M, H):
+            return bad, f"{where}: expert_out must be [{Lc}, {P * M}, {H}], got {list(expert_out.shape)}", ValueError
+        if topk_idx.dtype not in (torch.int64, torch.int32) or not topk_weights.dtype.is_floating_point:
+            return (bad, f"{where}: topk_idx must be int64 (or int32) and topk_weights floating, got "
+                         f"{topk_idx.dtype} and {topk_weights.dtype}", TypeError)
+        if tuple(topk_idx.shape) != tuple(dispatched.topk_idx.shape) or topk_weights.shape != topk_idx.shape:
+            return (bad, f"{where}: topk_idx and topk_weights must be {list(dispatched.topk_idx.shape)} as the "
+                         f"handle's dispatch's topk_idx, got {list(topk_idx.shape)} and {list(topk_weights.shape)}",
+                    ValueError)
+        if tuple(info.shape) != (Lc, P * M) or tuple(recv_count.shape) != (Lc,) or \
+                info.dtype != torch.int32 or recv_count.dtype != torch.int32:
+            return bad, f"{where}: the handle's info / recv_count are not this dispatcher's", ValueError
+        if any(a.device != self.device for a in (expert_out, info, recv_count, topk_idx, topk_weights)):
+            return bad, f"{where}: tensors must be on {self.device}", ValueError
+        return 0, "", None
+
     def combine(self, expert_out: torch.Tensor, info: torch.Tensor, recv_count: torch.Tensor,
-                topk_idx: torch.Tensor, topk_weights: torch.Tensor, call: int | None = None) -> torch.Tensor:
+                topk_idx: torch.Tensor, topk_weights: torch.Tensor, dispatched: Dispatched | None = None
+                ) -> torch.Tensor:
         """Return each expert's rows to their tokens and sum them; see ``moe.LowLatencyDispatcher.combine``.
 
-        call: the word of the dispatch whose ``info``/``recv_count`` these are (default: the last
-        dispatch's); every rank must combine the same dispatch's.
+        dispatched: the dispatch whose ``info``/``recv_count`` these are (default :attr:`last`);
+        every rank must combine the same dispatch's, with the ``topk_idx`` it sent.
 
         Returns:
             [T, H] of the dtype.
 
         Raises:
-            ValueError (every rank, in this call): the ranks combined different dispatches.
+            ValueError / TypeError (every rank, in this call): a rank's inputs were refused (by its
+                host, or by its kernel: topk_idx that differ from the dispatch's, a stale handle),
+                or the ranks combined different dispatches.
         """
-        call = self.last_call if call is None else int(call)
-        if call is None:
-            raise RuntimeError(f"LowLatencyDispatcher.combine on rank {self._ranks[self.t.rank]}: no dispatch yet")
         t = self.t
-        P, M, H, Lc = t.size, self.max_tokens, self.hidden, self.local
-        me = self._ranks[t.rank]
-        where = f"LowLatencyDispatcher.combine on rank {me}"
-        if expert_out.dtype != self.dtype:
-            raise TypeError(f"{where}: expert_out is {expert_out.dtype}, the dispatcher's dtype is {self.dtype}")
-        if tuple(expert_out.shape) != (Lc, P * M, H):
-            raise ValueError(f"{where}: expert_out must be [{Lc}, {P * M}, {H}], got {list(expert_out.shape)}")
-        if topk_idx.dim() != 2 or topk_weights.shape != topk_idx.shape or topk_idx.shape[0] > M:
-            raise ValueError(f"{where}: topk_idx and topk_weights must be [T, k] with T <= {M}, got "
-                             f"{list(topk_idx.shape)} and {list(topk_weights.shape)}")
-        T, K = topk_idx.shape
-        y = expert_out.contiguous().view(torch.int32)
-        idx = topk_idx.to(torch.int64).contiguous()
-        w = topk_weights.to(torch.float32).contiguous()
-        out = torch.empty(T, H, dtype=self.dtype, device=self.device)
+        P, H = t.size, self.hidden
+        dispatched = self.last if dispatched is None else dispatched
+        err, message, exc = self._combine_refusal(expert_out, info, recv_count, topk_idx, topk_weights, dispatched)
+        if err:
+            # nothing of ours goes out but the error word: the peers raise with us, in this call
+            call = dispatched.call if dispatched is not None else -2
+            y, info, recv_count = self._no_words, self._no_count, self._no_count
+            idx = saved = self._dummy_idx
+            w, T, K = self._no_weights, 0, 0
+            out = self._dummy_x
+        else:
+            call, saved = dispatched.call, dispatched.topk_idx
+            T, K = topk_idx.shape
+            y = expert_out.contiguous().view(torch.int32)
+            idx = topk_idx.to(torch.int64).contiguous()
+            w = topk_weights.to(torch.float32).contiguous()
+            out = torch.empty(T, H, dtype=self.dtype, device=self.device)
         recorded = t.launch_exchange(
-            (self._k.ll_combine_send, (y, info, recv_count, self.table, t.rank, P, call), self._csend_const),
+            (self._k.ll_combine_send, (y, info, recv_count, idx, saved, T, K, err, self.table, t.rank, P, call),
+             self._csend_const),
             (self._k.ll_combine_recv, (out, idx, w, T, K, self.table, t.rank, P, call), self._crecv_const))
-        self._raise_recorded(recorded, "combine", call)
+        self._raise_recorded(recorded, "combine", call, exc(message) if err else None)
         return out

@@ -78,8 +78,9 @@ S_PAIR_MAX = 5
 S_DONE = 8
 STATUS_WORDS = S_DONE + MAX_PROGRAMS
 
-# what a sender of a low-latency MoE dispatch refused (its error word's low byte; S_INPUT)
-INPUT_TOO_MANY_TOKENS, INPUT_BAD_ID, INPUT_DUPLICATE_ID, INPUT_BAD_SHAPE = 1, 2, 3, 4
+# what a sender of a low-latency MoE dispatch or combine refused (its error word's low byte; S_INPUT);
+# STALE_HANDLE: a combine's topk_idx differ from those its handle's dispatch sent
+INPUT_TOO_MANY_TOKENS, INPUT_BAD_ID, INPUT_DUPLICATE_ID, INPUT_BAD_SHAPE, INPUT_STALE_HANDLE = 1, 2, 3, 4, 5
 
 LAMPORT_SENTINEL_BITS = -(1 << 31)  # int32 view of float32 -0.0
 

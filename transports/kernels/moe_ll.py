@@ -65,8 +65,9 @@ import triton.language as tl
 from . import layout as L
 from .sync import _add, _max, _min, done, may_start, store_rounded, wait_flag
 
-# words of an exchange region (int64); D_CALL/C_CALL[src]: the call word src's last dispatch/combine sent
-D_ARRIVE, D_ACK, C_ARRIVE, C_ACK, D_ERR, D_CALL, C_CALL = 0, 16, 32, 48, 64, 80, 96
+# words of an exchange region (int64); D_CALL/C_CALL[src]: the call word src's last dispatch/combine sent,
+# D_ERR/C_ERR[src] its error word
+D_ARRIVE, D_ACK, C_ARRIVE, C_ACK, D_ERR, D_CALL, C_CALL, C_ERR = 0, 16, 32, 48, 64, 80, 96, 112
 D_SEND, D_RECV, C_SEND, C_RECV = 128, 192, 256, 320  # per program: calls this program has finished
 WORDS = 512
 assert L.MAX_RANKS <= 16 and C_RECV + L.MAX_PROGRAMS <= WORDS
@@ -78,6 +79,8 @@ _C_ACK = tl.constexpr(C_ACK)
 _D_ERR = tl.constexpr(D_ERR)
 _D_CALL = tl.constexpr(D_CALL)
 _C_CALL = tl.constexpr(C_CALL)
+_C_ERR = tl.constexpr(C_ERR)
+_STALE = tl.constexpr(L.INPUT_STALE_HANDLE)
 _D_SEND = tl.constexpr(D_SEND)
 _D_RECV = tl.constexpr(D_RECV)
 _C_SEND = tl.constexpr(C_SEND)
@@ -203,7 +206,7 @@ def _check_ids(IDX, T, K, E, TB: tl.constexpr, KB: tl.constexpr):
 
 # ---- dispatch ----------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=[*_PER_CALL, "host_err"])
-def ll_dispatch_send(X, IDX, T, K, host_err, reg, rank, world, call, sig_ptrs, status, max_spins,
+def ll_dispatch_send(X, IDX, SAVED, T, K, host_err, reg, rank, world, call, sig_ptrs, status, max_spins,
                      E: tl.constexpr, M: tl.constexpr, KM: tl.constexpr, H: tl.constexpr, RB: tl.constexpr,
                      OFF_CNT: tl.constexpr, OFF_INFO: tl.constexpr, OFF_ROWS: tl.constexpr,
                      TB: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, CB: tl.constexpr,
@@ -211,7 +214,7 @@ def ll_dispatch_send(X, IDX, T, K, host_err, reg, rank, world, call, sig_ptrs, s
     """Send this rank's tokens to their experts' owners (step 1 of the module docstring).
 
     X: [T, H] (bfloat16/float16/float32), IDX: int64 [T, K] top-k expert ids (-1 unused), T <= M,
-    K <= KM; host_err: nonzero when the host refused the inputs (then nothing but the error goes
+    K <= KM; SAVED: int64 [T, K], where the ids are copied for the combine's check; host_err: nonzero when the host refused the inputs (then nothing but the error goes
     out); call: this call's word (the host's call number * 2 + FP8), which every receiver compares
     with its own before it reads our rows. RB: bytes of a staged row; ITEM: bytes of an element of X; CB: channels per step (divides
     H; a multiple of 128 with FP8);
@@ -233,6 +236,7 @@ def ll_dispatch_send(X, IDX, T, K, host_err, reg, rank, world, call, sig_ptrs, s
         c = tl.arange(0, CB)
         for t in range(pid, T, nprog):
             ids = tl.load(IDX + t * K + k, mask=k < K, other=-1)
+            tl.store(SAVED + t * K + k, ids, mask=k < K)
             # slot k's position among this rank's tokens routed to its expert: earlier tokens' slots
             earlier = (flat[None, :] == ids[:, None]) & (j[None, :] < t * K)
             pos = tl.reduce(earlier.to(tl.int32), 1, _add)
@@ -356,21 +360,32 @@ def ll_dispatch_recv(OUT, OUT2, INFO, RECV_COUNT, reg, rank, world, call, sig_pt
 
 # ---- combine -----------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=_PER_CALL[2:])
-def ll_combine_send(Y, INFO, RECV_COUNT, reg, rank, world, call, sig_ptrs, status, max_spins,
-                    E: tl.constexpr, M: tl.constexpr, KM: tl.constexpr, W: tl.constexpr,
-                    OFF_COMB: tl.constexpr, WB: tl.constexpr, LC: tl.constexpr):
+def ll_combine_send(Y, INFO, RECV_COUNT, IDX, SAVED, T, K, host_err, reg, rank, world, call, sig_ptrs, status,
+                    max_spins, E: tl.constexpr, M: tl.constexpr, KM: tl.constexpr, W: tl.constexpr,
+                    OFF_COMB: tl.constexpr, WB: tl.constexpr, LC: tl.constexpr, NB: tl.constexpr):
     """Send each received row's expert output back to its source's combine rows.
 
     Y: int32 words [L, P*M, W] (the experts' outputs, W words a row), INFO, RECV_COUNT: what
-    :func:`ll_dispatch_recv` wrote (the handle); call: the word of the handle's dispatch, which
-    the sources compare with theirs. LC: counts read per load.
+    :func:`ll_dispatch_recv` wrote (the handle); IDX: int64 [T, K] the combine's top-k ids,
+    SAVED: those the handle's dispatch sent (a difference: a stale handle, refused as
+    STALE_HANDLE); host_err: nonzero when the host refused the inputs. A refused combine sends
+    no rows, only its error word (C_ERR), which every receiver records. call: the word of the
+    handle's dispatch, which the sources compare with theirs. LC: counts read per load; NB: a
+    power of two >= M * KM.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     my_sig, mine, seq, ok = _begin(reg, sig_ptrs, status, rank, world, _C_SEND)
     ok = _wait_all(mine + _C_ACK, (seq - 1) * nprog, my_sig, status, world, max_spins, ok)
     local = E // world
-    if ok:
+    err = host_err.to(tl.int64)
+    if err == 0:
+        at = tl.arange(0, NB)
+        used = at < T * K
+        differ = tl.load(IDX + at, mask=used, other=0) != tl.load(SAVED + at, mask=used, other=0)
+        if tl.reduce(differ.to(tl.int32), 0, _max) != 0:
+            err = err * 0 + _STALE
+    if ok & (err == 0):
         w = tl.arange(0, WB)
         lc = tl.arange(0, LC)
         for l0 in range(0, local, LC):
@@ -386,9 +401,11 @@ def ll_combine_send(Y, INFO, RECV_COUNT, reg, rank, world, call, sig_ptrs, statu
                     for w0 in range(0, W, WB):
                         m = w0 + w < W
                         tl.store(dst + w0 + w, tl.load(Y + r.to(tl.int64) * W + w0 + w, mask=m), mask=m)
+    if ok:
         if pid == 0:
             for r in range(0, world):
                 tl.store(_words(reg, r) + _C_CALL + rank, call.to(tl.int64))
+                tl.store(_words(reg, r) + _C_ERR + rank, err)
         _arrive_all(reg, rank, world, _C_ARRIVE)
     _end(my_sig, status, mine, seq, _C_SEND)
 
@@ -400,16 +417,27 @@ def ll_combine_recv(OUT, IDX, WEIGHTS, T, K, reg, rank, world, call, sig_ptrs, s
     """OUT[t] = sum over k of WEIGHTS[t, k] * (expert output of slot k) for IDX[t, k] >= 0, in
     float32, slots in order, rounded once (bfloat16: to nearest even). OUT: [T, H];
     WEIGHTS: float32 [T, K]; call: the word of our handle's dispatch. When a source sent rows of
-    another call, OUT is left unwritten and S_PAIRING says so."""
+    another call or refused its combine, OUT is left unwritten and S_PAIRING or S_INPUT says so."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     my_sig, mine, seq, ok = _begin(reg, sig_ptrs, status, rank, world, _C_RECV)
     ok = _wait_all(mine + _C_ARRIVE, seq * nprog, my_sig, status, world, max_spins, ok)
     if ok:
-        paired = tl.reduce(_paired(mine, status, world, call, _C_CALL).to(tl.int32), 0, _add) == world
+        s = tl.arange(0, _MAX_RANKS)
+        take = _paired(mine, status, world, call, _C_CALL)
+        errs = tl.load(mine + _C_ERR + s, mask=s < world, other=0, volatile=True)
+        if pid == 0:  # the first source's refusal (not our own host-detected ones: we raise them)
+            own_host = (s == rank) & ((errs & 255) != _STALE)
+            bad = take & (errs != 0) & (own_host == 0)
+            first = tl.reduce(tl.where(bad, s, _MAX_RANKS), 0, _min)
+            if first < world:
+                if tl.load(status + _S_INPUT, volatile=True) == 0:
+                    e = tl.reduce(tl.where(s == first, errs, 0), 0, _add)
+                    tl.store(status + _S_INPUT, e * _MAX_RANKS + first)
+        whole = tl.reduce((take & (errs == 0)).to(tl.int32), 0, _add) == world  # every source's rows came
         comb = (tl.load(reg + rank) + OFF_COMB).to(tl.pointer_type(OUT.dtype.element_ty))
         c = tl.arange(0, CB)
-        for t in range(pid, tl.where(paired, T, 0), nprog):
+        for t in range(pid, tl.where(whole, T, 0), nprog):
             for h0 in range(0, H, CB):
                 m = h0 + c < H
                 acc = tl.full([CB], 0.0, tl.float32)
