@@ -42,11 +42,11 @@ from typing import Any
 import click
 import torch
 
-from transports.settings import TRANSPORT_CHOICES
+from transports.settings import TRANSPORT_CHOICES, option_or_environment
 
-from .bench_moe_ll import LL_IMPLS, time_low_latency
+from .bench_moe_ll import LL_IMPLS, low_latency_bytes, time_low_latency
 from .common import DTYPES as _ALL_DTYPES
-from .options import COUNT, NONNEGATIVE, SECONDS
+from .options import COUNT, NONNEGATIVE, OUTPUT_FILE, SECONDS
 from .ranks import on_ranks
 from .table import Column, Table
 
@@ -161,6 +161,7 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
     uniq_rows = 0  # (token, rank) rows this rank receives: set by the moecomm run, which goes first
     with torch.no_grad():
         for name, impl in impls.items():
+            _progress(comm, f"{name}: {o['warmup']} + {o['iters']} iterations of {T} tokens")
             base = impl if isinstance(impl, _Baseline) else None
             d = impl if base is None else disp
             times = {"layout": 0.0, "dispatch": 0.0, "combine": 0.0}
@@ -198,6 +199,7 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
             rows.append([comm.rank, IMPLS.index(name), *(times[p] / n for p in ("layout", "dispatch", "combine")),
                          uniq_rows, moved, inter, intra, int(ok), num_nodes, uniq_rows * H * esz, uniq_rows * H * esz])
         if o.get("mode") == "low_latency":
+            _progress(comm, f"low latency: {o['warmup']} + {o['iters']} iterations per variant")
             for name, t_d, t_c, b_d, b_c, recv_rows, ok in time_low_latency(comm, o, x, experts, weights, sync, want):
                 rows.append([comm.rank, IMPLS.index(name), 0.0, t_d, t_c, recv_rows, recv_rows * H * x.element_size(),
                              -1, -1, int(ok), num_nodes, b_d, b_c])
@@ -209,6 +211,43 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
     gathered = comm.all_gather(torch.tensor(rows, dtype=torch.float64).reshape(1, -1)) if comm.size > 1 else \
         torch.tensor(rows, dtype=torch.float64).reshape(1, -1)
     return gathered.reshape(comm.size, len(rows), -1).tolist()
+
+
+def _progress(comm, text: str) -> None:
+    """A line on rank 0's stderr as each implementation starts: a long run is not silent."""
+    if comm.rank == 0:
+        click.echo(f"# bench-moe: {text}", err=True)
+
+
+def _check_low_latency(o: dict[str, Any], ranks: int, on_cuda: bool) -> None:
+    """Usage errors before any rank starts: the dispatcher's hidden size, and buffers that cannot fit."""
+    if o["hidden"] % 128:
+        scaled = f" ({o['hidden_full']} / 4 by --cpu-scale)" if o["cpu_scale"] else ""
+        raise click.BadParameter(f"--mode low_latency needs a hidden size that is a multiple of 128, got "
+                                 f"{o['hidden']}{scaled}", param_hint="--hidden")
+    itemsize = DTYPES[o["dtype"]].itemsize
+    region, outputs = low_latency_bytes(o["experts"], ranks, o["tokens"], o["hidden"], o["top_k"], itemsize, o["fp8"])
+    if on_cuda:  # each rank on a GPU of its own
+        if not torch.cuda.is_available():
+            return  # --device cuda without a GPU: refused where the ranks place their tensors
+        need, where = region + outputs, "per rank"
+        limit, what = torch.cuda.get_device_properties(0).total_memory, "a GPU's memory"
+    else:  # emulated: every rank on this node, the regions in one /dev/shm segment
+        need, where = ranks * (region + outputs), f"for {ranks} ranks on this node"
+        limit, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this node's memory"
+        try:
+            shm = os.statvfs("/dev/shm")
+            if ranks * region > shm.f_bavail * shm.f_frsize:
+                need, limit, what = ranks * region, shm.f_bavail * shm.f_frsize, "the free space of /dev/shm"
+        except OSError:
+            pass
+    if need > limit:
+        L, PM = o["experts"] // ranks, ranks * o["tokens"]
+        raise click.BadParameter(
+            f"{o['tokens']} tokens per rank: the low-latency dispatcher's fixed buffers ([L={L}, P*M={PM}, "
+            f"H={o['hidden']}] {o['dtype']} and the region every rank maps) need about {need / 1e9:.1f} GB {where}, "
+            f"more than {what} ({limit / 1e9:.1f} GB); lower --tokens (the dispatcher's M), --experts or --hidden",
+            param_hint="--tokens")
 
 
 def _print_table(stats: list[list[list[float]]], o: dict[str, Any]) -> bool:
@@ -392,7 +431,7 @@ def _print_node_summary(stats: list[list[list[float]]], o: dict[str, Any]) -> No
 @click.option("--fp8", is_flag=True, help="--mode low_latency: also time FP8 (e4m3) dispatch.")
 @click.option("--cuda-graph", "cuda_graph", type=NONNEGATIVE, default=0, show_default=True, metavar="N",
               help="--mode low_latency on CUDA: also time CUDA graphs of N dispatches and of N combines.")
-@click.option("-J", "--json", "json_path", default=None, metavar="FILE",
+@click.option("-J", "--json", "json_path", type=OUTPUT_FILE, default=None,
               help="Also write the rows, the summary and the environment as JSON.")
 def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, nprocs: int, iters: int, warmup: int,
               cpu_scale: bool, baseline: bool, compare_flat: bool, keep_freed_memory: bool, timeout: float,
@@ -402,14 +441,14 @@ def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, np
         tokens = 128 if mode == "low_latency" else 4096
     if mode != "low_latency" and (fp8 or cuda_graph):
         raise click.UsageError("--fp8 and --cuda-graph time the low-latency dispatcher: add --mode low_latency")
-    emulated = False
+    emulated, on_cuda, settings = False, False, None
     if mode == "low_latency":
         on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         if cuda_graph and not on_cuda:
             raise click.UsageError("--cuda-graph captures CUDA graphs and needs a CUDA GPU")
-        if not on_cuda:  # the ranks inherit it: their ipc transport runs the kernels in Triton's interpreter
-            os.environ["MOECOMM_IPC_EMULATE"] = "1"
-        emulated = os.environ.get("MOECOMM_IPC_EMULATE", "") not in ("", "0")
+        if not on_cuda:  # the ranks' ipc transport runs the kernels in Triton's interpreter
+            settings = {"ipc_emulate": 1}
+        emulated = option_or_environment("ipc_emulate", settings, source="bench-moe") != 0
     o = dict(mode=mode, fp8=fp8, cuda_graph=cuda_graph, emulated=emulated, tokens=tokens, hidden=hidden, top_k=top_k, experts=experts, dtype=dtype, iters=iters, warmup=warmup,
              baseline=baseline, compare_flat=compare_flat, cpu_scale=cpu_scale, tokens_full=tokens, hidden_full=hidden,
              keep_freed_memory=keep_freed_memory, timeout=timeout, device=device)
@@ -421,8 +460,11 @@ def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, np
     def check_size(n: int) -> None:
         if experts % n:
             raise click.BadParameter(f"--experts {experts} is not divisible by {n} ranks", param_hint="--experts")
+        if mode == "low_latency":
+            _check_low_latency(o, n, on_cuda)
 
-    lead, stats = on_ranks(_bench_rank, nprocs, o, timeout=timeout, check_size=check_size, transport=transport)
+    lead, stats = on_ranks(_bench_rank, nprocs, o, timeout=timeout, check_size=check_size, transport=transport,
+                           options=settings)
     if not lead:
         return
     o["nprocs_run"] = len(stats)

@@ -26,6 +26,22 @@ def dispatch_bytes(selections: int, hidden: int, fp8: bool) -> int:
     return selections * ((hidden + hidden // 128 * 4 + 16) if fp8 else hidden * 2)
 
 
+def low_latency_bytes(experts: int, ranks: int, tokens: int, hidden: int, top_k: int, itemsize: int,
+                      fp8: bool) -> tuple[int, int]:
+    """About what one rank's low-latency dispatcher holds, for a check before the run.
+
+    Returns:
+        (region, outputs): the region every rank maps (the staged rows of [L, P*M] of
+        max(H * itemsize, H + H/32) B with their info words, and the combine's M * k rows of H) and a
+        call's new tensors (recv_x [L, P*M, H] and the identity experts' output fed to combine, and
+        FP8's [L, P*M, H] bytes with scales).
+    """
+    slots = experts // ranks * ranks * tokens  # L * P * M received rows
+    region = slots * (max(hidden * itemsize, hidden + hidden // 32) + 4) + tokens * top_k * hidden * itemsize
+    outputs = 2 * slots * hidden * itemsize + (slots * (hidden + hidden // 32) if fp8 else 0)
+    return region, outputs
+
+
 def _expert_input(recv: Any, fp8: bool, dtype: torch.dtype) -> torch.Tensor:
     """Identity experts: the received rows (dequantized with FP8) in ``dtype``."""
     if not fp8:

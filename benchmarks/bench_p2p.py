@@ -25,12 +25,14 @@ from typing import Any
 import click
 import torch
 
-from .options import BYTES, COUNT, NONNEGATIVE, SECONDS, comma_list
+from .options import BYTES, COUNT, NONNEGATIVE, OUTPUT_FILE, SECONDS, comma_list
 from .ranks import on_ranks
 from .table import Column, Table
 
 BACKENDS = ("moecomm", "moecomm-dist", "gloo")
 SCHEMA = "moecomm-bench-p2p/1"
+# The host transports with a point-to-point channel (collectives/_p2p.py); bench-p2p moves CPU tensors.
+CHANNELS = ("auto", "shm", "mpi", "gloo")
 TABLE = Table([Column("size", 12, align=">"), Column("backend", 13, align="<"), Column("oneway_us", 11, ".1f"),
                Column("p50_us", 11, ".1f"), Column("min_us", 11, ".1f"), Column("GB/s", 8, ".3f"),
                Column("vs_gloo", 8), Column("check", 6)])
@@ -145,9 +147,10 @@ def _report(r: dict[str, Any], o: dict[str, Any]) -> list[dict[str, Any]]:
 @click.option("--reps", type=COUNT, default=5, show_default=True,
               help="Repetitions per backend, interleaved between the backends.")
 @click.option("-w", "--warmup", type=NONNEGATIVE, default=3, show_default=True, help="Untimed round trips first.")
-@click.option("--transport", default="auto", show_default=True,
-              help="moecomm's transport for its channel (auto: shm on one node, else mpi or gloo).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--transport", type=click.Choice(CHANNELS), default="auto", show_default=True,
+              help="moecomm's transport for its channel (auto: shm on one node, else mpi or gloo; mpi needs "
+                   "mpirun/mpiexec).")
+@click.option("--json", "json_path", type=OUTPUT_FILE, default=None,
               help="Also write the rows with the run's environment to this JSON file.")
 @click.option("--timeout", type=SECONDS, default=300.0, show_default=True, help="Communicator timeout in seconds.")
 def bench_p2p(sizes: str, nprocs: int, iters: int, reps: int, warmup: int, transport: str, json_path: str | None,
@@ -159,6 +162,11 @@ def bench_p2p(sizes: str, nprocs: int, iters: int, reps: int, warmup: int, trans
         raise click.BadParameter(str(e), param_hint="--sizes") from None
     if not size_list or any(s < 4 for s in size_list):
         raise click.BadParameter("give sizes of at least 4 bytes", param_hint="--sizes")
+    if transport == "mpi":
+        from collectives import detect_launch
+
+        if detect_launch() != "mpi":
+            raise click.BadParameter("mpi needs a launch by mpirun/mpiexec", param_hint="--transport")
 
     def check_size(n: int) -> None:
         if n < 2:
@@ -166,7 +174,8 @@ def bench_p2p(sizes: str, nprocs: int, iters: int, reps: int, warmup: int, trans
 
     o = {"sizes": size_list, "iters": iters, "reps": reps, "warmup": warmup, "transport": transport,
          "timeout": timeout}
-    lead, result = on_ranks(_bench_rank, nprocs, o, timeout=timeout, check_size=check_size)
+    # created with the transport: gloo exists only where it is asked for (or between nodes)
+    lead, result = on_ranks(_bench_rank, nprocs, o, timeout=timeout, check_size=check_size, transport=transport)
     if not lead:
         return
     rows = _report(result, o)

@@ -7,6 +7,7 @@ starts, never a traceback from deep inside a run or an empty table.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,33 @@ class FigurePath(click.ParamType):
         return str(value)
 
 
+class OutputFile(click.ParamType):
+    """A file the command writes at its end (its folders are created then), checked up front: not a
+    directory, and writable where it is or creatable in its nearest existing folder, so that a long run
+    does not fail at its last step."""
+
+    name = "FILE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        path = Path(str(value)).expanduser().absolute()
+        if path.is_dir():
+            self.fail(f"{value!r} is a directory", param, ctx)
+        if path.exists():
+            if not os.access(path, os.W_OK):
+                self.fail(f"{value!r} is not writable", param, ctx)
+            return str(value)
+        folder = path.parent
+        while not folder.exists():  # the folders to create: the nearest existing one must take them
+            folder = folder.parent
+        if not folder.is_dir():
+            self.fail(f"{value!r}: {str(folder)!r} is not a directory", param, ctx)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            self.fail(f"{value!r}: cannot create files in {str(folder)!r}", param, ctx)
+        return str(value)
+
+
 BYTES = ByteSize()
+OUTPUT_FILE = OutputFile()
 SECONDS = Seconds()
 FIGURE = FigurePath()
 COUNT = click.IntRange(min=1)  # ranks, iterations, tokens, sizes: at least one
@@ -98,7 +125,10 @@ def comma_list(text: str | None) -> list[str]:
 
 def positive_ints(text: str | None, param_hint: str, what: str) -> list[int]:
     """``"1,2,4"`` -> ``[1, 2, 4]``, in the order given; ``click.BadParameter`` (on ``param_hint``) for
-    a non-int, an empty list, or a value below 1 (named ``what``, e.g. "TP size")."""
+    a non-int, an empty item, an empty list, or a value below 1 (named ``what``, e.g. "TP size")."""
+    items = [t.strip() for t in (text or "").split(",")]
+    if text and text.strip() and "" in items:  # "2,,4" or "2,4,": a typo, not a shorter list
+        raise click.BadParameter(f"{text!r} has an empty item", param_hint=param_hint)
     try:
         values = [int(s) for s in comma_list(text)]
     except ValueError:

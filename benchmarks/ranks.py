@@ -66,7 +66,8 @@ def launch_logged(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: floa
 
 
 def on_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float,
-             check_size: Callable[[int], None] | None = None, transport: str = "auto") -> tuple[bool, Any]:
+             check_size: Callable[[int], None] | None = None, transport: str = "auto",
+             options: dict[str, Any] | None = None) -> tuple[bool, Any]:
     """Run ``fn(comm, *args)`` on this job's ranks, or on ``nprocs`` self-launched local ranks.
 
     Args:
@@ -77,6 +78,7 @@ def on_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float,
             self-launching, on every rank otherwise); raises click errors for options that do
             not fit that many ranks.
         transport: the communicator's ``transport=`` ("auto": chosen per call).
+        options: settings by option name (:mod:`transports.settings`) for the communicators.
 
     Returns:
         (lead, result): ``lead`` is True in the process that reports (rank 0, or the launching
@@ -85,10 +87,10 @@ def on_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float,
     import collectives
 
     if collectives.detect_launch() in ("mpi", "torchrun"):
-        with collectives.init(transport, timeout=timeout) as comm:
+        with collectives.init(transport, timeout=timeout, options=options) as comm:
             if check_size is not None:
                 check_size(comm.size)
             return comm.rank == 0, fn(comm, *args)
     if check_size is not None:
         check_size(nprocs)
-    return True, launch_logged(fn, nprocs, *args, timeout=timeout, transport=transport)[0]
+    return True, launch_logged(fn, nprocs, *args, timeout=timeout, transport=transport, options=options)[0]
