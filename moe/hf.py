@@ -34,6 +34,7 @@ calls, and ``generate()`` must take the same number of steps on every rank.
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any
 
 import torch
@@ -184,19 +185,22 @@ def expert_parallel(model: nn.Module, comm: CommunicatorLike) -> nn.Module:
     Returns:
         ``model``. A model without such experts raises ``TypeError``, and expert counts that do
         not divide over the ranks ``ValueError``, on every rank (naming the class or the counts).
+        Its ``save_pretrained`` then raises ``ValueError`` without ``state_dict=`` (it would write
+        this rank's experts only): pass :func:`gather_experts_state_dict`'s.
     """
     check_communicator(comm, "expert_parallel")
     found = experts_modules(model)
     err: Exception | None = None
     counts = sorted({m.num_experts for _, m in found})
+    # agree() prefixes each message with "expert_parallel on rank N: "
     if not found:
-        err = TypeError(f"expert_parallel on {rank_label(comm)}: {type(model).__name__} has no experts module of "
-                        "transformers' experts interface (a class decorated with use_experts_implementation)")
+        err = TypeError(f"{type(model).__name__} has no experts module of transformers' experts interface (a class "
+                        "decorated with use_experts_implementation)")
     elif any(isinstance(getattr(m, "_moecomm_ep", None), _ExpertParallelForward) for _, m in found):
-        err = ValueError(f"expert_parallel on {rank_label(comm)}: {type(model).__name__} is already expert-parallel")
+        err = ValueError(f"{type(model).__name__} is already expert-parallel")
     elif any(c % comm.size for c in counts):
-        err = ValueError(f"expert_parallel on {rank_label(comm)}: {type(model).__name__} has experts modules of "
-                         f"{counts} experts, not divisible by the {comm.size} ranks")
+        err = ValueError(f"{type(model).__name__} has experts modules of {counts} experts, not divisible by the "
+                         f"{comm.size} ranks")
     agree(comm, "expert_parallel", {"experts modules": len(found), "num_experts (max)": max(counts, default=0),
                                     "num_experts (min)": min(counts, default=0)},
           error=err, hint="Pass the same model (same config) on every rank.")
@@ -223,7 +227,27 @@ def expert_parallel(model: nn.Module, comm: CommunicatorLike) -> nn.Module:
         module.forward = ep
         log.debug("%s: %s keeps experts [%d, %d) of %d (%s)", rank_label(comm), name, lo, lo + local, total,
                   ", ".join(sharded))
+    if hasattr(model, "save_pretrained"):
+        # on this model only (an instance attribute): its class's save_pretrained stays as it is
+        model.save_pretrained = types.MethodType(_save_pretrained, model)
     return model
+
+
+def _save_pretrained(model: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """``save_pretrained`` of a model made expert-parallel: without ``state_dict=`` it would write this
+    rank's experts only (a checkpoint missing the others, with nothing said), so it refuses."""
+    # transformers' signature: save_pretrained(save_directory, is_main_process, state_dict, ...)
+    state_dict = kwargs.get("state_dict", args[1] if len(args) > 1 else None)
+    if state_dict is None:
+        ep = next((m._moecomm_ep for _, m in experts_modules(model)
+                   if isinstance(getattr(m, "_moecomm_ep", None), _ExpertParallelForward)), None)
+        where = f" on {rank_label(ep.comm)}" if ep is not None else ""
+        raise ValueError(f"save_pretrained{where}: this {type(model).__name__} is expert-parallel "
+                         "(moe.hf.expert_parallel): its experts modules hold this rank's experts only, so the "
+                         "checkpoint would lack the others. "
+                         "Pass state_dict=moe.hf.gather_experts_state_dict(model), gathered on every rank (it is "
+                         "collective), and save from one rank")
+    return type(model).save_pretrained(model, save_directory, *args, **kwargs)
 
 
 def gather_experts_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -206,9 +206,9 @@ def test_distributed_config_ep_implementation_moecomm(size, backend, families, s
     _check(results, families, size)
 
 
-def _edges(comm) -> dict:
-    """A rank with no tokens, and the errors every rank must raise."""
-    from moe.hf import expert_parallel
+def _edges(comm, tmp: str) -> dict:
+    """A rank with no tokens, the errors every rank must raise, and save_pretrained of the expert-parallel model."""
+    from moe.hf import expert_parallel, gather_experts_state_dict
 
     out = {}
     ref = _tiny("qwen3_moe")
@@ -235,6 +235,19 @@ def _edges(comm) -> dict:
             out[label] = "no error"
         except (TypeError, ValueError) as e:
             out[label] = f"{type(e).__name__}: {e}"
+    # without state_dict= it would write this rank's half of the experts: refused, nothing written
+    half = os.path.join(tmp, f"half{comm.rank}")
+    try:
+        model.save_pretrained(half)
+        out["save"] = "no error"
+    except ValueError as e:
+        out["save"] = f"ValueError: {e}"
+    out["save wrote"] = os.path.exists(os.path.join(half, "config.json"))
+    state = gather_experts_state_dict(model)  # collective
+    full = os.path.join(tmp, f"full{comm.rank}")
+    model.save_pretrained(full, state_dict=state)
+    saved = type(ref).from_pretrained(full, dtype=torch.float64).state_dict()
+    out["saved whole"] = all(torch.equal(saved[k], v) for k, v in ref.state_dict().items())
     return out
 
 
@@ -244,13 +257,18 @@ def _mixtral_with(experts: int):
     return getattr(transformers, model_cls)(cfg)
 
 
-def test_empty_rank_and_errors_on_every_rank():
-    results = collectives.launch(_edges, 2, transport="shm", timeout=120.0)
+def test_empty_rank_and_errors_on_every_rank(tmp_path):
+    results = collectives.launch(_edges, 2, str(tmp_path), transport="shm", timeout=120.0)
     for rank, out in enumerate(results):
         assert out["empty rank"] is True, (rank, out)
         assert out["no experts"].startswith("TypeError") and "Sequential" in out["no experts"], out
         assert out["uneven"].startswith("ValueError") and "num_experts" in out["uneven"], out
         assert out["twice"].startswith("ValueError") and "already" in out["twice"], out
+        for label in ("no experts", "twice"):  # said once, not "expert_parallel on rank 0: expert_parallel on ..."
+            assert out[label].count("expert_parallel on") == 1, out[label]
+        assert out["save"].startswith(f"ValueError: save_pretrained on rank {rank}"), out["save"]
+        assert "gather_experts_state_dict" in out["save"] and not out["save wrote"], out
+        assert out["saved whole"], out
 
 
 def test_registered_with_transformers():
