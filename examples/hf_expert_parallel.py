@@ -34,6 +34,7 @@ NCCL or its ipc transport, whichever it picks for the call. (So far this example
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import tempfile
@@ -124,5 +125,7 @@ def main(comm: collectives.Communicator, tmp: str) -> None:
 
 
 if __name__ == "__main__":  # required: launch's ranks import this module, and must not launch again
+    # it takes no options: --help shows the docstring above, anything else is refused, not ignored
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         collectives.launch(main, RANKS, tmp)  # main(comm, tmp) on 2 local ranks

@@ -20,6 +20,8 @@ run over NCCL or moecomm's ipc transport.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 import collectives
@@ -93,4 +95,6 @@ def main(comm: collectives.Communicator) -> None:
 
 
 if __name__ == "__main__":  # required: launch's ranks import this module, and must not launch again
+    # it takes no options: --help shows the docstring above, anything else is refused, not ignored
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     collectives.launch(main, RANKS, device="cpu")  # main(comm) on 4 local CPU ranks; raises if any rank does

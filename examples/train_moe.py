@@ -70,6 +70,7 @@ usual practice, but this example's check wants the exact same loss).
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 
@@ -286,4 +287,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":  # required: launch's ranks import this module, and must not launch again
+    # it takes no options: --help shows the docstring above, anything else is refused, not ignored
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     sys.exit(main())
