@@ -21,7 +21,8 @@ from transports.base import Rendezvous
 from ._arrays import as_int
 
 
-def check_symmetric_args(shape: Any, dtype: Any, rank: int, heap_bytes: int | None) -> tuple[tuple[int, ...], torch.dtype]:
+def check_symmetric_args(shape: Any, dtype: Any, rank: int,
+                         heap_bytes: int | None) -> tuple[tuple[int, ...], torch.dtype]:
     """The checked ``(shape, dtype)`` of a ``symmetric_empty`` call on world rank ``rank``.
 
     Args:

@@ -1,6 +1,7 @@
 """``Communicator.symmetric_empty``'s arguments (issue #51 points 7 and 15): a bad shape or dtype on any
 rank makes every rank raise TypeError/ValueError naming it, before the transport's collective
-allocation, and the communicator stays open; a closed communicator says it is closed.
+allocation, and the communicator stays open; on a closed communicator symmetric_empty and the
+LowLatencyDispatcher constructor say it is closed.
 
 Over the emulated ipc transport (Triton's interpreter on the CPU), two ranks in one launch.
 """
@@ -44,6 +45,10 @@ def _body(comm):
     out["after"] = s.tolist()
     comm.close()
     out["closed"] = _outcome(lambda: comm.symmetric_empty((4,)))
+    import moe
+
+    out["closed_ll"] = _outcome(lambda: moe.LowLatencyDispatcher(comm, num_experts=2, max_tokens_per_rank=2,
+                                                                 hidden=128, dtype=torch.float32))
     return out
 
 
@@ -65,4 +70,5 @@ def test_bad_symmetric_empty_arguments_raise_on_every_rank_and_keep_the_communic
         kind, msg, _ = res["shapes_differ"]
         assert kind == "ValueError" and "rank 0: (8,)" in msg and "rank 1: (9,)" in msg, res["shapes_differ"]
         assert res["after"] == [3.0] * 5, res["after"]
-        assert res["closed"][0] == CommunicatorBrokenError.__name__ and "closed" in res["closed"][1], res["closed"]
+        for name in ("closed", "closed_ll"):  # closed, as every call says: not that ipc needs CUDA or emulation
+            assert res[name][0] == CommunicatorBrokenError.__name__ and "closed" in res[name][1], res[name]
