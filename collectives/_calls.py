@@ -124,26 +124,30 @@ class CallPaths:
         except TypeError as e:
             self._fail_locally(opcode, device_of(x), TypeError(f"{opcode.name.lower()}: {e}"))
 
-    def _out_view(self, opcode: OpCode, out: Array, t: torch.Tensor) -> torch.Tensor | None:
+    def _out_view(self, opcode: OpCode, out: Array, t: torch.Tensor, ent: _Entry | None = None
+                  ) -> torch.Tensor | None:
         """A tensor view of ``out=`` for the transport to write (None: a NumPy array torch cannot
-        view, e.g. with negative strides; the result is copied into it), or a collective TypeError."""
+        view, e.g. with negative strides; the result is copied into it), or a collective TypeError.
+        ent: the call's entry, where known (the peers' call is then met where it meets)."""
         try:
             return writable_view(out, f"{opcode.name.lower()}: out")
         except TypeError as e:
-            self._fail_locally(opcode, t.device.type, e)
+            self._fail_locally(opcode, t.device.type, e, call=(ent, t, None) if ent is not None else None)
 
-    def _check_out(self, opcode: OpCode, out: Array, t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor | None:
+    def _check_out(self, opcode: OpCode, out: Array, t: torch.Tensor, shape: Sequence[int], ent: _Entry | None = None
+                   ) -> torch.Tensor | None:
         """:meth:`_out_view` after checking ``out``'s shape, dtype and device (collective errors)."""
-        out_t = self._out_view(opcode, out, t)
+        out_t = self._out_view(opcode, out, t, ent)
         name = opcode.name.lower()
         dtype, device = dtype_device(out, out_t)
+        call = (ent, t, None) if ent is not None else None
         if tuple(out.shape) != tuple(shape) or dtype != t.dtype:
             self._fail_locally(opcode, t.device.type, ValueError(
                 f"{name}: out has shape {tuple(out.shape)} and dtype {dtype}; "
-                f"expected shape {tuple(shape)} and dtype {t.dtype}"))
+                f"expected shape {tuple(shape)} and dtype {t.dtype}"), call=call)
         if device != t.device:
             self._fail_locally(opcode, t.device.type, ValueError(
-                f"{name}: out is on {device} but the input is on {t.device}; put both on one device"))
+                f"{name}: out is on {device} but the input is on {t.device}; put both on one device"), call=call)
         return out_t
 
     def _hot(self, opcode: OpCode, x: Array, op: Any, out: Array | None, in_place_ok: bool
@@ -229,7 +233,7 @@ class CallPaths:
             self._state.raise_closed()
         t, was_numpy, orig = self._input(opcode, x)
         ent = self._entry(opcode, t, op, src, view)
-        out_t = self._check_out(opcode, out, t, ent.out_shape) if out is not None else None
+        out_t = self._check_out(opcode, out, t, ent.out_shape, ent) if out is not None else None
         s = t.cpu() if ent.staged else t
         if t.dim() == 0 and opcode == OpCode.ALL_GATHER:
             s = s.reshape(1)

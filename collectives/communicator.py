@@ -288,13 +288,21 @@ class Communicator(CallPaths, PointToPoint):
                                    runner_up_us=predicted.runner_up_us)
 
     # ---- shared call machinery --------------------------------------------------------------
-    def _fail_locally(self, opcode: OpCode, device: str, err: Exception, nbytes: int = 0) -> NoReturn:
+    def _fail_locally(self, opcode: OpCode, device: str, err: Exception, nbytes: int = 0,
+                      call: tuple[Any, torch.Tensor, tuple[int, int] | None] | None = None) -> NoReturn:
         """Tell the peers this rank rejected its input (so they raise too), then raise ``err``.
 
-        nbytes: the call's bytes where the rejected call would be routed by size (0: unknown)."""
+        nbytes: the call's bytes where the rejected call would be routed by size (0: unknown).
+        call: (its cache entry, x, (rows, hidden) of an all_reduce_rmsnorm or None) where the call
+        itself was valid: its transport meets the peers where that call meets
+        (``Transport.reject_call``; a Lamport all_reduce has no barrier for exchange_meta's)."""
         try:
-            t, _ = self._select(opcode, device, nbytes, torch.float32, opcode.name.lower())
-            t.exchange_meta(Signature(error_meta()))
+            if call is not None and not call[0].staged:
+                ent, x, fused = call
+                ent.transport.reject_call(ent.sig, x, fused)
+            else:
+                t, _ = self._select(opcode, device, nbytes, torch.float32, opcode.name.lower())
+                t.exchange_meta(Signature(error_meta()))
         except Exception:  # noqa: BLE001 - the local error is what the caller needs to see
             pass
         raise err
@@ -489,7 +497,8 @@ class Communicator(CallPaths, PointToPoint):
             eps = check_rmsnorm_args(x, residual, weight, eps, out, residual_out, self.global_ranks[self.rank])
         except (TypeError, ValueError) as e:
             dense = isinstance(x, torch.Tensor) and x.layout is torch.strided
-            self._fail_locally(OpCode.ALL_REDUCE, device_of(x), e, x.numel() * x.element_size() if dense else 0)
+            self._fail_locally(OpCode.ALL_REDUCE, device_of(x), e, x.numel() * x.element_size() if dense else 0,
+                               call=self._rmsnorm_call(x, weight) if dense else None)
         t, res, w = x.detach(), residual.detach(), weight.detach()
         code = dtype_code(w.dtype)
         ent = self._entry(OpCode.ALL_REDUCE, t, "sum", code, RMSNORM_VIEW)
@@ -500,6 +509,16 @@ class Communicator(CallPaths, PointToPoint):
             return fused_rmsnorm(ent.transport, ent.sig, t, res, w, eps, out, residual_out, rows, hidden)
         a = self._run(OpCode.ALL_REDUCE, t, None, "sum", code, RMSNORM_VIEW)  # a new tensor on x's device
         return composed_rmsnorm(a, res, w, eps, out, residual_out)
+
+    def _rmsnorm_call(self, x: torch.Tensor, weight: Any) -> tuple[Any, torch.Tensor, tuple[int, int]] | None:
+        """The all_reduce_rmsnorm call a rank rejected (another argument was wrong), for
+        :meth:`_fail_locally`, where x and weight make the signature its peers use; else None."""
+        t = x.detach()
+        if not isinstance(weight, torch.Tensor) or t.dtype not in FLOATS or weight.dtype not in FLOATS \
+                or t.dim() == 0 or t.device.type != self.device.type or (t.is_cuda and t.device != self.device):
+            return None
+        ent = self._entry(OpCode.ALL_REDUCE, t, "sum", dtype_code(weight.dtype), RMSNORM_VIEW)
+        return ent, t, (t.numel() // t.shape[-1], t.shape[-1])
 
     def all_to_all(self, x: Array, send_counts: Sequence[int] | None = None, *, out: Array | None = None,
                    return_counts: bool = False, recv_counts: Sequence[int] | None = None

@@ -419,6 +419,13 @@ class Transport(abc.ABC):
     def exchange_meta(self, sig: Signature) -> np.ndarray:
         """Barrier that also gathers every rank's call signature: -> [size, META_LEN] int64."""
 
+    def reject_call(self, sig: Signature, x: torch.Tensor, fused: tuple[int, int] | None = None) -> None:
+        """This rank rejected its input for the call of signature ``sig`` on ``x`` (``fused``: an
+        all_reduce_rmsnorm of (rows, hidden)) that its peers are making: meet them where that call
+        meets, with an error signature, so that they raise ValueError instead of waiting. Here
+        :meth:`exchange_meta`, which every call of these transports meets."""
+        self.exchange_meta(Signature(error_meta()))
+
     @abc.abstractmethod
     def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         """out = reduction over ranks of send (same shape)."""

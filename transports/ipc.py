@@ -25,7 +25,10 @@ Two providers map the regions (:mod:`transports._ipc_regions`):
 Agreement without a host round trip: every kernel writes the call's signature digest (and full
 signature) into its signal area before the first barrier and compares the peers' digests after
 it; on a difference it moves no data, passes its remaining barrier and sets MISMATCH, and the
-host raises :func:`check_agreement`'s ``ValueError`` from the peers' signatures.
+host raises :func:`check_agreement`'s ``ValueError`` from the peers' signatures. A rank that
+rejects its own input meets its peers' call where that call meets (:meth:`IPCTransport.reject_call`),
+so they raise at once too. Read only at a later call (a GPU's asynchronous errors), a difference
+ends the transport on every rank: raised there, the ranks would leave at different calls.
 
 Never hang: waits in the kernels are bounded and stop when this rank's ABORT word is set. A
 watchdog thread per transport sets it while our kernels are in flight (launched, by the host's
@@ -76,6 +79,8 @@ from ._ipc_launch import BoundKernel, Pointer, _variant, launch, pointer_variant
 from ._ipc_regions import _CudaRegions, _HostRegions, cuda_bytes
 from ._schedule import all_to_all_pulls, staged_segments, windows
 from .base import (
+    F_OPCODE,
+    F_REDOP,
     META_LEN,
     Allocator,
     CollectiveTimeoutError,
@@ -89,13 +94,14 @@ from .base import (
     check_agreement,
     check_recv_counts,
     dtype_code,
+    error_meta,
     rendezvous_metas,
 )
 from .kernels import layout as L
 
 log = logging.getLogger(__name__)
 
-assert L.META_WORDS == META_LEN
+assert L.META_WORDS == META_LEN and (L.META_OPCODE, L.LOCAL_ERROR) == (F_OPCODE, OpCode.LOCAL_ERROR)
 
 # all_reduce: one-shot (every rank reduces the whole message from all buffers) up to this many
 # bytes, two-shot (reduce-scatter + all-gather through the buffers) above; world size 2 always
@@ -538,6 +544,20 @@ class IPCTransport(Transport):
             self._fail(cls, f"{msg} (seen by rank {me} after its ipc collectives completed)", missing)
         if st[L.S_MISMATCH]:
             st[L.S_MISMATCH] = 0
+            if not completed:
+                # read at a later call's start (GPU: asynchronous errors): the peers may read theirs at
+                # another call, and a rank that skips a call its peers make leaves them waiting, so
+                # the transport ends here for every rank (the peers' watchdogs see STATE aborted)
+                try:
+                    check_agreement(self._peer_metas(), self._ranks)
+                    what = "ipc: call signatures differ across ranks"
+                except ValueError as e:
+                    what = str(e)
+                self._broken = what
+                self._regions.write(self.rank, L.STATE, L.STATE_ABORTED)
+                raise ValueError(f"{what} (seen by rank {me} after that call returned, as asynchronous errors "
+                                 "are on a GPU; the ranks could no longer raise at one call): this "
+                                 "communicator's ipc transport is closed")
             check_agreement(self._peer_metas(), self._ranks)
             raise ValueError("ipc: call signatures differ across ranks")  # digests differ, words equal
         if st[L.S_INPUT] or st[L.S_PAIRING]:
@@ -678,6 +698,56 @@ class IPCTransport(Transport):
         self._status[L.S_MISMATCH] = 0  # differences are the point here
         self._check()
         return self._peer_metas()
+
+    def reject_call(self, sig: Signature, x: torch.Tensor, fused: tuple[int, int] | None = None) -> None:
+        """See :meth:`Transport.reject_call`. The peers' call meets us, by its kind:
+
+        - its first call of ``sig`` compares signatures on the host (every all_reduce; every call
+          on a GPU): there, with the error signature (every rank makes the same calls, so the
+          peers' first call is ours);
+        - a Lamport all_reduce (or the fused RMSNorm), which has no barrier: the same kernel on
+          ``x`` under a rejecting header (:mod:`transports.kernels.lamport`), so that the slots
+          stay in step and the peers record a rejection, not a fatal difference;
+        - a barrier kernel: :meth:`exchange_meta`'s, at its first barrier.
+        """
+        err_sig = Signature(error_meta())
+        host_checked = self._agree_on_host or int(sig.meta[F_OPCODE]) == OpCode.ALL_REDUCE
+        if host_checked and sig.value not in self._host_agreed:
+            rendezvous_metas(self.group.rendezvous, err_sig)
+            return
+        nbytes = x.numel() * x.element_size()
+        if fused is not None and not self.fuses_all_reduce_rmsnorm(x.numel(), fused[1], x.dtype, torch.float32):
+            fused = None  # the peers compose it: their all_reduce is the call to meet
+        lamport = fused is not None or (int(sig.meta[F_OPCODE]) == OpCode.ALL_REDUCE
+                                        and self._lamport_takes(nbytes, x.dtype))
+        if not lamport:
+            self.exchange_meta(err_sig)
+            return
+        import triton
+
+        args = (self._lam_ptrs, self._regions.sig_ptrs, self._status_arg, self.rank, self.size,
+                (sig.value | 1) ^ 2, self._meta(err_sig), self.lamport_elems, self._max_spins)
+        self._start()
+        if fused is not None:
+            rows, hidden = fused
+            a = x.reshape(rows, hidden)
+            kernel = self._bind(self._k.lamport.all_reduce_rmsnorm_lamport,
+                                {"OUT_BF16": x.dtype == torch.bfloat16, "BLOCK_H": triton.next_power_of_2(hidden)})
+            weight = torch.ones(hidden, dtype=torch.float32, device=x.device)
+            run = (a, torch.zeros_like(a), weight, torch.empty_like(a), torch.empty_like(a), rows, hidden, 1.0, *args)
+        else:
+            flat = self._flat(x)
+            const = self._lamport_constants(self._reduce_constants(x.dtype, ReduceOp(int(sig.meta[F_REDOP]))))
+            kernel = self._bind(self._k.lamport.all_reduce_lamport, const)
+            run = (flat, torch.empty_like(flat), flat.numel(), *args)
+        try:
+            kernel(*run)
+        except BaseException:
+            self._not_launched()
+            raise
+        self._regions.sync()  # an error path: our own view of the rejection is ours to drop
+        self._status[L.S_MISMATCH] = 0
+        self._check(completed=True)
 
     def barrier(self, sig: Signature) -> None:
         self._launch(self._k.barrier_kernel, *self._common(sig)[1:], COPY_META=False)

@@ -16,7 +16,9 @@ A slot is ``[MAX_RANKS] int64`` headers (a source's ``digest | 1``, 0 when empty
 ``[MAX_RANKS][elems]`` float32 rows (source ``q`` writes row ``q``). Program 0 publishes the
 call's header (after META, with a release) and checks the peers' against ours; a difference is
 fatal (ERROR = world + 2): the slots then hold a peer's partial data, which the rotation would
-read later. The other programs do not wait for headers (they were written by program 0 of the
+read later. One difference is not: a rank that rejected its own input for the same call runs it
+with the header ``(digest | 1) ^ 2`` and META of OpCode.LOCAL_ERROR, pushing a whole row, so the
+slots stay in step; every rank then records S_MISMATCH (PEER_META names the rank), not ERROR. The other programs do not wait for headers (they were written by program 0 of the
 peers): they learn of a failure from the ERROR word, where their waits give up, so on a GPU a
 mismatching call may still have reduced some tiles; its OUT is undefined.
 
@@ -48,6 +50,8 @@ _SENTINEL = tl.constexpr(L.LAMPORT_SENTINEL_BITS)
 _S_MISMATCH = tl.constexpr(L.S_MISMATCH)
 _MAX_RANKS = tl.constexpr(L.MAX_RANKS)
 _META_WORDS = tl.constexpr(L.META_WORDS)
+_META_OPCODE = tl.constexpr(L.META_OPCODE)
+_LOCAL_ERROR = tl.constexpr(L.LOCAL_ERROR)
 
 # ---- bookkeeping -------------------------------------------------------------------------------
 @triton.jit
@@ -116,7 +120,8 @@ def _publish_and_check(lam_ptrs, sig_ptrs, my_sig, status, rank, world, digest, 
     """Steps 4-5 of program 0: our META, then ``digest | 1`` into header[rank] of slot s of every
     rank (release: META is visible first); then wait for every source's header in our slot s and
     compare. A header that never comes: ERROR = source + 1. A different one: S_MISMATCH = 1,
-    every rank's META into our PEER_META, ERROR = world + 2. Returns ok."""
+    every rank's META into our PEER_META, ERROR = world + 2, unless it is the same call rejected
+    by its rank or by us (the module docstring): then S_MISMATCH and PEER_META only. Returns ok."""
     k = tl.arange(0, _META_WORDS)
     tl.store(my_sig + _META + k, tl.load(meta + k))
     tl.debug_barrier()  # every thread's META store precedes the release below
@@ -126,6 +131,8 @@ def _publish_and_check(lam_ptrs, sig_ptrs, my_sig, status, rank, world, digest, 
         tl.atomic_xchg(hdr + rank, want, sem="release", scope="sys")
     mine, _rows = _slot(lam_ptrs, rank, s, elems)
     differs = ok & (rank < 0)  # False, typed like ok
+    rejected = differs
+    we_rejected = tl.load(my_sig + _META + _META_OPCODE) == _LOCAL_ERROR
     for q in range(0, world):
         if ok:
             h = tl.atomic_add(mine + q, 0, sem="acquire", scope="sys")
@@ -139,12 +146,16 @@ def _publish_and_check(lam_ptrs, sig_ptrs, my_sig, status, rank, world, digest, 
             if h == 0:
                 record_error(my_sig, status, q + 1)
                 ok = ok & (h != 0)
-            differs = differs | ((h != 0) & (h != want))
-    if differs:
+            theirs = tl.load(rank_ptr(sig_ptrs, q, tl.int64) + _META + _META_OPCODE, volatile=True)
+            rejection = ((h ^ want) == 2) & (we_rejected | (theirs == _LOCAL_ERROR))
+            differs = differs | ((h != 0) & (h != want) & (rejection == 0))
+            rejected = rejected | ((h != 0) & rejection)
+    if differs | rejected:
         for r in range(0, world):
             peer = rank_ptr(sig_ptrs, r, tl.int64)
             tl.store(my_sig + _PEER_META + r * _META_WORDS + k, tl.load(peer + _META + k, volatile=True))
         tl.store(status + _S_MISMATCH, 1)
+    if differs:
         record_error(my_sig, status, world + 2)
     return ok & (differs == 0)
 

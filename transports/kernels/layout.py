@@ -49,6 +49,7 @@ from __future__ import annotations
 MAX_RANKS = 16  # ranks of one node that a group may have
 MAX_PROGRAMS = 64  # programs (thread blocks) a kernel may be launched with
 META_WORDS = 16  # == transports.base.META_LEN (checked by the transport)
+META_OPCODE, LOCAL_ERROR = 0, 99  # == transports.base.F_OPCODE, OpCode.LOCAL_ERROR (checked by the transport)
 
 STATE = 0
 ABORT = 1
