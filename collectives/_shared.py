@@ -67,6 +67,9 @@ class SharedState:
             except Exception as e:  # noqa: BLE001
                 log.debug("closing %s: %s", t.name, e)
         self.transports.clear()
+        leave = getattr(self.rdv, "leave", None)  # a store rendezvous tells peers waiting in it why
+        if leave is not None:
+            leave(why)
         self.rdv.close()
 
     # ---- one call at a time (see the Communicator docstring) ---------------------------------

@@ -66,7 +66,7 @@ def _body_interrupted(comm, what: str, flags: str):
             timer.cancel()
         wait_done(flags, [1])  # alive until rank 1 has raised
         return res
-    time.sleep(1.5)  # arrives long after rank 0 was interrupted
+    time.sleep(2.0)  # arrives long after rank 0 was interrupted
     try:
         return _failure(lambda: _wait_in(comm, what))
     finally:
@@ -92,7 +92,7 @@ def test_a_rank_killed_while_its_peers_wait_in_the_rendezvous_is_named_promptly(
 @pytest.mark.parametrize("what", ["split", "low_latency"])
 def test_ctrl_c_in_the_rendezvous_is_delivered_at_once_and_the_peer_raises_naming_it(what, tmp_path):
     res = collectives.launch(_body_interrupted, 2, what, str(tmp_path), timeout=TIMEOUT, **_needs(what))
-    assert res[0][0] == "interrupted" and res[0][1] < 1.0, res[0]  # not when rank 1 arrives (1.5 s)
+    assert res[0][0] == "interrupted" and res[0][1] < 1.2, res[0]  # not when rank 1 arrives (2 s)
     kind, msg, missing, waited = res[1]
     assert kind == "PeerFailedError" and "rank 0 left" in msg and "KeyboardInterrupt" in msg, res[1]
     assert missing == [0] and waited < PROMPT, res[1]
