@@ -5,7 +5,9 @@ int8 reductions, against torch's own bool and int8 arithmetic (int8 sums and pro
 every reducing collective and on every host transport path (shm with and without its C helper and
 single copy, gloo), with errors on every rank.
 
-One launch per rank count runs every check; each check reports on its own.
+Also: the group's calls dispatch through torch's c10d operators to its registered Backend (CommDebugMode
+counts them as gloo's). One launch per rank count runs every check (and one with the groups in Python,
+where the backend's trampoline is not built); each check reports on its own.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ _BOOL = {"SUM": torch.logical_or, "BOR": torch.logical_or, "MAX": torch.logical_
          "PRODUCT": torch.logical_and, "BAND": torch.logical_and, "MIN": torch.logical_and}
 _INT8 = {"SUM": torch.add, "PRODUCT": torch.mul, "MAX": torch.maximum, "MIN": torch.minimum}
 # the host transport paths a group can be put on (pg_options)
-PATHS = {"shm": {"transport": "shm"}, "shm-fallback": {"transport": "shm", "shm_native": "off", "shm_single_copy": "off"},
+PATHS = {"shm": {"transport": "shm"},
+         "shm-fallback": {"transport": "shm", "shm_native": "off", "shm_single_copy": "off"},
          "shm-single-copy": {"transport": "shm", "shm_single_copy": "always"}, "gloo": {"transport": "gloo"}}
 
 
@@ -145,16 +148,83 @@ def _dtensor_bool_and_int8(r: int, n: int) -> None:
     assert torch.equal(d.to_local(), _ref(xs, "SUM")), "DTensor int8 partial sum"
 
 
-CHECKS = [_bool_and_int8_reductions, _bool_and_int8_errors, _dtensor_bool_and_int8]
+def _comm_script(r: int, n: int, group: dist.ProcessGroup) -> None:
+    """One call of each collective torch dispatches as a c10d operator, and a functional one."""
+    import torch.distributed._functional_collectives as fc
+
+    x = torch.arange(2.0 * n) + r
+    dist.all_reduce(x, group=group)
+    dist.broadcast(x, src=0, group=group)
+    dist.all_gather([torch.empty(2 * n) for _ in range(n)], x, group=group)
+    dist.all_gather_into_tensor(torch.empty(2 * n * n), x, group=group)
+    dist.reduce_scatter_tensor(torch.empty(2), x, group=group)
+    dist.reduce(x, dst=0, group=group)
+    dist.all_to_all_single(torch.empty(2 * n), x, group=group)
+    dist.gather(x, [torch.empty(2 * n) for _ in range(n)] if r == 0 else None, dst=0, group=group)
+    dist.scatter(torch.empty(2), [torch.full((2,), float(q)) for q in range(n)] if r == 0 else None, src=0,
+                 group=group)
+    dist.barrier(group=group)
+    fc.wait_tensor(fc.all_reduce(x, "sum", group))
+    with dist._coalescing_manager(group=group):
+        dist.all_reduce(x, group=group)
+        dist.all_reduce(x * 2, group=group)
 
 
-def _body(comm, init_method: str) -> dict:
+def _dispatcher_sees_the_calls(r: int, n: int) -> None:
+    """The group's calls go through torch's c10d operators to its registered Backend, as gloo's do:
+    CommDebugMode counts the same collectives for both, ``_get_backend`` returns moecomm's backend, and
+    parallelize_module's src_data_rank (torch's test_parallelize_module_src_data_rank) counts as over gloo."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    pg = dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))
+    assert backend.name() == "moecomm" and backend.comm is pg.comm, backend
+    assert pg._get_backend(torch.device("cuda")) is backend and pg.name() == "moecomm"
+    gloo = dist.new_group(backend="gloo")
+    counts = {}
+    for name, group in (("gloo", gloo), ("moecomm", pg)):
+        with CommDebugMode() as mode:
+            _comm_script(r, n, group)
+        counts[name] = {str(op): k for op, k in mode.get_comm_counts().items()}
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for src in (1, None):  # None: every rank keeps its own weights, nothing moves
+            torch.manual_seed(r)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+            with CommDebugMode() as mode:
+                parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}, src_data_rank=src)
+            counts[f"{name} src_data_rank={src}"] = {str(op): k for op, k in mode.get_comm_counts().items()}
+            if src is not None:  # rank src's weights, sharded
+                torch.manual_seed(src)
+                ref = torch.nn.Linear(8, 16)
+                assert torch.equal(model[0].weight.full_tensor(), ref.weight), f"{name}: src_data_rank={src}"
+    assert counts["moecomm"] == counts["gloo"] and sum(counts["moecomm"].values()) >= 11, counts
+    for src in (1, None):
+        assert counts[f"moecomm src_data_rank={src}"] == counts[f"gloo src_data_rank={src}"], counts
+    assert sum(counts["moecomm src_data_rank=1"].values()) > 0 == sum(counts["moecomm src_data_rank=None"].values())
+    dist.destroy_process_group(gloo)
+
+
+CHECKS = [_bool_and_int8_reductions, _bool_and_int8_errors, _dtensor_bool_and_int8, _dispatcher_sees_the_calls]
+
+
+def _body(comm, init_method: str, native: bool) -> dict:
+    import os
+
+    from collectives.torch_backend import _native
+    from collectives.torch_backend._group import PythonProcessGroup
+
     n, r = comm.size, comm.rank
+    if not native:  # the groups of a torch where the trampoline cannot be built
+        os.environ[_native.ENV] = "0"
+        _native._loaded.clear()
     dist.init_process_group("moecomm", init_method=init_method, rank=r, world_size=n,
                             timeout=datetime.timedelta(seconds=30))
+    assert isinstance(dist.group.WORLD, PythonProcessGroup) != native, type(dist.group.WORLD)
     report = {}
     try:
-        for check in CHECKS:
+        for check in CHECKS if native else [c for c in CHECKS if c is not _dispatcher_sees_the_calls]:
             try:
                 check(r, n)
                 report[check.__name__] = "ok"
@@ -166,8 +236,9 @@ def _body(comm, init_method: str) -> dict:
     return report
 
 
-@pytest.mark.parametrize("nprocs", [2, 3])
-def test_round4_torch_callers(nprocs, tmp_path):
-    reports = collectives.launch(_body, nprocs, f"file://{tmp_path / 'store'}", timeout=180.0)
+@pytest.mark.parametrize("nprocs,native", [(2, True), (3, True), (2, False)], ids=["2", "3", "2-python"])
+def test_round4_torch_callers(nprocs, native, tmp_path):
+    """The "2-python" case: the groups run their calls in Python (the trampoline not built)."""
+    reports = collectives.launch(_body, nprocs, f"file://{tmp_path / 'store'}", native, timeout=180.0)
     bad = {f"rank {r}: {name}": text for r, rep in enumerate(reports) for name, text in rep.items() if text != "ok"}
     assert not bad, "\n".join(f"{k}\n{v}" for k, v in bad.items())

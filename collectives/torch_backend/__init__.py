@@ -9,6 +9,10 @@
 Every group torch creates with it (the default group, ``new_group``, a DeviceMesh's dimensions)
 gets its own :class:`~collectives.Communicator`, which picks a transport per call as
 ``collectives.init()`` does (shm on one node, mpi under mpiexec, NCCL/ipc for CUDA tensors).
+As for torch's own backends, the group is a ``ProcessGroup`` with a c10d ``Backend`` registered for
+both devices, so its calls go through torch's ``c10d.*`` operators (``CommDebugMode`` counts them;
+``pg._get_backend(device)`` is the backend): see :mod:`._native` for the compiled part, built on
+first use, and what happens without it.
 
 Rendezvous goes through the store torch hands in (a PrefixStore over TCPStore, FileStore or
 HashStore), so every ``init_method`` works. Under mpiexec, the ranks also share an MPI
@@ -28,7 +32,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ..rendezvous import StoreRendezvous
-from ._group import BACKEND_NAME, MoecommProcessGroup
+from . import _native
+from ._group import BACKEND_NAME, MoecommProcessGroup, PythonProcessGroup, backend_class
 from ._mpi import mpi_communicator
 
 __all__ = ["BACKEND_NAME", "MoecommProcessGroup", "group_communicator", "register"]
@@ -65,9 +70,10 @@ def create_process_group(opts: Any, backend_options: Mapping[str, Any] | None = 
             ``"transport"`` and ``"device"`` (see :func:`collectives.init`).
 
     Returns:
-        The group's :class:`MoecommProcessGroup`. A bad option or value on any rank raises
-        ValueError/TypeError on every rank; a rank that never arrives makes the others raise
-        CollectiveTimeoutError naming it, within the timeout.
+        The group's :class:`MoecommProcessGroup`, its ``MoecommBackend`` registered for CPU and
+        CUDA (a :class:`PythonProcessGroup` where the backend's trampoline cannot be built). A bad
+        option or value on any rank raises ValueError/TypeError on every rank; a rank that never
+        arrives makes the others raise CollectiveTimeoutError naming it, within the timeout.
     """
     from .._factory import build_communicator
 
@@ -75,6 +81,7 @@ def create_process_group(opts: Any, backend_options: Mapping[str, Any] | None = 
         raise TypeError(f"moecomm: pg_options must be a dict of moecomm settings (option names as for "
                         f"collectives.init(options=...), plus 'transport' and 'device'), got "
                         f"{type(backend_options).__name__}")
+    native = _native.load()  # before the rendezvous: the ranks waiting for one build meet after it
     options = dict(backend_options or {})
     transport = options.pop("transport", "auto")
     device = options.pop("device", None)
@@ -92,7 +99,10 @@ def create_process_group(opts: Any, backend_options: Mapping[str, Any] | None = 
                               options=options or None, device=device)
     log.debug("moecomm process group %s: rank %d of %d, transports %s", opts.group_id, rank, size,
               sorted(comm.transports))
-    return MoecommProcessGroup(comm, store, prefix, global_ranks, mpi_comm=mpi_comm)
+    if native is None:
+        return PythonProcessGroup(comm, global_ranks, mpi_comm=mpi_comm)
+    backend = backend_class(native.PyBackend)(comm, global_ranks, timeout, mpi_comm=mpi_comm)
+    return MoecommProcessGroup(comm.rank, comm.size, backend)
 
 
 def group_communicator(group: Any = None, *, timeout: float = 300.0, transport: str = "auto", device: Any = None) -> Any:

@@ -1,7 +1,8 @@
 """The collectives of the moecomm process group, each on the group's Communicator.
 
-torch calls these methods from Python (``dist.all_reduce`` and friends) and from C++ through the
-ProcessGroup trampoline (DDP's reducer, ``_broadcast_coalesced``, the functional collectives). Both
+torch's c10d operators call these methods (``dist.all_reduce`` and friends, DDP's reducer,
+``_broadcast_coalesced``, the functional collectives) on the group's Backend (the trampoline of
+``_native``), or, without it, torch calls them on the Python ProcessGroup itself. Both
 the torch 2.13 names and the older ones exist (``all_gather_single`` / ``_allgather_base``,
 ``reduce_scatter_single`` / ``_reduce_scatter_base``, ``all_to_all_single`` / ``alltoall_base``,
 the ``*_coalesced`` pairs), so torch 2.5 through 2.13 find what they look up.
@@ -27,9 +28,9 @@ from ._ops import completed, flat_view, int8_unwire_, int8_wire, option, plain, 
 
 
 class Collectives:
-    """The collective methods of :class:`~collectives.torch_backend.MoecommProcessGroup`.
+    """The collective methods of a moecomm group (``_group.GroupOps``).
 
-    A mixin: the class it is mixed into is a ``torch.distributed.ProcessGroup`` (``rank()``,
+    A mixin: the class it is mixed into is a c10d ``Backend`` or ``ProcessGroup`` (``rank()``,
     ``size()``) with ``comm`` (its Communicator) and ``_global_ranks`` ([size] world ranks).
     """
 

@@ -1,7 +1,12 @@
-"""``MoecommProcessGroup``: a ``torch.distributed.ProcessGroup`` whose calls run on a Communicator.
+"""The moecomm process group: ``MoecommProcessGroup`` (torch's view) and the operations it runs on a
+Communicator (``GroupOps``: the collectives of :mod:`._collectives`, point-to-point messages,
+coalescing blocks, shutdown).
 
-The collectives are in :mod:`._collectives`; this class adds the group's identity (backend and
-group names), shutdown, point-to-point messages and coalescing blocks.
+As torch's own backends are: the group is a ``ProcessGroup`` with a ``MoecommBackend`` registered
+for CPU and CUDA, so ``dist.*`` calls, DDP's reducer and the functional collectives go through
+torch's ``c10d.*`` operators (seen by ``CommDebugMode`` and other dispatch-level tools) to the
+backend's methods (through the compiled trampoline of :mod:`._native`). Where that trampoline cannot
+be built, the group is a ``PythonProcessGroup`` that runs the same methods itself.
 
 Every collective runs to completion before it returns (CUDA tensors through NCCL: queued on the current
 stream) and returns a finished Work whose future holds the outputs (point-to-point calls return a Work at
@@ -32,27 +37,32 @@ log = logging.getLogger("collectives")
 BACKEND_NAME = "moecomm"
 
 
-class MoecommProcessGroup(Collectives, dist.ProcessGroup):
-    """torch.distributed's view of a moecomm :class:`~collectives.Communicator` (one per process group).
+class MoecommProcessGroup(dist.ProcessGroup):
+    """torch.distributed's view of a moecomm group (one per process group, each with its Communicator).
 
     Created by ``init_process_group("moecomm")`` / ``new_group(backend="moecomm")`` (see
     :mod:`collectives.torch_backend`), not directly.
 
     Args:
-        comm: the Communicator of this group's ranks.
-        store: the store torch handed in (unused here: the communicator met its peers through it).
-        prefix: store key prefix of this group's incarnation.
-        global_ranks: [size] world rank of each group rank.
-        mpi_comm: the group's MPI communicator under mpiexec (freed at shutdown), else None.
+        rank, size: this process's group rank and the group's size.
+        backend: the group's :class:`MoecommBackend`, registered for CPU and CUDA tensors (the
+            calls dispatch to it), or None for a :class:`PythonProcessGroup`.
     """
 
-    def __init__(self, comm: Any, store: Any, prefix: str, global_ranks: Sequence[int], *, mpi_comm: Any = None):
-        super().__init__(comm.rank, comm.size)  # the (store, rank, size) form cannot make a Python subclass
-        self.comm = comm
-        self._mpi_comm = mpi_comm
-        self._global_ranks = list(global_ranks)
+    def __init__(self, rank: int, size: int, backend: Any = None):
+        super().__init__(rank, size)  # the (store, rank, size) form cannot make a Python subclass
         self._moecomm_group_name = ""
         self._moecomm_group_desc = ""
+        self._backend = backend  # torch's C++ group holds the Backend; this keeps its Python half alive
+        if backend is not None:
+            for device in ("cpu", "cuda"):
+                self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, backend)
+            self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+
+    @property
+    def comm(self) -> Any:
+        """The group's :class:`~collectives.Communicator`."""
+        return self._backend.comm
 
     # ---- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -97,7 +107,29 @@ class MoecommProcessGroup(Collectives, dist.ProcessGroup):
         return self._moecomm_group_desc
 
     def __repr__(self) -> str:
-        return f"MoecommProcessGroup(rank={self.rank()}, size={self.size()}, comm={self.comm!r})"
+        return f"{type(self).__name__}(rank={self.rank()}, size={self.size()}, comm={self.comm!r})"
+
+
+class GroupOps(Collectives):
+    """What a moecomm group runs on its Communicator: the collectives, point-to-point messages,
+    coalescing blocks and shutdown. Mixed into :class:`MoecommBackend` (its C++ half dispatches
+    torch's calls here) or :class:`PythonProcessGroup`.
+
+    Args:
+        comm: the Communicator of this group's ranks.
+        global_ranks: [size] world rank of each group rank.
+        mpi_comm: the group's MPI communicator under mpiexec (freed at shutdown), else None.
+    """
+
+    def _init_ops(self, comm: Any, global_ranks: Sequence[int], mpi_comm: Any) -> None:
+        self._comm = comm
+        self._mpi_comm = mpi_comm
+        self._global_ranks = list(global_ranks)
+
+    @property
+    def comm(self) -> Any:
+        """The group's :class:`~collectives.Communicator`."""
+        return self._comm
 
     # ---- shutdown -----------------------------------------------------------------------------
     def abort(self) -> None:
@@ -147,6 +179,47 @@ class MoecommProcessGroup(Collectives, dist.ProcessGroup):
     def end_coalescing(self, device: torch.device) -> dist.Work:
         """Returns: a finished Work (every call of the block has already run)."""
         return completed([])
+
+
+class PythonProcessGroup(GroupOps, MoecommProcessGroup):
+    """A moecomm group whose calls run in its own Python methods, past torch's dispatcher (where the
+    trampoline of :mod:`._native` cannot be built): the same results, but dispatch-level tools
+    (``CommDebugMode``) see none of its calls and ``_get_backend()`` has no backend to return.
+
+    Args:
+        comm, global_ranks, mpi_comm: as for :class:`GroupOps`.
+    """
+
+    def __init__(self, comm: Any, global_ranks: Sequence[int], *, mpi_comm: Any = None):
+        MoecommProcessGroup.__init__(self, comm.rank, comm.size)
+        self._init_ops(comm, global_ranks, mpi_comm)
+
+
+_BACKEND_CLASSES: dict[type, type] = {}
+
+
+def backend_class(native_base: type) -> type:
+    """``MoecommBackend``: :class:`GroupOps` on the trampoline's ``PyBackend`` (a ``c10d.Backend``).
+
+    Args:
+        native_base: the ``PyBackend`` class of the built trampoline module.
+
+    Returns:
+        The class; ``cls(comm, global_ranks, timeout_s, mpi_comm=...)`` makes a group's backend.
+    """
+    cls = _BACKEND_CLASSES.get(native_base)
+    if cls is None:
+        def __init__(self, comm: Any, global_ranks: Sequence[int], timeout_s: float, *, mpi_comm: Any = None) -> None:
+            native_base.__init__(self, comm.rank, comm.size, float(timeout_s))
+            self._init_ops(comm, global_ranks, mpi_comm)
+
+        def __repr__(self) -> str:
+            return f"MoecommBackend(rank={self.rank()}, size={self.size()}, comm={self.comm!r})"
+
+        cls = _BACKEND_CLASSES[native_base] = type("MoecommBackend", (GroupOps, native_base), {
+            "__init__": __init__, "__repr__": __repr__, "__module__": __name__,
+            "__doc__": "A moecomm group's c10d Backend: torch's c10d operators call its GroupOps methods."})
+    return cls
 
 
 def _wire_p2p(t: torch.Tensor) -> torch.Tensor:
