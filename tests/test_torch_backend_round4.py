@@ -6,8 +6,9 @@ every reducing collective and on every host transport path (shm with and without
 single copy, gloo), with errors on every rank.
 
 Also: the group's calls dispatch through torch's c10d operators to its registered Backend (CommDebugMode
-counts them as gloo's). One launch per rank count runs every check (and one with the groups in Python,
-where the backend's trampoline is not built); each check reports on its own.
+counts them as gloo's), and a dist.batch_isend_irecv cut short by Ctrl-C closes the group. One launch per
+rank count runs every check (and one with the groups in Python, where the backend's trampoline is not
+built); each check reports on its own.
 """
 
 from __future__ import annotations
@@ -206,7 +207,57 @@ def _dispatcher_sees_the_calls(r: int, n: int) -> None:
     dist.destroy_process_group(gloo)
 
 
-CHECKS = [_bool_and_int8_reductions, _bool_and_int8_errors, _dtensor_bool_and_int8, _dispatcher_sees_the_calls]
+def _interrupted_batch(r: int, n: int) -> None:
+    """Ctrl-C (a real SIGINT) on rank 0 inside dist.batch_isend_irecv, after its irecv is posted and before
+    its isend: rank 0's next batch raises CommunicatorBrokenError, rank 1's pending batch PeerFailedError
+    naming rank 0, instead of rank 1 receiving rank 0's next iteration's data."""
+    import signal
+
+    import torch.distributed.distributed_c10d as c10d
+    from transports.base import CommunicatorBrokenError, PeerFailedError
+
+    pair = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10))
+    if r > 1:
+        return
+    peer, real_irecv = 1 - r, c10d.irecv
+
+    def irecv_then_ctrl_c(*args, **kwargs):
+        work = real_irecv(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt at the next instruction
+        return work
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    got = []
+    try:
+        for step in range(3):
+            box, mine = torch.full((4,), -1.0), torch.full((4,), float(10 * step + r))
+            c10d.irecv = irecv_then_ctrl_c if (r, step) == (0, 0) else real_irecv  # P2POp checks the module's
+            try:
+                ops = [dist.P2POp(c10d.irecv, box, peer, pair), dist.P2POp(c10d.isend, mine, peer, pair)]
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+                got.append(box.tolist())
+            except KeyboardInterrupt:
+                got.append("interrupted")
+            except (CommunicatorBrokenError, PeerFailedError) as e:
+                got.append((type(e).__name__, str(e)))
+            finally:
+                c10d.irecv = real_irecv
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    failed = [g if isinstance(g, tuple) else ("data", g) for g in got]  # data: the batch returned
+    if r == 0:
+        kind, msg = failed[1]
+        assert got[0] == "interrupted" and kind == "CommunicatorBrokenError", got
+        assert "batch_isend_irecv" in msg and "rank 0" in msg and failed[2][0] == "CommunicatorBrokenError", got
+    else:
+        kind, msg = failed[0]  # never rank 0's step-1 data
+        assert kind == "PeerFailedError" and "rank 0" in msg, got
+        assert all(g[0] in ("PeerFailedError", "CommunicatorBrokenError") for g in failed[1:]), got
+
+
+CHECKS = [_bool_and_int8_reductions, _bool_and_int8_errors, _dtensor_bool_and_int8, _dispatcher_sees_the_calls,
+          _interrupted_batch]
 
 
 def _body(comm, init_method: str, native: bool) -> dict:

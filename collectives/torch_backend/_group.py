@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ._collectives import Collectives
 from ._mpi import free_mpi_communicator
 from ._ops import completed
-from ._p2p import P2PTorchWork
+from ._p2p import BatchGuard, P2PTorchWork
 
 log = logging.getLogger("collectives")
 
@@ -125,6 +125,7 @@ class GroupOps(Collectives):
         self._comm = comm
         self._mpi_comm = mpi_comm
         self._global_ranks = list(global_ranks)
+        self._batches = BatchGuard()
 
     @property
     def comm(self) -> Any:
@@ -142,6 +143,7 @@ class GroupOps(Collectives):
         self.comm.close()
         free_mpi_communicator(self._mpi_comm)
         self._mpi_comm = None
+        self._batches.clear()
 
     # ---- point to point (the communicator's isend/irecv, see _p2p) -----------------------------
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:
@@ -151,7 +153,7 @@ class GroupOps(Collectives):
             A :class:`P2PTorchWork`; its future holds ``tensors``.
         """
         t = self._one(tensors, "send")
-        return P2PTorchWork(self.comm.isend(_wire_p2p(t), dstRank, tag), list(tensors))
+        return self._post(tensors, "send", lambda: self.comm.isend(_wire_p2p(t), dstRank, tag))
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
         """Post a receive of the next message from group rank ``srcRank`` with ``tag`` into ``tensors[0]``.
@@ -160,7 +162,7 @@ class GroupOps(Collectives):
             A :class:`P2PTorchWork` (never blocks at creation); its future holds ``tensors``.
         """
         t = self._one(tensors, "recv")
-        return P2PTorchWork(self.comm.irecv(_wire_p2p(t), srcRank, tag), list(tensors))
+        return self._post(tensors, "recv", lambda: self.comm.irecv(_wire_p2p(t), srcRank, tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         """Receive the next message with ``tag`` from any rank into ``tensors[0]`` (over shm; the mpi
@@ -170,7 +172,15 @@ class GroupOps(Collectives):
             A :class:`P2PTorchWork` whose ``_source_rank()`` is the sender's group rank.
         """
         t = self._one(tensors, "recv")
-        return P2PTorchWork(self.comm.irecv(_wire_p2p(t), None, tag), list(tensors))
+        return self._post(tensors, "recv", lambda: self.comm.irecv(_wire_p2p(t), None, tag))
+
+    def _post(self, tensors: list[torch.Tensor], what: str, post: Any) -> P2PTorchWork:
+        """``post()`` (the communicator's isend/irecv) as torch's Work, after :class:`BatchGuard`'s check
+        that no earlier ``batch_isend_irecv`` of this thread was cut short."""
+        batch = self._batches.before(self.comm, self._me(), what)
+        work = P2PTorchWork(post(), list(tensors))
+        self._batches.posted(batch)
+        return work
 
     # ---- coalescing (calls already run one by one, in order) ---------------------------------
     def start_coalescing(self, device: torch.device) -> None:

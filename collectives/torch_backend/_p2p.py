@@ -7,16 +7,93 @@ A Work is returned as soon as the operation is posted (it never blocks at creati
 parallelism's pattern) does not deadlock; ``wait()`` drives the operation to completion, bounded by
 the group's timeout. Errors are the Communicator's: a dtype or shape that differs between sender and
 receiver raises ValueError on both ranks, a silent peer CollectiveTimeoutError naming it, a dead
-one PeerFailedError.
+one PeerFailedError. A ``batch_isend_irecv`` cut short after posting part of its operations closes
+the group at this rank's next point-to-point call (:class:`BatchGuard`).
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
+import logging
+import sys
+import threading
+from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from transports.base import CommunicatorBrokenError
+
+log = logging.getLogger("collectives")
+# torch's batch_isend_irecv posts its operations one call at a time (for a ProcessGroup subclass,
+# as for gloo): its frame, found above ours, tells which batch a send or receive belongs to
+_BATCH_CODE = inspect.unwrap(dist.batch_isend_irecv).__code__
+_FRAMES_UP = 8  # our method, [torch's dispatcher], dist.isend/irecv, batch_isend_irecv: well within
+
+
+class BatchGuard:
+    """Closes a group whose ``dist.batch_isend_irecv`` was cut short (Ctrl-C, an exception) after
+    posting some of its operations.
+
+    Such a batch leaves messages unmatched (a receive posted without its send, or the reverse), so
+    that the ranks' next messages pair one step apart: the peer's next receive would return the
+    following iteration's data. torch posts a batch's operations one call at a time, so the cut
+    cannot be seen where it happens; it is seen at this rank's next point-to-point call on the group
+    (one not from the same batch), which closes the communicator and raises
+    ``CommunicatorBrokenError`` (its peers' waits raise ``PeerFailedError``), as an interrupted call
+    of the communicator does. ``destroy_process_group`` closes it too.
+    """
+
+    def __init__(self) -> None:
+        # per thread: [batch frame, operations posted, operations in the batch]
+        self._open: dict[int, list] = {}
+
+    def before(self, comm: Any, me: int, what: str) -> FrameType | None:
+        """Check before posting a send or receive; returns the torch batch it belongs to (or None)."""
+        frame = _batch_frame()
+        open_ = self._open.get(threading.get_ident())
+        if open_ is not None and open_[0] is not frame:
+            del self._open[threading.get_ident()]
+            cut = (f"{what}: rank {me}: an earlier dist.batch_isend_irecv on this group was cut short after "
+                   f"posting {open_[1]} of its {open_[2]} operations (Ctrl-C or an exception), leaving messages "
+                   "unmatched; the group's communicator is closed so that no message pairs with the wrong one "
+                   "(its peers raise PeerFailedError)")
+            log.warning("moecomm: %s", cut)
+            comm.close()
+            raise CommunicatorBrokenError(cut)
+        return frame
+
+    def posted(self, frame: FrameType | None) -> None:
+        """Count an operation posted by ``frame``'s batch; forget the batch once all of it is posted."""
+        if frame is None:
+            return
+        key = threading.get_ident()
+        open_ = self._open.get(key)
+        if open_ is None:
+            ops = frame.f_locals.get("p2p_op_list")
+            if not isinstance(ops, list) or len(ops) <= 1:
+                return  # one operation, or a torch whose batch we cannot read: nothing left half-posted
+            open_ = self._open[key] = [frame, 0, len(ops)]
+        open_[1] += 1
+        if open_[1] >= open_[2]:
+            del self._open[key]
+
+    def clear(self) -> None:
+        self._open.clear()
+
+
+def _batch_frame() -> FrameType | None:
+    """torch's ``batch_isend_irecv`` frame that called the caller of the caller, if any."""
+    f = sys._getframe(2)
+    for _ in range(_FRAMES_UP):
+        if f is None:
+            return None
+        if f.f_code is _BATCH_CODE:
+            return f
+        f = f.f_back
+    return None
 
 
 class P2PTorchWork(dist.Work):
