@@ -22,6 +22,8 @@ Communicator's calls in collectives/_p2p.py.
 
 from __future__ import annotations
 
+import datetime
+import logging
 import math
 import queue
 import threading
@@ -34,6 +36,8 @@ import torch
 
 from ._host import pid_alive
 from .base import DTYPE_CODES, MAX_META_DIMS, PeerFailedError, _tail_digest, dtype_name
+
+log = logging.getLogger(__name__)
 
 EAGER_BYTES = 8192  # messages up to this size travel with their header; the send completes at once
 HDR_LEN = 16
@@ -239,6 +243,17 @@ class Channel:
     def peer_failure(self, peer: int) -> BaseException | None:
         raise NotImplementedError
 
+    def dead_peers(self) -> list[tuple[int, int]]:
+        """(group rank, pid) of the peers on this node whose process is gone (checked only on an error's path)."""
+        return []
+
+    def own_copy(self, op: Op) -> None:
+        """A posted send whose caller gets its tensor back before the message went (a blocking send that
+        timed out): the data still to move comes from a copy taken now. Data a transfer already in flight
+        reads (a gloo/mpi data message posted before) is not redirected."""
+        if op.kind == "send" and not op.done and not op.external and not op.eager:
+            op.buf = op.buf.clone()
+
     def close(self) -> None:
         self.ops.clear()
 
@@ -303,10 +318,19 @@ class MessageChannel(Channel):
     def poll(self) -> bool:
         moved = False
         for op in list(self.ops):
-            if op.kind == "send":
-                moved |= self._poll_send(op)
-            else:
-                moved |= self._poll_recv(op)
+            try:
+                if op.kind == "send":
+                    moved |= self._poll_send(op)
+                else:
+                    moved |= self._poll_recv(op)
+            except PeerFailedError as e:
+                # the op's own error, raised by its own wait: raised from here it would end whichever call
+                # polled, perhaps one that had just posted an op to another rank (a retry would post it twice)
+                self.ops.remove(op)
+                if not op.done:
+                    op.error = e
+                    op.complete()
+                moved = True
         return moved
 
     def flush(self, seconds: float) -> None:
@@ -314,10 +338,13 @@ class MessageChannel(Channel):
         sends returned at once; gloo moves a message only once the peer posted its receive), for up
         to ``seconds``. Failures are ignored: the receiver will name this rank."""
         end = time.monotonic() + seconds
+        eager = [op for op in self.ops if op.kind == "send" and op.eager]
         while time.monotonic() < end:
             try:
-                self.poll()
-                busy = [op for op in self.ops if op.kind == "send" and op.eager and not all(
+                for op in eager:  # only these: the others are withdrawn, none starts its data now
+                    if op in self.ops:
+                        self._poll_send(op)
+                busy = [op for op in eager if op in self.ops and not all(
                     r is None or self._test(r, op.peer) for i, r in enumerate(op.reqs) if i != 1)]
             except Exception:  # noqa: BLE001 - a peer that left: nothing more to deliver
                 return
@@ -395,6 +422,23 @@ class MessageChannel(Channel):
         return False
 
 
+def dead_local(pids: dict[int, int]) -> list[tuple[int, int]]:
+    """(group rank, pid) of the processes in ``pids`` (group rank -> pid, this node's) that are gone."""
+    return [(r, pid) for r, pid in sorted(pids.items()) if pid and not pid_alive(pid)]
+
+
+def naming_the_dead(err: PeerFailedError, channel: Channel, peer: int) -> PeerFailedError:
+    """``err`` (``peer`` closed its communicator or aborted), naming first the ranks on this node that died,
+    if any did: a peer that closed after a failure (a ring's next rank) is a bystander, the dead rank the cause."""
+    dead = [(r, pid) for r, pid in channel.dead_peers() if r != peer]
+    if not dead:
+        return err
+    ranks = [channel.ranks[r] for r, _ in dead]
+    what = ", ".join(f"rank {channel.ranks[r]} (pid {pid})" for r, pid in dead)
+    return PeerFailedError(f"{what} died; that is likely why {err}",
+                           ranks + [r for r in err.missing_ranks if r not in ranks])
+
+
 def local_pid_failure(what: str, peer: int, ranks: list[int], pids: dict[int, int]) -> BaseException | None:
     pid = pids.get(peer)
     if pid is not None and not pid_alive(pid):
@@ -448,12 +492,15 @@ class MPIChannel(MessageChannel):
         t._poll_notices()
         what = f"rank {self.ranks[self.rank]} waited for it in a point-to-point call"
         if peer in t._closed_after:
-            return PeerFailedError(f"rank {self.ranks[peer]} closed its communicator while {what}",
-                                   [self.ranks[peer]])
+            return naming_the_dead(PeerFailedError(f"rank {self.ranks[peer]} closed its communicator while {what}",
+                                                   [self.ranks[peer]]), self, peer)
         if peer in t._failed_at:
-            return PeerFailedError(f"rank {self.ranks[peer]} aborted after a failure while {what}",
-                                   [self.ranks[peer]])
+            return naming_the_dead(PeerFailedError(f"rank {self.ranks[peer]} aborted after a failure while {what}",
+                                                   [self.ranks[peer]]), self, peer)
         return local_pid_failure(what, peer, self.ranks, t._local_pids)
+
+    def dead_peers(self) -> list[tuple[int, int]]:
+        return dead_local(self.t._local_pids)
 
 
 class _Waiting:
@@ -503,6 +550,8 @@ class _Waiters:
 
 
 _WAITERS = _Waiters()
+_CANCEL_WAIT = datetime.timedelta(milliseconds=1)  # GlooChannel.close: the wait that expires
+_CANCEL_GRACE = 2.0  # seconds close waits for the failed works' waiters to end
 
 
 class GlooChannel(MessageChannel):
@@ -529,8 +578,12 @@ class GlooChannel(MessageChannel):
             return False
         if req.error is not None:
             e = req.error
+            told = self.peer_failure(peer)  # a peer that closed or died says so; gloo says only "connection closed"
+            if told is not None:
+                raise told from e
+            text = str(e).splitlines()[0].split(" This is typically")[0]
             raise PeerFailedError(f"gloo point-to-point with rank {self.ranks[peer]} failed on rank "
-                                  f"{self.ranks[self.rank]}: {str(e).splitlines()[0]}", [self.ranks[peer]]) from e
+                                  f"{self.ranks[self.rank]}: {text}", [self.ranks[peer]]) from e
         return True
 
     def token(self) -> int:
@@ -561,8 +614,40 @@ class GlooChannel(MessageChannel):
         what = f"rank {self.ranks[self.rank]} waited for it in a point-to-point call"
         if note is not None:
             how = "closed its communicator" if note["kind"] == "closed" else "aborted after a failure"
-            return PeerFailedError(f"rank {self.ranks[peer]} {how} while {what}", [self.ranks[peer]])
+            return naming_the_dead(PeerFailedError(f"rank {self.ranks[peer]} {how} while {what}", [self.ranks[peer]]),
+                                   self, peer)
         return local_pid_failure(what, peer, self.ranks, t._local_pids)
+
+    def dead_peers(self) -> list[tuple[int, int]]:
+        return dead_local(self.t._local_pids)
+
+    def close(self) -> None:
+        """Before the transport drops its process group: fail the gloo works of unfinished operations.
+
+        A gloo send/recv cannot be cancelled one by one, and a waiter thread would stay blocked in one for
+        gloo's own timeout, keeping the process group (its sockets) alive and aborting the process at exit
+        ("terminate called without an active exception"). A wait with a timeout that expires closes every
+        pair of the group's gloo context, which fails every pending work at once; then their waiters end.
+        The peers' works with this rank fail too, as a close should make them.
+        """
+        pending = [w for op in self.ops for w in op.reqs if isinstance(w, _Waiting) and not w.done]
+        super().close()
+        for w in pending:
+            work = w.work  # None once its waiter is done
+            if work is None or w.done:
+                continue
+            try:
+                work.wait(_CANCEL_WAIT)
+            except Exception as e:  # noqa: BLE001 - the expected outcome: gloo's timeout error
+                log.debug("gloo point-to-point close: %s", str(e).splitlines()[0] if str(e) else e)
+                break  # one expiry closes every pair
+        end = time.monotonic() + _CANCEL_GRACE
+        while any(not w.done for w in pending) and time.monotonic() < end:
+            with _WAITERS.changed:
+                _WAITERS.changed.wait(0.01)
+        if any(not w.done for w in pending):
+            log.warning("gloo point-to-point close: %d work(s) still pending after %.1fs",
+                        sum(not w.done for w in pending), _CANCEL_GRACE)
 
 
 def channel_of(transport: Any) -> Channel | None:

@@ -16,7 +16,13 @@ costs no copy), matches them to its receives in posting order, and answers in th
 
 - eager (up to EAGER_BYTES): in the entry's inline area; the send completes once published;
 - single copy (process_vm_readv allowed by the transport's start-up probe): the header carries the
-  sender's address and the receiver reads the tensor straight into its own, in one copy;
+  sender's address and the receiver reads the tensor straight into its own, in one copy. The sender's
+  state word (its control block's, which its close and abort set before they return) is read before
+  and after the copy: a sender that closed, or whose call was interrupted, withdrew the message, and
+  the receiver raises ``PeerFailedError`` instead of reading (or keeping) memory the sender may have
+  reused or freed since. The address is read from the ring entry, not the receiver's copy of the
+  header, before and after the copy too: a blocking send that timed out points it at a copy of the
+  tensor before it returns (:meth:`ShmChannel.own_copy`), and a copy that raced that is read again;
 - staged: the receiver asks for chunk k of message seq (``stage_req``), the sender copies it into
   half k % 2 of the staging area and says so (``stage_ready``); the receiver asks for chunk k + 1
   before it copies chunk k out, so both copies overlap. Both ends must be in a point-to-point call;
@@ -53,6 +59,7 @@ from ._p2p import (
     R_STATUS,
     Channel,
     Op,
+    naming_the_dead,
     same_spec,
 )
 from ._shm_sync import _STATE, _STATE_ABORTED, _STATE_CLOSED, _fence
@@ -330,7 +337,13 @@ class ShmChannel(Channel):
         if flags & FLAG_EAGER:
             ctypes.memmove(op.buf.data_ptr(), self._inline_addr(s, self.rank, seq % RING), n)
         elif flags & FLAG_CMA:
-            self._read(s, int(h[H_AUX]), op.buf.data_ptr(), n)
+            try:
+                self._read(s, self._hdr(self._w(s, self.rank), seq % RING), op.buf.data_ptr(), n, op.tag)
+            except PeerFailedError as e:  # this receive's own error (its wait raises it); nothing to answer
+                self.ops.remove(op)
+                op.error = e
+                op.complete()
+                return
         else:
             op.state = 2
             op.chunk = -1
@@ -351,15 +364,60 @@ class ShmChannel(Channel):
         a[0] = seq + 1
         self._ring(s)
 
-    def _read(self, s: int, remote: int, local: int, n: int) -> None:
+    def _read(self, s: int, entry: np.ndarray, local: int, n: int, tag: int) -> None:
+        """Read rank ``s``'s message (``n`` bytes at the address in its ring ``entry``) into ``local``,
+        unless ``s`` withdrew it."""
+        err = self._withdrawn(s, tag)
+        if err is not None:
+            raise err
+        remote = int(entry[H_AUX])
         try:
             _cma.read(self.pids[s], remote, local, n)
+            _fence()
+            moved = int(entry[H_AUX])
+            if moved != remote:  # its send timed out meanwhile and points at its copy now (which nobody rewrites)
+                _cma.read(self.pids[s], moved, local, n)
         except OSError as e:
+            err = self._withdrawn(s, tag)  # EFAULT: freed after the sender closed
+            if err is not None:
+                raise err from e
             if e.errno == errno.ESRCH:
                 raise PeerFailedError(f"rank {self.ranks[s]} (pid {self.pids[s]}) exited while rank "
                                       f"{self.ranks[self.rank]} received its message", [self.ranks[s]]) from e
             raise CommunicatorBrokenError(f"shm point-to-point: rank {self.ranks[self.rank]} could not read rank "
                                           f"{self.ranks[s]}'s memory ({e}); set MOECOMM_SHM_SINGLE_COPY=off") from e
+        _fence()
+        # still sending after the copy, so it was during the copy: the sender marks the state before it returns
+        err = self._withdrawn(s, tag)
+        if err is not None:
+            raise err
+
+    def _withdrawn(self, s: int, tag: int) -> PeerFailedError | None:
+        """The error of a message whose sender ``s`` closed its communicator or aborted (an interrupted
+        call), which withdraws its unfinished sends; None while it runs."""
+        t = self.t
+        state = int(t._q[t._bases[s] + _STATE])
+        if state not in (_STATE_ABORTED, _STATE_CLOSED):
+            return None
+        how = "closed its communicator" if state == _STATE_CLOSED else "aborted (its call failed or was interrupted)"
+        who = self.ranks[s]
+        return PeerFailedError(f"rank {who} {how} before rank {self.ranks[self.rank]} received its message "
+                               f"(tag {tag}), which withdrew it: a receiver never reads a sender's tensor after the "
+                               "send ended", [who])
+
+    def dead_peers(self) -> list[tuple[int, int]]:
+        return [(r, pid) for r, pid in enumerate(self.pids) if r != self.rank and pid and not pid_alive(pid)]
+
+    def own_copy(self, op: Op) -> None:
+        """See :meth:`Channel.own_copy`; a published single-copy send points its ring entry at the copy
+        (the entry stays this message's until the receiver answers, and the op keeps the copy until then)."""
+        super().own_copy(op)
+        if op.state != 1 or op.kind != "send" or op.done or op.eager or op.external:
+            return
+        hw = self._hdr(self._w(self.rank, op.peer), op.seq % RING)
+        if int(hw[0]) == op.seq + 1 and int(hw[H_FLAGS]) & FLAG_CMA:
+            hw[H_AUX] = op.buf.data_ptr()
+            _fence()
 
     # ---- staged data -------------------------------------------------------------------------
     def _start_stage(self, s: int) -> None:
@@ -411,7 +469,8 @@ class ShmChannel(Channel):
         me, who = self.ranks[self.rank], self.ranks[peer]
         if state in (_STATE_ABORTED, _STATE_CLOSED):
             how = "closed its communicator" if state == _STATE_CLOSED else "aborted after a failure"
-            return PeerFailedError(f"rank {who} {how} while rank {me} waited for it in a point-to-point call", [who])
+            return naming_the_dead(PeerFailedError(f"rank {who} {how} while rank {me} waited for it in a "
+                                                   "point-to-point call", [who]), self, peer)
         if not pid_alive(self.pids[peer]):
             return PeerFailedError(f"rank {who} (pid {self.pids[peer]}) died while rank {me} waited for it in a "
                                    "point-to-point call", [who])

@@ -564,6 +564,8 @@ class GlooTransport(Transport):
                 self._note("closed", self._done)
         except Exception as e:  # noqa: BLE001 - the store may be gone at exit
             log.debug("gloo: could not post the close notice: %s", e)
+        if getattr(self, "p2p", None) is not None:
+            self.p2p.close()  # fails the gloo works of unfinished point-to-point operations (transports/_p2p.py)
         pg, self.pg = self.pg, None
         if self._broken:  # a work may still be under way: stop gloo, keep what it may touch
             try:

@@ -47,7 +47,7 @@ from ._p2p_shm import area_bytes as p2p_area_bytes
 from ._p2p_shm import attach as attach_p2p
 from ._path_choice import size_class
 from ._shm_single_copy import STAGED_PATH, SingleCopyPaths
-from ._shm_sync import _META0, _STATE, _STATE_CLOSED, RoundSync
+from ._shm_sync import _META0, _STATE, _STATE_CLOSED, RoundSync, _fence
 from ._schedule import all_to_all_pulls, part_bounds, staged_segments, windows
 from .base import (
     DTYPE_CODES,
@@ -574,6 +574,7 @@ class SharedMemoryTransport(RoundSync, CompiledLatencyPaths, SingleCopyPaths, Tr
                 self._q[self._my_base + _STATE] = _STATE_CLOSED
         except (ValueError, TypeError):
             pass
+        _fence()  # the state before anything the caller writes next: a peer checks it around its reads of our memory
         self._broken = self._broken or "closed"
         if getattr(self, "p2p", None) is not None:
             self.p2p.close()  # drops its views of the mapping
