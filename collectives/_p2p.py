@@ -15,14 +15,24 @@ Matching is MPI's: a receive from rank s with tag t takes the earliest unmatched
 sent to this rank with tag t; receives are served in the order they were posted. Every message
 is checked: a dtype or shape that differs between the send and the receive raises ``ValueError``
 on both ranks, naming them and both values. Sends of up to 8 KiB complete at once (the data goes
-with the header; a mismatch then raises at the sender's next point-to-point call, after that call
-has posted its own operation); larger sends
+with the header; a mismatch then raises at the start of the sender's next ``send``/``recv``/
+``isend``/``irecv``/``batch_isend_irecv``, before that call posts anything, so the call had no
+effect and may simply be retried; a mismatch that arrives while a call waits is kept for the next
+call); larger sends
 complete when the receiver has the data, so a blocking ``send`` of a large tensor returns only
 once the peer receives it: post the receive first (``irecv``) or use ``batch_isend_irecv``,
 which never deadlocks whatever order the ranks list their operations in. Every wait is bounded by
 the communicator's timeout (``CollectiveTimeoutError`` naming the silent peer); a peer that died
 or closed raises ``PeerFailedError``. A wait that timed out leaves its operation posted: waiting
-again may still complete it.
+again may still complete it (a blocking ``send`` that timed out goes on from a copy of its tensor
+taken then, since its caller owns the tensor again).
+
+A receiver never reads a sender's tensor after the sender's call returned or raised, or after its
+communicator closed: ``close()`` (or an interrupted call, which closes the communicator) withdraws
+this rank's unfinished operations instead of completing them (as ``ncclCommAbort`` drops them; MPI
+requires them completed before the communicator is freed): ``wait()`` every ``isend`` first. The
+receiver of a withdrawn send above 8 KiB raises ``PeerFailedError`` naming the sender; sends of up to
+8 KiB had completed and are still delivered.
 
 Point-to-point calls hold the communicator's one-call-at-a-time lock while they run (``isend``
 and ``irecv`` only to post; ``wait`` and ``is_completed`` while they drive progress), and use
@@ -31,6 +41,7 @@ channels of their own, so collectives between them are unaffected.
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +52,7 @@ import numpy as np
 import torch
 
 from transports._p2p import MAX_TAG, Op, channel_of
-from transports.base import CollectiveTimeoutError
+from transports.base import CollectiveTimeoutError, PeerFailedError
 
 from ._arrays import Array
 
@@ -145,10 +156,12 @@ class PointToPoint:
             src: the sending group rank (not this rank).
             tag: matches the sender's tag.
             dtype: with a shape: the dtype to allocate (default float32); must be None with a tensor.
-            device: with a shape: where to allocate (default cpu).
+            device: with a shape: where to allocate (default cpu; "cuda[:N]" of a device that exists).
         Returns:
             [*] ``out`` (or the new tensor) holding the message. Raises ValueError on both ranks if
-            the sender's dtype or shape differs.
+            the sender's dtype or shape differs; TypeError/ValueError on this rank alone, the
+            communicator intact, for a bad shape (negative or non-int dims, a str), dtype or device
+            or a tensor that cannot be allocated.
         """
         return self._guarded("recv", self._p2p_blocking, "recv", out, src, tag, dtype, device)
 
@@ -185,8 +198,15 @@ class PointToPoint:
         Returns:
             [k] :class:`P2PWork`, in the order of ``ops``.
         """
+        if isinstance(ops, (str, bytes)) or not hasattr(ops, "__iter__"):
+            raise TypeError(f"batch_isend_irecv on rank {self.global_ranks[self.rank]}: ops must be a sequence "
+                            f"of P2POp, got {type(ops).__name__}")
         specs = []
         for o in ops:
+            missing = [a for a in ("op", "tensor", "peer") if not hasattr(o, a)]
+            if missing:
+                raise TypeError(f"batch_isend_irecv on rank {self.global_ranks[self.rank]}: each op must be a P2POp "
+                                f"(op, tensor, peer, tag); got a {type(o).__name__} without {', '.join(missing)}")
             name = o.op if isinstance(o.op, str) else getattr(o.op, "__name__", "")
             if name not in ("isend", "irecv", "send", "recv"):
                 raise ValueError(f"batch_isend_irecv: op must be isend or irecv, got {o.op!r}")
@@ -197,13 +217,24 @@ class PointToPoint:
     # ---- machinery ----------------------------------------------------------------------------
     def _p2p_blocking(self, kind: str, x: Any, peer: Any, tag: Any, dtype: Any, device: Any) -> Any:
         work = self._p2p_start([(kind, x, peer, tag, dtype, device)])[0]
-        self._p2p_wait([work._op], None)
+        try:
+            self._p2p_wait([work._op], None)
+        except CollectiveTimeoutError as e:
+            # the send stays posted (as any timed-out wait leaves its op), but the caller owns its tensor again:
+            # the message goes on from a copy taken now, never from memory the caller may rewrite
+            if kind == "send" and not isinstance(e, PeerFailedError) and not work._op.done:
+                work._op.channel.own_copy(work._op)
+            raise
         return work.wait()
 
     def _p2p_start(self, specs: list[tuple]) -> list[P2PWork]:
         if self._state.closed is not None:
             self._state.raise_closed()
         prepared = [self._p2p_prepare(*s) for s in specs]  # every argument checked before anything is posted
+        # An earlier eager send's mismatch is raised now, before this call posts anything: raised after
+        # posting, a retried recv would leave the first one to swallow a message, a retried send deliver twice.
+        self._p2p_progress()
+        self._p2p_raise_deferred()
         cuda_ops = [op for op, _, _, nccl_t in prepared if nccl_t is not None]
         if cuda_ops:  # the data steps follow what the caller's stream has queued now (contiguous() copies too)
             from transports._p2p_nccl import mark_posted
@@ -235,19 +266,19 @@ class PointToPoint:
         result: Any = None
         finish = None
         if kind == "recv" and not isinstance(x, (torch.Tensor, np.ndarray)):
-            try:
-                shape = tuple(int(d) for d in x)
-            except TypeError:
-                raise TypeError(f"{what}: out must be a tensor, an array or a shape, got {type(x).__name__}") from None
-            x = torch.empty(shape, dtype=dtype or torch.float32, device=device or "cpu")
+            x = _allocate(what, x, dtype, device)
         elif dtype is not None or device is not None:
             raise ValueError(f"{what}: dtype= and device= go with a shape, not with an out tensor")
         elif not isinstance(x, (torch.Tensor, np.ndarray)):
             raise TypeError(f"{what}: x must be a tensor or an array, got {type(x).__name__}")
         numpy_in = isinstance(x, np.ndarray)
-        t = torch.from_numpy(x) if numpy_in else x
-        if t.is_sparse or t.device.type == "meta":
-            raise TypeError(f"{what}: sparse and meta tensors cannot be sent or received")
+        try:
+            t = torch.from_numpy(x) if numpy_in else x
+        except TypeError as e:  # an object or other dtype torch has no tensor of
+            raise TypeError(f"{what}: {str(e).splitlines()[0]}") from None
+        if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+            raise TypeError(f"{what}: sparse, quantized, nested and meta tensors cannot be sent or received "
+                            f"(got layout {t.layout}, dtype {t.dtype}, device {t.device})")
         t = t.detach()
         if kind == "recv":
             result = x
@@ -294,7 +325,8 @@ class PointToPoint:
         return [ch for t in list(self.transports.values()) if (ch := getattr(t, "p2p", None)) is not None]
 
     def _p2p_progress(self, flush: bool = False) -> None:
-        """Advance every posted operation once (no waiting); raise a deferred error of an eager send.
+        """Advance every posted operation once (no waiting). A deferred error of an eager send stays
+        queued for the next call's start (:meth:`_p2p_start`).
 
         CUDA messages over NCCL: their data steps are enqueued, as one NCCL group, once every posted
         CUDA message has shaken hands (so a rank's send and receive of an exchange land in one group:
@@ -312,7 +344,6 @@ class PointToPoint:
 
                 enqueue(nccl_t, _order(nccl_t).ready(pend))
             pend[:] = [op for op in pend if not op.done]
-        self._p2p_raise_deferred()
 
     def _p2p_raise_deferred(self) -> None:
         for ch in self._p2p_channels():
@@ -347,6 +378,8 @@ class PointToPoint:
                 raise failed[0].error
             if not pending:
                 return
+            if self._state.conflict is not None:  # another thread was refused: end now, the communicator closes
+                raise RuntimeError(self._state.conflict)
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + _CHECK_EVERY
@@ -385,10 +418,49 @@ def _timeout(comm: Any, pending: list[Op], limit: float) -> CollectiveTimeoutErr
         who = f"rank {peers[0]}" if len(peers) == 1 else f"any of ranks {peers}"
         verb = "receive from" if op.kind == "recv" else "send to"
         parts.append(f"{verb} {who} (tag {op.tag}, {op.nbytes} bytes) still waits for {op.waiting_for()}")
+    deferred = [str(e) for ch in comm._p2p_channels() for e in ch.deferred]
     return CollectiveTimeoutError(
         f"point-to-point on rank {me} timed out after the timeout of {limit:.1f}s over {pending[0].channel.name}: "
-        + "; ".join(parts) + f". Silent: rank(s) {silent} (did they post the matching call, with the same tag?)",
-        silent)
+        + "; ".join(parts) + f". Silent: rank(s) {silent} (did they post the matching call, with the same tag?)"
+        + (f". Meanwhile an earlier send of this rank failed (the next call raises it): {deferred[0]}"
+           if deferred else ""), silent)
+
+
+def _allocate(what: str, shape: Any, dtype: Any, device: Any) -> torch.Tensor:
+    """The tensor a receive into a shape allocates; ValueError/TypeError for what torch would refuse
+    with a RuntimeError or AssertionError (which would close the communicator as an interrupted call)."""
+    if isinstance(shape, (str, bytes, bytearray)) or not isinstance(shape, (torch.Size, tuple, list)):
+        raise TypeError(f"{what}: out must be a tensor, an array or a shape (a torch.Size, tuple or list of ints), "
+                        f"got {type(shape).__name__}")
+    dims = []
+    for d in shape:
+        try:
+            if isinstance(d, bool):
+                raise TypeError
+            dims.append(operator.index(d))
+        except TypeError:
+            raise TypeError(f"{what}: a shape's dims must be ints, got {d!r} in {list(shape)!r}") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{what}: a shape's dims must be >= 0, got {tuple(dims)}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what}: dtype must be a torch.dtype, got {dtype!r}")
+    dtype = dtype or torch.float32
+    try:
+        dev = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError) as e:
+        raise (ValueError if isinstance(device, str) else TypeError)(
+            f"{what}: device must be cpu or cuda[:N], got {device!r} ({str(e).splitlines()[0]})") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            raise ValueError(f"{what}: device {dev} does not exist here ({count} CUDA device(s))")
+    elif dev.type != "cpu":
+        raise ValueError(f"{what}: device must be cpu or cuda[:N], got {dev}")
+    try:
+        return torch.empty(dims, dtype=dtype, device=dev)
+    except RuntimeError as e:  # out of memory
+        raise ValueError(f"{what}: cannot allocate the out tensor of shape {tuple(dims)} and dtype {dtype} on {dev}: "
+                         f"{str(e).splitlines()[0][:200]}") from None
 
 
 def _in_step(error: BaseException) -> BaseException:

@@ -112,7 +112,8 @@ def test_messages_of_every_kind_arrive_whatever_the_posting_order(transport, npr
 def _mismatch_body(comm, small: bool) -> list[str]:
     """A dtype and then a shape that differ: both ranks raise ValueError with the same text, and the
     channel goes on working. An inline (small) send returned at once: one of the sender's next
-    point-to-point calls raises its error (each of them still posts its own message)."""
+    point-to-point calls raises its error before posting anything (issue #51 item 4), so the sender
+    retries that call and every receive still gets its message."""
     r = comm.rank
     seen = []
     n = 100 if small else 300_000
@@ -136,6 +137,8 @@ def _mismatch_body(comm, small: bool) -> list[str]:
                         comm.recv(torch.zeros(1), 0, tag=5)
                 except ValueError as e:
                     errors.append(str(e))
+                    if r == 0:
+                        comm.send(torch.zeros(1), 1, tag=5)  # the call that raised posted nothing
         seen.append(errors[0] if len(errors) == 1 else f"{len(errors)} errors: {errors}")
     x = torch.arange(10.0)
     if r == 0:
