@@ -226,6 +226,10 @@ def _interrupted_batch(r: int, n: int) -> None:
         signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt at the next instruction
         return work
 
+    # a batch whose first operation is refused before posting (a bad tag) cuts nothing: the group goes on
+    box, bad = torch.zeros(4), dist.P2POp(c10d.isend, torch.ones(4), peer, pair, tag=1 << 23)
+    kind, msg = outcome(lambda: dist.batch_isend_irecv([bad, dist.P2POp(c10d.irecv, box, peer, pair)]))
+    assert kind == "ValueError" and "tag" in msg, (kind, msg)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     got = []
     try:

@@ -178,7 +178,11 @@ class GroupOps(Collectives):
         """``post()`` (the communicator's isend/irecv) as torch's Work, after :class:`BatchGuard`'s check
         that no earlier ``batch_isend_irecv`` of this thread was cut short."""
         batch = self._batches.before(self.comm, self._me(), what)
-        work = P2PTorchWork(post(), list(tensors))
+        try:
+            work = P2PTorchWork(post(), list(tensors))
+        except BaseException as e:
+            self._batches.refused(batch, e)
+            raise
         self._batches.posted(batch)
         return work
 

@@ -51,11 +51,15 @@ class BatchGuard:
         self._open: dict[int, list] = {}
 
     def before(self, comm: Any, me: int, what: str) -> FrameType | None:
-        """Check before posting a send or receive; returns the torch batch it belongs to (or None)."""
+        """Check before posting a send or receive; returns the torch batch it belongs to (or None).
+
+        The batch counts as open from here: Ctrl-C between here and :meth:`posted` may land after the
+        operation was posted."""
         frame = _batch_frame()
-        open_ = self._open.get(threading.get_ident())
+        key = threading.get_ident()
+        open_ = self._open.get(key)
         if open_ is not None and open_[0] is not frame:
-            del self._open[threading.get_ident()]
+            del self._open[key]
             cut = (f"{what}: rank {me}: an earlier dist.batch_isend_irecv on this group was cut short after "
                    f"posting {open_[1]} of its {open_[2]} operations (Ctrl-C or an exception), leaving messages "
                    "unmatched; the group's communicator is closed so that no message pairs with the wrong one "
@@ -63,21 +67,28 @@ class BatchGuard:
             log.warning("moecomm: %s", cut)
             comm.close()
             raise CommunicatorBrokenError(cut)
+        if frame is not None and open_ is None:
+            ops = frame.f_locals.get("p2p_op_list")
+            if isinstance(ops, list) and len(ops) > 1:  # one operation (or a batch we cannot read): no half
+                self._open[key] = [frame, 0, len(ops)]
         return frame
 
     def posted(self, frame: FrameType | None) -> None:
         """Count an operation posted by ``frame``'s batch; forget the batch once all of it is posted."""
-        if frame is None:
-            return
         key = threading.get_ident()
         open_ = self._open.get(key)
-        if open_ is None:
-            ops = frame.f_locals.get("p2p_op_list")
-            if not isinstance(ops, list) or len(ops) <= 1:
-                return  # one operation, or a torch whose batch we cannot read: nothing left half-posted
-            open_ = self._open[key] = [frame, 0, len(ops)]
+        if frame is None or open_ is None or open_[0] is not frame:
+            return
         open_[1] += 1
         if open_[1] >= open_[2]:
+            del self._open[key]
+
+    def refused(self, frame: FrameType | None, error: BaseException) -> None:
+        """The batch's first operation raised before posting (a bad argument; the communicator is
+        intact): nothing is half-posted. Ctrl-C keeps the batch open (it may have landed after posting)."""
+        key = threading.get_ident()
+        open_ = self._open.get(key)
+        if isinstance(error, Exception) and open_ is not None and open_[0] is frame and open_[1] == 0:
             del self._open[key]
 
     def clear(self) -> None:
