@@ -68,36 +68,34 @@ import logging
 import math
 import os
 import threading
-import time
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from ._host import group_settings, pid_alive
+from ._host import group_settings
+from ._ipc_all_to_all import IPCAllToAll
+from ._ipc_failures import IPCFailures, input_error, pairing_error
 from ._ipc_launch import BoundKernel, Pointer, _variant, launch, pointer_variant
+from ._ipc_memory import _REGION_ALIGN, IPCMemory, _align, _SymmetricHeap
+from ._ipc_teardown import IPCTeardown
 from ._ipc_regions import _CudaRegions, _HostRegions, cuda_bytes
-from ._schedule import all_to_all_pulls, staged_segments, windows
+from ._schedule import windows
 from .base import (
     F_OPCODE,
-    F_REDOP,
     META_LEN,
-    Allocator,
     CollectiveTimeoutError,
-    CommunicatorBrokenError,
     GroupInfo,
     OpCode,
-    PeerFailedError,
     ReduceOp,
     Signature,
     Transport,
     check_agreement,
-    check_recv_counts,
-    dtype_code,
-    error_meta,
     rendezvous_metas,
 )
 from .kernels import layout as L
+
+__all__ = ["IPCTransport", "input_error", "ipc_available", "load_kernels", "pairing_error"]
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +125,6 @@ _LAMPORT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # the fused all_reduce + RMSNorm holds a row in one tile of a program (TP hidden sizes reach 8192-16384)
 RMSNORM_MAX_HIDDEN = 16384
 TWO_SHOT_ALIGN = 16  # elements; parts of a two-shot all_reduce start at multiples of it
-_REGION_ALIGN = 4096
-_WATCH_PERIOD = 0.02  # seconds between the watchdog's looks at the peers during a call
 _SPINS_PER_SECOND = 1_000_000  # bound of an in-kernel wait: >= 1 us a turn on every device
 
 _kernels_lock = threading.Lock()
@@ -180,42 +176,6 @@ def ipc_available(settings: dict) -> bool:
     return find_spec("cupy") is not None and torch.cuda.is_available()
 
 
-def input_error(word: int, ranks: list[int], me: int, max_tokens: int | None = None, op: str = "dispatch") -> str:
-    """The message of a status block's INPUT word (``err * MAX_RANKS + source``; see
-    :mod:`transports.kernels.layout`) of a low-latency ``op``, as rank ``me`` reports it."""
-    src, err = ranks[word % L.MAX_RANKS], word // L.MAX_RANKS
-    code, detail = err & 255, err >> 8
-    limit = "" if max_tokens is None else f" {max_tokens}"
-    what = {L.INPUT_TOO_MANY_TOKENS: f"{detail} tokens, more than max_tokens_per_rank{limit}",
-            L.INPUT_BAD_ID: f"expert id {detail}, outside [-1, num_experts)",
-            L.INPUT_DUPLICATE_ID: f"expert {detail} twice in one token's top-k",
-            L.INPUT_STALE_HANDLE: "topk_idx that differ from those its handle's dispatch sent (a stale handle?)",
-            }.get(code, "inputs of the wrong shape or dtype")
-    return f"low-latency {op}: rank {src} passed {what} (seen by rank {me})"
-
-
-def pairing_error(op: str, source: int, theirs: int, mine: int, ranks: list[int], me: int) -> str:
-    """The message of a low-latency call whose source ``source`` (group rank) sent call word
-    ``theirs`` where rank ``me`` (group rank) ran ``mine`` (a word is the dispatch's call number
-    * 2 + FP8; a combine carries its handle's dispatch word)."""
-    def call(w: int) -> str:
-        return f"dispatch #{w >> 1} ({'FP8' if w & 1 else 'no FP8'})"
-
-    src, r = ranks[source], ranks[me]
-    if op == "combine":
-        why = "every rank must combine the handle of the same dispatch"
-        return (f"low-latency combine: rank {src} combined the handle of its {call(theirs)}, rank {r} that of "
-                f"its {call(mine)}; {why} (seen by rank {r})")
-    why = ("the ranks passed different use_fp8" if theirs >> 1 == mine >> 1 else
-           "a rank skipped a call its peers made, or made one they did not")
-    return (f"low-latency dispatch: the ranks' calls do not pair: rank {src} sent its {call(theirs)}, rank {r} "
-            f"is at its {call(mine)}; {why}; no rows of this call were kept (seen by rank {r})")
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
 def _at(addr: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A [numel] tensor of ``dtype`` at ``addr``: a CPU view of host memory (emulation); on a GPU
     the memory of a tensor the caller holds, found through torch's allocator-independent DLPack."""
@@ -225,43 +185,16 @@ def _at(addr: int, numel: int, dtype: torch.dtype, device: torch.device) -> torc
     return cuda_bytes(addr, nbytes, device).view(dtype)
 
 
-class _SymmetricHeap:
-    """First-fit allocation of the symmetric heap's bytes (offsets, 256-byte aligned).
-
-    Every rank runs the same allocations in the same order, so a tensor gets the same offset on
-    every rank; :meth:`IPCTransport.symmetric_empty` checks that across ranks.
-    """
-
-    ALIGN = 256
-
-    def __init__(self, size: int):
-        self.size = size
-        self.used: dict[int, int] = {}  # offset -> bytes
-
-    def alloc(self, nbytes: int) -> int | None:
-        nbytes = max(self.ALIGN, _align(nbytes, self.ALIGN))
-        at = 0
-        for off in sorted(self.used):
-            if off - at >= nbytes:
-                break
-            at = off + self.used[off]
-        if at + nbytes > self.size:
-            return None
-        self.used[at] = nbytes
-        return at
-
-    def free(self, offset: int) -> None:
-        self.used.pop(offset, None)
-
-
 # ---- the transport ----------------------------------------------------------------------------
 _ACC = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float32", torch.bfloat16: "float32",
         torch.int64: "int64", torch.int32: "int32", torch.uint8: "int32", torch.bool: "int32"}
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
-class IPCTransport(Transport):
-    """Collectives by Triton kernels over peer-mapped buffers (see the module docstring)."""
+class IPCTransport(IPCFailures, IPCMemory, IPCAllToAll, IPCTeardown, Transport):
+    """Collectives by Triton kernels over peer-mapped buffers (see the module docstring). Failure
+    detection, memory beyond the staging buffer, all_to_all and teardown are in mixins of their
+    own modules (``transports/_ipc_*.py``); the launch path and the reductions are here."""
 
     name = "ipc"
     devices: tuple[str, ...] = ("cuda",)
@@ -390,209 +323,6 @@ class IPCTransport(Transport):
             raise RuntimeError(f"ipc P2P probe failed on rank {self._ranks[self.rank]}: the data read from "
                                f"rank(s) {bad}'s buffers was wrong (peer access reported but not working)")
 
-    # ---- failure detection ----------------------------------------------------------------------
-    def _done(self) -> int:
-        """Kernels every program has finished (the status block's DONE words)."""
-        return int(self._status[L.S_DONE : L.S_DONE + self.programs].min())
-
-    def _busy(self) -> bool:
-        """Whether a kernel we launched has not finished yet (read by the host, no copy)."""
-        return self._launched + self._extra > self._done()
-
-    def _watch(self) -> None:
-        """While our kernels run: abort them when a peer dies, closes or aborts, or when DONE has
-        not moved for the timeout; the host raises at its next look (:meth:`_check`)."""
-        me = self.rank
-        self._regions.bind_thread()
-        gone: dict[int, int] = {}  # peer -> DONE when we first saw it gone while in flight
-        while not self._stop.wait(_WATCH_PERIOD):
-            with self._watch_lock:
-                if self._reason is not None:
-                    continue
-                done = self._done()
-                if done > self._launched + self._extra:  # graph replays ran kernels the host did not count
-                    self._extra = done - self._launched
-                if self._launched + self._extra <= done:
-                    self._progress = None
-                    gone.clear()
-                    continue
-                now = time.monotonic()
-                if self._progress is None or self._progress[1] != done:
-                    self._progress = (now, done)
-                reason = aborted = died = None
-                try:
-                    for r in range(self.size):
-                        if r == me:
-                            continue
-                        dead = r < len(self._pids) and not pid_alive(self._pids[r])
-                        if dead and died is None:
-                            died = r
-                        try:  # a dead exporter's GPU memory may be gone with it
-                            state = int(self._regions.read(r, L.STATE, 1)[0])
-                        except Exception:  # noqa: BLE001 - then the pid says enough
-                            state = L.STATE_RUNNING
-                        if state == L.STATE_ABORTED:
-                            aborted = aborted if aborted is not None else r
-                            continue
-                        if (dead or state == L.STATE_CLOSED) and not self._finished_this_call(r):
-                            # our kernel may be past its last barrier, ending: a gone peer counts
-                            # when DONE has not moved between two looks at it
-                            if gone.get(r) != done:
-                                gone[r] = done
-                                continue
-                            why = "closed its communicator" if state == L.STATE_CLOSED else \
-                                f"(pid {self._pids[r]}) died"
-                            reason = (PeerFailedError, f"rank {self._ranks[r]} {why}", [self._ranks[r]])
-                            break
-                    if reason is None and aborted is not None:
-                        # a peer aborted, usually after another one died: name the dead one, the cause
-                        r = aborted if died is None else died
-                        why = "aborted after a failure" if died is None else f"(pid {self._pids[r]}) died"
-                        reason = (PeerFailedError, f"rank {self._ranks[r]} {why}", [self._ranks[r]])
-                    if reason is None and now - self._progress[0] >= self.timeout:
-                        reason = (CollectiveTimeoutError, f"timed out after the timeout of {self.timeout:.1f}s", [])
-                    if reason is not None:
-                        self._reason = reason
-                        self._regions.write(me, L.ABORT, 1)
-                except Exception:  # noqa: BLE001 - the provider is closing; nothing to watch
-                    log.debug("ipc watchdog stopped", exc_info=True)
-                    return
-
-    def _finished_this_call(self, r: int) -> bool:
-        """Whether peer ``r``, closed or exited, passed a barrier of the running launch that we have
-        not, or finished a Lamport all_reduce we have not: it then left after the launch's last
-        barrier, or after pushing its data to us, having read all it needs from us; a peer we still
-        wait for is another rank (that rank's arrival, death or the timeout decide).
-
-        A peer that closed before it joined the launch is behind or level with us on every program.
-        """
-        try:
-            p = self.programs
-            words = (L.EPOCH, L.LAMPORT_CALLS, L.LL_CALLS)
-            theirs = np.concatenate([self._regions.read(r, w, p) for w in words])
-            ours = np.concatenate([self._regions.read(self.rank, w, p) for w in words])
-        except Exception:  # noqa: BLE001 - its memory is gone: treat it as not there
-            return False
-        return bool((theirs > ours).any())
-
-    def _fail(self, cls: type, message: str, missing: list[int]) -> None:
-        self._broken = message
-        try:
-            self._regions.write(self.rank, L.STATE, L.STATE_ABORTED)
-        except Exception:  # noqa: BLE001 - closing anyway
-            pass
-        raise cls(message, missing)
-
-    def _raise_broken(self) -> None:
-        if self._broken == "closed":
-            raise CommunicatorBrokenError("the ipc transport of this communicator is closed; create a new communicator")
-        raise CommunicatorBrokenError(
-            f"ipc communicator is unusable after an earlier failure ({self._broken}); create a new one")
-
-    def _check(self, completed: bool = False) -> None:
-        """Raise what our earlier kernels left in the status block, if anything (plain host loads:
-        no copy, no stream synchronization). Errors are asynchronous, as NCCL's are: on a GPU a
-        failure shows at the next call or at :meth:`synchronize`.
-
-        completed: right after a launch whose kernel has ended (emulation): a peer that failed
-        while this call still completed raises at the next call, and this one returns.
-        """
-        st = self._status
-        if st[L.S_ERROR] or st[L.S_MISMATCH] or st[L.S_INPUT] or st[L.S_PAIRING] or self._reason is not None \
-                or self._pending is not None:
-            self._failed(completed)
-
-    def _failed(self, completed: bool = False) -> None:
-        st = self._status
-        me = self._ranks[self.rank]
-        if self._reason is not None and not st[L.S_ERROR]:
-            # the watchdog set ABORT: our kernels end at their next turn; wait for them (bounded)
-            deadline = time.monotonic() + max(self.timeout, 1.0)
-            while self._busy() and not st[L.S_ERROR] and time.monotonic() < deadline:
-                time.sleep(0.001)
-        with self._watch_lock:
-            reason = self._reason
-            error = int(st[L.S_ERROR])
-            if error == 0 and reason is not None:  # every call completed all the same
-                self._reason = None
-                self._progress = None
-                self._regions.write(self.rank, L.ABORT, 0)
-        if error:
-            if error == self.size + 2:  # a Lamport all_reduce met another signature: its slots hold stray data
-                self._broken = "signatures differed in a Lamport all_reduce"
-                self._regions.write(self.rank, L.STATE, L.STATE_ABORTED)
-                st[L.S_MISMATCH] = 0
-                check_agreement(self._peer_metas(), self._ranks)
-                raise ValueError(f"ipc: call signatures differ across ranks (seen by rank {me} in a Lamport "
-                                 "all_reduce); this communicator's ipc transport is closed")
-            if error > self.size:  # stopped before it waited for anyone (ABORT was already set)
-                cls, msg, missing = reason or (CollectiveTimeoutError, "its abort flag was set", [])
-                self._fail(cls, f"{msg}; rank {me} abandoned its ipc collective", missing)
-            peer = self._ranks[error - 1]
-            if reason is None or reason[0] is CollectiveTimeoutError:
-                why = (f"timed out after the timeout of {self.timeout:.1f}s" if reason
-                       else "gave up after its bounded wait")
-                self._fail(CollectiveTimeoutError,
-                           f"ipc collective {why} on rank {me}: rank {peer} never arrived "
-                           f"(stuck, deadlocked, or calling a different collective){self._last_calls()}", [peer])
-            cls, msg, missing = reason
-            self._fail(cls, f"{msg} while rank {me} waited for rank {peer} in an ipc collective", missing)
-        if reason is not None and reason[0] is not CollectiveTimeoutError:  # a peer is gone all the same
-            self._pending = reason
-        if self._pending is not None and not completed:
-            cls, msg, missing = self._pending
-            self._fail(cls, f"{msg} (seen by rank {me} after its ipc collectives completed)", missing)
-        if st[L.S_MISMATCH]:
-            st[L.S_MISMATCH] = 0
-            if not completed:
-                # read at a later call's start (GPU: asynchronous errors): the peers may read theirs at
-                # another call, and a rank that skips a call its peers make leaves them waiting, so
-                # the transport ends here for every rank (the peers' watchdogs see STATE aborted)
-                try:
-                    check_agreement(self._peer_metas(), self._ranks)
-                    what = "ipc: call signatures differ across ranks"
-                except ValueError as e:
-                    what = str(e)
-                self._broken = what
-                self._regions.write(self.rank, L.STATE, L.STATE_ABORTED)
-                raise ValueError(f"{what} (seen by rank {me} after that call returned, as asynchronous errors "
-                                 "are on a GPU; the ranks could no longer raise at one call): this "
-                                 "communicator's ipc transport is closed")
-            check_agreement(self._peer_metas(), self._ranks)
-            raise ValueError("ipc: call signatures differ across ranks")  # digests differ, words equal
-        if st[L.S_INPUT] or st[L.S_PAIRING]:
-            # recorded by low-latency MoE kernels that no eager call waited for (CUDA-graph replays):
-            # raised lazily, the ranks would leave the exchange at different calls, so it ends here
-            if st[L.S_INPUT]:
-                what = input_error(int(st[L.S_INPUT]), self._ranks, me)
-            else:
-                what = (f"low-latency exchange: rank {self._ranks[int(st[L.S_PAIRING]) - 1]} sent a call that does "
-                        f"not pair with rank {me}'s")
-            st[L.S_INPUT] = st[L.S_PAIRING] = 0
-            self._broken = f"{what}, in a CUDA-graph replay"
-            self._regions.write(self.rank, L.STATE, L.STATE_ABORTED)
-            raise ValueError(f"{what}; recorded in a CUDA-graph replay, where the ranks cannot all raise at one "
-                             "call: this communicator's ipc transport is closed")
-
-    def _last_calls(self) -> str:
-        """After a timeout: the signatures of the calls every rank last started, where they differ
-        (each kernel publishes its call's signature in its META words as it starts)."""
-        try:
-            metas = np.stack([self._regions.read(r, L.META, META_LEN) for r in range(self.size)])
-            check_agreement(metas, self._ranks)
-        except ValueError as e:
-            return f"; the calls the ranks last started differ: {e}"
-        except Exception:  # noqa: BLE001 - a peer's memory may be gone: the timeout says enough
-            pass
-        return ""
-
-    def synchronize(self) -> None:
-        """Wait for our kernels on the current stream, then raise what they left (see :meth:`_check`)."""
-        if self._broken:
-            self._raise_broken()
-        self._regions.sync()
-        self._check(completed=True)  # a peer that left after our calls ended raises at our next call
-
     # ---- launching -----------------------------------------------------------------------------
     def _meta(self, sig: Signature) -> torch.Tensor:
         key = sig.meta.tobytes()
@@ -699,79 +429,12 @@ class IPCTransport(Transport):
         self._check()
         return self._peer_metas()
 
-    def reject_call(self, sig: Signature, x: torch.Tensor, fused: tuple[int, int] | None = None) -> None:
-        """See :meth:`Transport.reject_call`. The peers' call meets us, by its kind:
-
-        - its first call of ``sig`` compares signatures on the host (every all_reduce; every call
-          on a GPU): there, with the error signature (every rank makes the same calls, so the
-          peers' first call is ours);
-        - a Lamport all_reduce (or the fused RMSNorm), which has no barrier: the same kernel on
-          ``x`` under a rejecting header (:mod:`transports.kernels.lamport`), so that the slots
-          stay in step and the peers record a rejection, not a fatal difference;
-        - a barrier kernel: :meth:`exchange_meta`'s, at its first barrier.
-        """
-        err_sig = Signature(error_meta())
-        host_checked = self._agree_on_host or int(sig.meta[F_OPCODE]) == OpCode.ALL_REDUCE
-        if host_checked and sig.value not in self._host_agreed:
-            rendezvous_metas(self.group.rendezvous, err_sig)
-            return
-        nbytes = x.numel() * x.element_size()
-        if fused is not None and not self.fuses_all_reduce_rmsnorm(x.numel(), fused[1], x.dtype, torch.float32):
-            fused = None  # the peers compose it: their all_reduce is the call to meet
-        lamport = fused is not None or (int(sig.meta[F_OPCODE]) == OpCode.ALL_REDUCE
-                                        and self._lamport_takes(nbytes, x.dtype))
-        if not lamport:
-            self.exchange_meta(err_sig)
-            return
-        import triton
-
-        args = (self._lam_ptrs, self._regions.sig_ptrs, self._status_arg, self.rank, self.size,
-                (sig.value | 1) ^ 2, self._meta(err_sig), self.lamport_elems, self._max_spins)
-        self._start()
-        if fused is not None:
-            rows, hidden = fused
-            a = x.reshape(rows, hidden)
-            kernel = self._bind(self._k.lamport.all_reduce_rmsnorm_lamport,
-                                {"OUT_BF16": x.dtype == torch.bfloat16, "BLOCK_H": triton.next_power_of_2(hidden)})
-            weight = torch.ones(hidden, dtype=torch.float32, device=x.device)
-            run = (a, torch.zeros_like(a), weight, torch.empty_like(a), torch.empty_like(a), rows, hidden, 1.0, *args)
-        else:
-            flat = self._flat(x)
-            const = self._lamport_constants(self._reduce_constants(x.dtype, ReduceOp(int(sig.meta[F_REDOP]))))
-            kernel = self._bind(self._k.lamport.all_reduce_lamport, const)
-            run = (flat, torch.empty_like(flat), flat.numel(), *args)
-        try:
-            kernel(*run)
-        except BaseException:
-            self._not_launched()
-            raise
-        self._regions.sync()  # an error path: our own view of the rejection is ours to drop
-        self._status[L.S_MISMATCH] = 0
-        self._check(completed=True)
-
     def barrier(self, sig: Signature) -> None:
         self._launch(self._k.barrier_kernel, *self._common(sig)[1:], COPY_META=False)
 
     def _lamport_takes(self, nbytes: int, dtype: torch.dtype) -> bool:
         return dtype in _LAMPORT_DTYPES and 0 < nbytes <= self.lamport_max and \
             nbytes // dtype.itemsize <= self.lamport_elems
-
-    def _symmetric_offset(self, t: torch.Tensor) -> int | None:
-        """Offset of ``t`` in our symmetric heap (every rank's tensor of a call sits at the same
-        one), or None when ``t`` is not wholly inside it."""
-        a = t.data_ptr()
-        if self._heap_lo <= a and a + t.numel() * t.element_size() <= self._heap_hi and t.numel():
-            return a - self._heap_lo
-        return None
-
-    def _heap_table(self, offset: int) -> torch.Tensor:
-        """Every rank's address of the symmetric tensor at ``offset`` (a device table, cached)."""
-        t = self._heap_tables.get(offset)
-        if t is None:
-            if len(self._heap_tables) > 64:
-                self._heap_tables.clear()
-            t = self._heap_tables[offset] = self._regions.sig_ptrs + (self._heap_off + offset)
-        return t
 
     def all_reduce(self, send: torch.Tensor, out: torch.Tensor, op: ReduceOp, sig: Signature) -> None:
         x, y = self._flat(send), self._flat(out)
@@ -912,253 +575,3 @@ class IPCTransport(Transport):
         common = self._common(sig)
         for lo, hi in self._chunks(x.numel(), 1):
             self._launch(self._k.broadcast, x[lo:hi], y[lo:hi], hi - lo, src, *common, BLOCK=self.block)
-
-    takes_recv_counts = True
-
-    def all_to_all(self, send: torch.Tensor, send_counts: list[int], row_numel: int, alloc: Allocator,
-                   sig: Signature, recv_counts: list[int] | None = None) -> torch.Tensor:
-        """Uneven all-to-all: stage, publish counts, pull each block from its sender's buffer.
-
-        See :meth:`Transport.all_to_all`. ``recv_counts`` ([size] ints) travel with the send
-        counts through the signal areas in the first (stage) kernel; after its barrier every rank
-        reads every rank's [size, size] send and declared matrices and compares them before it
-        reads any peer's data, so a wrong value raises the ``ValueError`` of
-        :func:`check_recv_counts` on every rank, with no barrier more than a plain call.
-        """
-        n, me, S = self.size, self.rank, self.buffer_bytes
-        x = send.reshape(-1).view(torch.uint8)
-        row_bytes = row_numel * send.element_size()
-        own_start, own_len = sum(send_counts[:me]) * row_bytes, send_counts[me] * row_bytes
-        declared_mine = [-1] * n if recv_counts is None else [int(c) for c in recv_counts]
-        counts_t = torch.tensor([*send_counts, *declared_mine], dtype=torch.int64, device=self._device)
-        common = self._common(sig)
-
-        def stage(j: int) -> None:
-            pieces = staged_segments(own_start, own_len, x.numel(), j * S, (j + 1) * S)
-            table = torch.tensor(pieces or [[0, 0, 0]], dtype=torch.int64, device=self._device)
-            self._launch(self._k.all_to_all_stage, x, table, len(pieces), counts_t, *common, BLOCK=self.block)
-
-        def pull(out: torch.Tensor, copies: list) -> None:
-            table = torch.tensor(copies or [[0, 0, 0, 0]], dtype=torch.int64, device=self._device)
-            self._launch(self._k.all_to_all_pull, out, table, len(copies), *common[:5], self._max_spins,
-                         BLOCK=self.block)
-
-        stage(0)
-        self.synchronize()  # the host reads the counts the stage kernel published
-        wrong = None
-        try:
-            # one read per rank: its COUNTS .. RECV_COUNTS words, published before the barrier we passed
-            span = L.RECV_COUNTS + n - L.COUNTS
-            words = np.stack([self._regions.read(r, L.COUNTS, span) for r in range(n)])
-            sent = words[:, :n]  # sent[src][dst] rows
-            declared = words[:, L.RECV_COUNTS - L.COUNTS :]  # declared[dst][src] rows
-            # recv_counts on one rank means on every rank: the signatures (compared in stage) say so
-            if recv_counts is not None and not (declared == sent.T).all():
-                # every rank sees these matrices and comes here; the pull kernel's last barrier, with
-                # nothing to copy, ends the round so no rank rewrites its counts before all have read them
-                wrong = (sent.tolist(), declared.tolist())
-                pull(x, [])
-            else:
-                counts = sent.tolist()
-                recv = [row[me] for row in counts]
-                out = alloc(recv)
-                y = out.reshape(-1).view(torch.uint8)
-                at = sum(recv[:me]) * row_bytes
-                y[at : at + own_len].copy_(x[own_start : own_start + own_len])  # our block to ourselves
-                for j, copies in enumerate(all_to_all_pulls(counts, me, row_bytes, S)):
-                    if j > 0:
-                        stage(j)
-                    pull(y, copies)
-        except BaseException as e:
-            if not isinstance(e, (CollectiveTimeoutError, CommunicatorBrokenError)) and not self._broken:
-                # the peers are inside this round's pull kernel: make them raise instead of waiting
-                self._broken = f"{type(e).__name__} during all_to_all: {e}"
-                self._regions.write(self.rank, L.STATE, L.STATE_ABORTED)
-            raise
-        if wrong is not None:
-            check_recv_counts(*wrong, self._ranks)
-        return out
-
-    # ---- symmetric memory ----------------------------------------------------------------------
-    def symmetric_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized tensor inside our region's symmetric heap (collective: every rank calls
-        it with the same shape and dtype, in the same order). The all_reduce of such a tensor
-        reads it where it is, on every rank, without a copy into the staging buffer: in place
-        when ``out`` is the tensor itself. It is freed when the tensor is garbage collected; keep
-        frees in the same order on every rank, since the next allocation's offset must agree.
-
-        Raises ValueError on every rank when the ranks' calls differ or the heap is full.
-        """
-        if self._broken:
-            self._raise_broken()
-        nbytes = math.prod(shape) * dtype.itemsize
-        off = self._heap.alloc(nbytes)
-        mine = np.array([-1 if off is None else off, nbytes, dtype_code(dtype)], dtype=np.int64)
-        everyone = [np.frombuffer(b, dtype=np.int64) for b in self.group.rendezvous.allgather_bytes(mine.tobytes())]
-        if any((e != mine).any() for e in everyone) or off is None:
-            if off is not None:
-                self._heap.free(off)
-            desc = "; ".join(f"rank {self._ranks[r]}: " + (f"{e[1]} B of dtype code {e[2]} at offset {e[0]}"
-                                                            if e[0] >= 0 else f"{e[1]} B, no room")
-                             for r, e in enumerate(everyone))
-            raise ValueError(f"symmetric_empty: the ranks' allocations differ or the symmetric heap "
-                             f"({self.symmetric_bytes} B, setting ipc_symmetric_bytes) is full: {desc}")
-        heap = self._heap
-        raw = self._regions.tensor(self._heap_off + off, nbytes, lambda: heap.free(off))
-        return raw.view(dtype).reshape(shape)
-
-    # ---- exchanges with kernels of their own (transports/ipc_moe.py) ---------------------------
-    def peer_region(self, nbytes: int) -> torch.Tensor:
-        """Map one more zeroed region of ``nbytes`` per rank, which every rank's kernels read and
-        write (collective: every rank calls it with the same size, in the same order). It stays
-        mapped until the transport closes.
-
-        Returns:
-            int64 [size] on the transport's device: every rank's base address of the region.
-        """
-        if self._broken:
-            self._raise_broken()
-        provider = _HostRegions if self.emulate else _CudaRegions
-        # at least a signal area: the providers map one at the start of every region they create
-        regions = provider(self.group, _align(max(int(nbytes), L.SIGNAL_WORDS * 8), _REGION_ALIGN))
-        self._more_regions.append(regions)
-        return regions.sig_ptrs
-
-    def launch_exchange(self, *launches: tuple[Any, tuple, dict]) -> tuple[int, int, int, int] | None:
-        """Launch one call of an exchange: its kernels ``(kernel, args, constexprs)``, back to back,
-        each as ``kernel(*args, sig_ptrs, status, max_spins, **constexprs)`` on our programs and
-        counted for the watchdog, as :meth:`_launch` does. Earlier failures raise before the first
-        kernel only: a call that stopped between its kernels would leave its peers waiting for the
-        rest.
-
-        Then, outside CUDA-graph capture, wait for the kernels (the stream), raise failures, and
-        return what they recorded of this call's inputs, read and cleared: the status block's
-        (S_INPUT, S_PAIRING, S_PAIR_WORD, S_PAIR_MAX), which the caller raises. One rank's refused
-        input reaches its peers only through their kernels; raised lazily at a later call, as
-        other asynchronous errors are, it would make the ranks leave the exchange at different
-        calls, and the next call of one rank would pair with another call of its peers. Waiting
-        makes every rank raise in this call. Under capture: None (replays record; the next check
-        raises it and closes the transport, see :meth:`_failed`).
-        """
-        self._start()
-        tail = (self._regions.sig_ptrs, self._status_arg, self._max_spins)
-        for i, (kernel, args, constexprs) in enumerate(launches):
-            if i and not self._regions.capturing():
-                self._launched += 1  # counted as _start counts the first
-            try:
-                self._bind(kernel, constexprs)(*args, *tail)
-            except BaseException:
-                self._not_launched()
-                raise
-        if self._regions.capturing():
-            return None
-        self._regions.sync()
-        st = self._status
-        words = tuple(int(st[w]) for w in (L.S_INPUT, L.S_PAIRING, L.S_PAIR_WORD, L.S_PAIR_MAX))
-        st[L.S_INPUT] = st[L.S_PAIRING] = 0
-        self._check(completed=True)
-        return words
-
-    # ---- teardown ------------------------------------------------------------------------------
-    def abort(self, why: str) -> None:
-        """Mark our STATE aborted (peers waiting for us raise at once), then :meth:`close`."""
-        if not self._broken:
-            self._broken = why
-            try:
-                self._regions.write(self.rank, L.STATE, L.STATE_ABORTED)  # peers' watchdogs raise
-            except Exception:  # noqa: BLE001 - closing anyway
-                log.debug("ipc: could not mark the abort", exc_info=True)
-        self.close()
-
-    # close(): after our ABORT, how long to wait for our kernels to end before unmapping. Aborted waits
-    # end at their next turn (microseconds); only kernels queued behind other long work need more.
-    _DRAIN_SECONDS = 5.0
-    # close() of a healthy transport first lets calls in flight finish this long (peers that are there
-    # finish them in microseconds), as ncclCommDestroy completes its operations; abort() does not
-    _GRACE_SECONDS = 0.5
-    # what close() could not unmap safely (a kernel may still touch it), kept while the process lives
-    _leaked: list = []
-
-    def close(self) -> None:
-        """Close. Calls still in flight get :attr:`_GRACE_SECONDS` to finish (not after abort());
-        then they are abandoned, as ncclCommAbort abandons them (synchronize() first to be sure to
-        keep their results). Later calls raise CommunicatorBrokenError.
-
-        In this order, after the grace: announce it in our STATE word (peers waiting for us raise at once), set our
-        ABORT word (our kernels' waits give up at their next turn, queued kernels skip their work),
-        wait a bounded time for our kernels to end (:meth:`_drain`), stop the watchdog, unmap every
-        region. Unmapped first, a kernel still queued would touch unmapped memory: on a GPU a sticky
-        error that ends the process's CUDA context (and the free's implicit synchronization would
-        wait for kernels spinning on peers that left). Kernels that have not ended by the bound keep
-        their memory: it is leaked for the process's life, with a warning, rather than unmapped.
-        """
-        if self._broken == "closed":
-            return
-        try:
-            probe: Callable[[], bool] | None = self._regions.stream_probe()
-        except Exception:  # noqa: BLE001 - e.g. a failed CUDA context: the host's count alone then
-            log.debug("ipc: no stream probe at close", exc_info=True)
-            probe = None
-        try:
-            in_flight = self._in_flight(probe)
-        except Exception:  # noqa: BLE001 - an earlier asynchronous error: assume the worst
-            in_flight = True
-        if in_flight and not self._broken:
-            in_flight = not self._drain(probe, self._GRACE_SECONDS)
-        try:
-            if not self._broken:
-                # a close that abandons kernels is an abort to the peers: aborted kernels still advance
-                # their epochs, which a peer's watchdog would take for a closed rank's finished call
-                self._regions.write(self.rank, L.STATE, L.STATE_ABORTED if in_flight else L.STATE_CLOSED)
-            self._regions.write(self.rank, L.ABORT, 1)
-        except Exception:  # noqa: BLE001 - closing anyway
-            log.debug("ipc: could not mark the close", exc_info=True)
-        self._broken = "closed"
-        drained = self._drain(probe)
-        self._stop.set()
-        self._watchdog.join(timeout=1.0)
-        regions = [*getattr(self, "_more_regions", []), self._regions]
-        self._more_regions = []
-        if drained:
-            for r in regions:
-                r.close()
-        else:
-            # what a late kernel may still use: the mappings, the pinned status block and the pointer
-            # tables (the providers), and the cached argument tensors
-            IPCTransport._leaked.append((regions, self._lam_ptrs, list(self._meta_cache.values()),
-                                         list(self._heap_tables.values())))
-            log.warning("ipc rank %d: kernels were still running %.1fs after close() aborted them; their "
-                        "memory stays mapped (leaked) until this process exits", self._ranks[self.rank],
-                        self._DRAIN_SECONDS)
-        self._meta_cache.clear()
-
-    def _in_flight(self, probe: Callable[[], bool] | None) -> bool:
-        """Whether a kernel of ours may still run (see :meth:`_drain`). In emulation only the probe
-        counts: a launch returns when its kernel has ended, on the thread that launched it, and the
-        communicator never runs close() beside a call, so a count ahead of DONE there is a launch that
-        raised out of the interpreter (an interrupted call), not a kernel."""
-        return (not self.emulate and self._busy()) or (probe is not None and not probe())
-
-    def _drain(self, probe: Callable[[], bool] | None, seconds: float | None = None) -> bool:
-        """Wait up to ``seconds`` (after our ABORT: :attr:`_DRAIN_SECONDS`) for our kernels to end;
-        whether they did.
-
-        It sees the kernels launched eagerly, on any stream (the host's count against the status
-        block's DONE: host-mapped, no stream synchronization), and, through ``probe`` (on a GPU an
-        event recorded at close), all work queued on the current stream before close began, CUDA-graph
-        replays included. It cannot see graph replays on other streams; unrelated long work queued on
-        the current stream delays it, and past the bound makes close() leak the regions.
-        """
-        deadline = time.monotonic() + (self._DRAIN_SECONDS if seconds is None else seconds)
-        pause = 1e-4
-        while True:
-            try:
-                if not self._in_flight(probe):
-                    return True
-            except Exception:  # noqa: BLE001 - the event reports an earlier asynchronous error
-                log.warning("ipc: could not tell whether kernels still run at close()", exc_info=True)
-                return False
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(2 * pause, 0.01)
