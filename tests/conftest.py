@@ -105,6 +105,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - x
     return LoadFileScheduling(config, log)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start compiling the torch backend's c10d trampoline (collectives/torch_backend/_native.py: about a
+    minute on 2 cores, once per machine and torch) beside the first tests, instead of inside the first
+    test that creates a moecomm group; the processes that need it meanwhile wait for this build."""
+    import threading
+
+    from collectives.torch_backend import _native
+
+    threading.Thread(target=_native.load, name="moecomm-trampoline-build", daemon=True).start()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.split("tests/", 1)[-1] in SLOW:
