@@ -297,3 +297,19 @@ def test_round4_torch_callers(nprocs, native, tmp_path):
     reports = collectives.launch(_body, nprocs, f"file://{tmp_path / 'store'}", native, timeout=180.0)
     bad = {f"rank {r}: {name}": text for r, rep in enumerate(reports) for name, text in rep.items() if text != "ok"}
     assert not bad, "\n".join(f"{k}\n{v}" for k, v in bad.items())
+
+
+def test_without_the_trampoline_groups_run_in_python(monkeypatch, caplog):
+    """A trampoline that cannot be built (no compiler) or is turned off: load() says why, once, and
+    returns None (groups are then PythonProcessGroups, checked by the "2-python" case above)."""
+    from collectives.torch_backend import _native
+
+    monkeypatch.setattr(_native, "_loaded", {})
+    monkeypatch.setattr(_native, "_load_or_build", lambda: (_ for _ in ()).throw(OSError("no C++ compiler")))
+    with caplog.at_level("WARNING", logger="collectives"):
+        assert _native.load() is None and _native.load() is None
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "OSError: no C++ compiler" in caplog.text and "CommDebugMode" in caplog.text
+    monkeypatch.setattr(_native, "_loaded", {})
+    monkeypatch.setenv(_native.ENV, "0")
+    assert _native.load() is None and f"{_native.ENV}=0" in caplog.text
