@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from transports.base import OpCode, Signature, Transport, view_code
+from transports.base import OpCode, Signature, Transport, dtype_code, view_code
 
-from ._arrays import check_dense, overlaps
+from ._arrays import check_dense, device_of, overlaps
 from ._calls import _FLOATS as FLOATS
 
 RMSNORM_VIEW = view_code(OpCode.ALL_REDUCE_RMSNORM)  # its signature's F_VIEW: not a plain all_reduce
@@ -123,3 +123,79 @@ def fused_rmsnorm(tr: Transport, sig: Signature, x: torch.Tensor, residual: torc
     return (out if out is not None else o2.view(shape)), (residual_out if residual_out is not None else ro2.view(shape))
 
 
+class RMSNormCalls:
+    """all_reduce_rmsnorm() of :class:`collectives.Communicator`: checks, then the transport's fused
+    kernel where it has one, else all_reduce and the composed RMSNorm."""
+
+    def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                           *, out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-reduce ``x``, add ``residual``, RMSNorm: what a tensor-parallel transformer block runs after
+        its attention and after its MLP (TensorRT-LLM, FlashInfer and vLLM fuse it).
+
+        Defined as the composition (``n`` = the new residual; the float32 below is float64 for float64 x)::
+
+            a = comm.all_reduce(x)                        # sum, in x's dtype
+            n = a + residual                              # torch, in x's dtype
+            normed = (n.float() * torch.rsqrt(n.float().pow(2).mean(-1, keepdim=True) + eps)
+                      * weight.float()).to(x.dtype)
+
+        which the communicator runs unless the transport that serves the all-reduce fuses the call
+        (``Transport.fuses_all_reduce_rmsnorm``; ``comm.plan("all_reduce_rmsnorm", x)`` says which): a
+        fused transport computes the same up to float32 rounding of the mean. Every rank gets the same
+        ``a``; ``residual``, ``weight`` and ``eps`` are this rank's own (replicated in tensor
+        parallelism, then every rank's results are bitwise identical). Not differentiable.
+
+        The call's signature marks it (``OpCode.ALL_REDUCE_RMSNORM`` in ``F_VIEW``, the weight's dtype in
+        ``F_WEIGHT_DTYPE``), so a rank's all_reduce_rmsnorm against a peer's plain all_reduce of the same
+        shape, or different weight dtypes, raise ``ValueError`` on every rank naming the ranks.
+
+        Args:
+            x: [*, H] (at least 1 dim) float64, float32, float16 or bfloat16 torch tensor, same shape and
+                dtype on every rank, on a device this communicator serves.
+            residual: x's shape, dtype and device.
+            weight: [H], x's dtype or float32, x's device; the same dtype on every rank.
+            eps: a finite float >= 0.
+            out: optional tensor of x's shape, dtype and device for ``normed`` (may be x itself).
+            residual_out: optional tensor of x's shape, dtype and device for the new residual (may be
+                ``residual`` itself: in place, as vLLM's fused_add_rms_norm); it must not overlap ``out``.
+        Returns:
+            ``(normed, new_residual)``, both x's shape and dtype: new tensors, or ``out`` and ``residual_out``.
+        Raises:
+            TypeError, ValueError: a bad argument (not a tensor, a non-float dtype, a residual, weight or
+                out of another shape, dtype or device, eps negative or not finite, a 0-d x) on this rank,
+                naming it; its peers raise ``ValueError`` naming it.
+        """
+        return self._guarded("all_reduce_rmsnorm", self._all_reduce_rmsnorm, x, residual, weight, eps, out,
+                             residual_out)
+
+    def _all_reduce_rmsnorm(self, x: Any, residual: Any, weight: Any, eps: Any, out: Any, residual_out: Any
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._state.closed is not None:
+            self._state.raise_closed()
+        try:
+            eps = check_rmsnorm_args(x, residual, weight, eps, out, residual_out, self.global_ranks[self.rank])
+        except (TypeError, ValueError) as e:
+            dense = isinstance(x, torch.Tensor) and x.layout is torch.strided
+            self._fail_locally(OpCode.ALL_REDUCE, device_of(x), e, x.numel() * x.element_size() if dense else 0,
+                               call=self._rmsnorm_call(x, weight) if dense else None)
+        t, res, w = x.detach(), residual.detach(), weight.detach()
+        code = dtype_code(w.dtype)
+        ent = self._entry(OpCode.ALL_REDUCE, t, "sum", code, RMSNORM_VIEW)
+        shape = tuple(t.shape)
+        hidden, rows = shape[-1], math.prod(shape[:-1])
+        fused = None if ent.staged else ent.transport.fuses_all_reduce_rmsnorm(t.numel(), hidden, t.dtype, w.dtype)
+        if fused is not None:
+            return fused_rmsnorm(ent.transport, ent.sig, t, res, w, eps, out, residual_out, rows, hidden)
+        a = self._run(OpCode.ALL_REDUCE, t, None, "sum", code, RMSNORM_VIEW)  # a new tensor on x's device
+        return composed_rmsnorm(a, res, w, eps, out, residual_out)
+
+    def _rmsnorm_call(self, x: torch.Tensor, weight: Any) -> tuple[Any, torch.Tensor, tuple[int, int]] | None:
+        """The all_reduce_rmsnorm call a rank rejected (another argument was wrong), for
+        :meth:`_fail_locally`, where x and weight make the signature its peers use; else None."""
+        t = x.detach()
+        if not isinstance(weight, torch.Tensor) or t.dtype not in FLOATS or weight.dtype not in FLOATS \
+                or t.dim() == 0 or t.device.type != self.device.type or (t.is_cuda and t.device != self.device):
+            return None
+        ent = self._entry(OpCode.ALL_REDUCE, t, "sum", dtype_code(weight.dtype), RMSNORM_VIEW)
+        return ent, t, (t.numel() // t.shape[-1], t.shape[-1])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -84,3 +84,42 @@ def agree_symmetric_args(rdv: Rendezvous, global_ranks: list[int], shape: Any, d
         raise ValueError(f"symmetric_empty: the ranks passed different shapes or dtypes ({calls}); every rank "
                          "must allocate the same tensor, in the same order")
     return dims, dt
+
+
+class SymmetricCalls:
+    """symmetric_empty() of :class:`collectives.Communicator`."""
+
+    def symmetric_empty(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialized tensor in the ipc transport's symmetric heap (torch calls this
+        ``symm_mem.empty``; vLLM registers its CUDA-graph buffers for the same reason).
+
+        Collective: every rank calls it with the same shape and dtype, in the same order. An
+        ``all_reduce`` of such a tensor reads it in place on every rank, without the copy into the
+        staging buffer (``out=x`` all-reduces it in place). Freed when the tensor is garbage
+        collected; free in the same order on every rank (allocations must land at one offset).
+
+        Args:
+            shape: the tensor's shape.
+            dtype: its dtype.
+        Returns:
+            [shape] dtype on this communicator's ipc device (CUDA; CPU when ipc is emulated).
+        Raises:
+            CommunicatorBrokenError: this communicator is closed.
+            RuntimeError: this communicator has no ipc transport.
+            TypeError, ValueError (every rank; the communicator stays open): a bad shape or dtype
+                on some rank (that rank raises its own error), the ranks' calls differ, or the heap
+                (setting ``ipc_symmetric_bytes``) is full.
+        """
+        if self._state.closed is not None:
+            self._state.raise_closed()
+        t = self.transports.get("ipc")
+        if t is None:
+            raise RuntimeError("symmetric_empty needs the ipc transport (one node, CUDA and triton, or "
+                               f"MOECOMM_IPC_EMULATE=1); this communicator has {sorted(self.transports)}")
+
+        def allocate() -> torch.Tensor:  # arguments agreed first: the transport's exchange assumes valid ones
+            dims, dt = agree_symmetric_args(self._rdv, self.global_ranks, shape, dtype,
+                                            getattr(t, "symmetric_bytes", None))
+            return t.symmetric_empty(dims, dt)
+
+        return self._guarded("symmetric_empty", allocate)

@@ -2,16 +2,15 @@
 
 How a call is checked, cached and handed to its transport is in collectives/_calls.py (a mixin of
 the Communicator); all_to_all's argument handling in collectives/_all_to_all.py, which uses the
-Communicator through its ``AllToAllHost`` protocol only.
+Communicator through its ``AllToAllHost`` protocol only. Its other mixins, one concern each:
+point-to-point (_p2p.py), the transport choice and ``plan()`` (_planning.py), all_reduce_rmsnorm
+(_rmsnorm.py), symmetric_empty (_symmetric.py) and split (_groups.py).
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import json
 import logging
-import math
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import torch
@@ -22,24 +21,24 @@ from transports.base import (
     Rendezvous,
     Signature,
     Transport,
-    dtype_code,
     error_meta,
 )
-from transports.settings import SETTINGS, check_timeout, parse_options
+from transports.settings import SETTINGS, check_timeout
 from transports.settings import resolve as resolve_settings
 
-from ._arrays import Array, as_int, as_tensor, device_of
+from ._arrays import Array, as_int, device_of
 from ._all_to_all import all_to_all_checked, all_to_all_hot
 from ._calls import CallPaths, _Entry
 from ._p2p import PointToPoint
-from ._rmsnorm import FLOATS, RMSNORM_VIEW, check_rmsnorm_args, composed_rmsnorm, fused_rmsnorm
+from ._groups import GroupCalls
+from ._planning import Planning
+from ._rmsnorm import RMSNormCalls
 from ._creation import create_transports
 from ._device import resolve_device
 from ._shared import SharedState, leaves_out_of_step, live
-from ._symmetric import agree_symmetric_args
+from ._symmetric import SymmetricCalls
 from .hierarchical import HierarchicalTransport, hierarchical_shape
-from .prediction import predict_plan, transport_settings
-from .selection import Plan, choose_transport
+from .prediction import transport_settings
 from .topology import Topology
 
 log = logging.getLogger("collectives")
@@ -54,7 +53,7 @@ def _close_all() -> None:
             pass
 
 
-class Communicator(CallPaths, PointToPoint):
+class Communicator(CallPaths, PointToPoint, Planning, RMSNormCalls, SymmetricCalls, GroupCalls):
     """A group of ranks and the collectives between them.
 
     Create one with :func:`collectives.init` (or receive one from :func:`collectives.launch`);
@@ -225,68 +224,6 @@ class Communicator(CallPaths, PointToPoint):
                 self._state.end_after_conflict()
             state.busy.release()
 
-    # ---- selection ----------------------------------------------------------------------------
-    def _select(self, opcode: OpCode, device: str, nbytes: int, dtype: torch.dtype, name: str
-                ) -> tuple[Transport, Plan]:
-        if self._state.closed is not None:
-            self._state.raise_closed()
-        tname, reason = choose_transport(opcode, device, self.topology.single_node, self.transports, self._forced,
-                                         nbytes=None if opcode == OpCode.ALL_TO_ALL else nbytes)
-        t = self.transports[tname]
-        staged = device not in t.devices
-        plan = Plan(name, tname, t.algorithm(opcode, nbytes, dtype), nbytes, reason, staged)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("rank %d: %s", self.global_ranks[self.rank], plan)
-        if staged and not self._warned_staging:
-            self._warned_staging = True
-            log.warning("no transport for %s tensors is available; %s copies them through host memory "
-                        "(slow). Install the GPU transports to avoid this.", device, tname)
-        return t, plan
-
-    def plan(self, collective: str, x: Array, *, op: str = "sum", send_counts: Sequence[int] | None = None,
-             src: int = 0, weight_dtype: torch.dtype | None = None) -> Plan:
-        """Which transport and algorithm ``getattr(comm, collective)(x, ...)`` would use on this rank.
-
-        Local: no communication.
-
-        Args:
-            collective: "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
-                "barrier" or "all_reduce_rmsnorm" (its algorithm: the transport's fused one, or
-                "all_reduce+rmsnorm" where the communicator composes all_reduce and torch ops).
-            x: [*] the tensor or array that call would get (a supported dtype; all_reduce_rmsnorm:
-                [*, H] of a float dtype).
-            op, send_counts, src: as for that call (they do not change the choice today).
-            weight_dtype: all_reduce_rmsnorm's weight dtype (None: x's dtype).
-        Returns:
-            A :class:`Plan`: transport, algorithm, bytes and the reason for the choice, with the
-            performance model's predicted time of this plan and of the runner-up (the best other
-            transport/algorithm of this communicator) where the model covers the call.
-        """
-        opcode = _OPCODE_BY_NAME.get(collective)
-        if opcode is None:
-            raise ValueError(f"unknown collective {collective!r}; one of {sorted(_OPCODE_BY_NAME)}")
-        t, _, _ = as_tensor(x)
-        if collective == "all_reduce_rmsnorm" and t.dtype not in FLOATS:
-            raise TypeError(f"plan: all_reduce_rmsnorm takes x of a float dtype, got {t.dtype}")
-        if collective == "all_reduce_rmsnorm" and t.dim() == 0:
-            raise ValueError("plan: all_reduce_rmsnorm takes x of [*, H], got a 0-d x")
-        tr, plan = self._select(opcode, t.device.type, t.numel() * t.element_size(), t.dtype, collective)
-        if collective == "all_reduce_rmsnorm":
-            fused = None if plan.staged_through_host else tr.fuses_all_reduce_rmsnorm(
-                t.numel(), t.shape[-1], t.dtype, weight_dtype if weight_dtype is not None else t.dtype)
-            plan = dataclasses.replace(
-                plan, algorithm=fused or "all_reduce+rmsnorm",
-                reason=f"{plan.reason}; " + (f"fused in {tr.name}" if fused else
-                                              f"composed: all_reduce ({plan.algorithm}), then add and RMSNorm in torch"))
-        note = tr.plan_note(opcode, plan.nbytes)
-        if note:
-            plan = dataclasses.replace(plan, reason=f"{plan.reason}; {note}")
-        predicted = predict_plan(self.settings, op=collective, transport=plan.transport, algorithm=plan.algorithm,
-                                 nbytes=plan.nbytes, ranks=self.size, nodes=len(self.topology.nodes), device=t.device,
-                                 available=set(self.transports))
-        return dataclasses.replace(plan, predicted_us=predicted.chosen_us, runner_up=predicted.runner_up,
-                                   runner_up_us=predicted.runner_up_us)
-
     # ---- shared call machinery --------------------------------------------------------------
     def _fail_locally(self, opcode: OpCode, device: str, err: Exception, nbytes: int = 0,
                       call: tuple[Any, torch.Tensor, tuple[int, int] | None] | None = None) -> NoReturn:
@@ -447,79 +384,6 @@ class Communicator(CallPaths, PointToPoint):
                 self._fail_locally(OpCode.BROADCAST, device_of(x), e)
         return self._run(OpCode.BROADCAST, x, out, None, src)
 
-    def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                           *, out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-reduce ``x``, add ``residual``, RMSNorm: what a tensor-parallel transformer block runs after
-        its attention and after its MLP (TensorRT-LLM, FlashInfer and vLLM fuse it).
-
-        Defined as the composition (``n`` = the new residual; the float32 below is float64 for float64 x)::
-
-            a = comm.all_reduce(x)                        # sum, in x's dtype
-            n = a + residual                              # torch, in x's dtype
-            normed = (n.float() * torch.rsqrt(n.float().pow(2).mean(-1, keepdim=True) + eps)
-                      * weight.float()).to(x.dtype)
-
-        which the communicator runs unless the transport that serves the all-reduce fuses the call
-        (``Transport.fuses_all_reduce_rmsnorm``; ``comm.plan("all_reduce_rmsnorm", x)`` says which): a
-        fused transport computes the same up to float32 rounding of the mean. Every rank gets the same
-        ``a``; ``residual``, ``weight`` and ``eps`` are this rank's own (replicated in tensor
-        parallelism, then every rank's results are bitwise identical). Not differentiable.
-
-        The call's signature marks it (``OpCode.ALL_REDUCE_RMSNORM`` in ``F_VIEW``, the weight's dtype in
-        ``F_WEIGHT_DTYPE``), so a rank's all_reduce_rmsnorm against a peer's plain all_reduce of the same
-        shape, or different weight dtypes, raise ``ValueError`` on every rank naming the ranks.
-
-        Args:
-            x: [*, H] (at least 1 dim) float64, float32, float16 or bfloat16 torch tensor, same shape and
-                dtype on every rank, on a device this communicator serves.
-            residual: x's shape, dtype and device.
-            weight: [H], x's dtype or float32, x's device; the same dtype on every rank.
-            eps: a finite float >= 0.
-            out: optional tensor of x's shape, dtype and device for ``normed`` (may be x itself).
-            residual_out: optional tensor of x's shape, dtype and device for the new residual (may be
-                ``residual`` itself: in place, as vLLM's fused_add_rms_norm); it must not overlap ``out``.
-        Returns:
-            ``(normed, new_residual)``, both x's shape and dtype: new tensors, or ``out`` and ``residual_out``.
-        Raises:
-            TypeError, ValueError: a bad argument (not a tensor, a non-float dtype, a residual, weight or
-                out of another shape, dtype or device, eps negative or not finite, a 0-d x) on this rank,
-                naming it; its peers raise ``ValueError`` naming it.
-        """
-        return self._guarded("all_reduce_rmsnorm", self._all_reduce_rmsnorm, x, residual, weight, eps, out,
-                             residual_out)
-
-    def _all_reduce_rmsnorm(self, x: Any, residual: Any, weight: Any, eps: Any, out: Any, residual_out: Any
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._state.closed is not None:
-            self._state.raise_closed()
-        try:
-            eps = check_rmsnorm_args(x, residual, weight, eps, out, residual_out, self.global_ranks[self.rank])
-        except (TypeError, ValueError) as e:
-            dense = isinstance(x, torch.Tensor) and x.layout is torch.strided
-            self._fail_locally(OpCode.ALL_REDUCE, device_of(x), e, x.numel() * x.element_size() if dense else 0,
-                               call=self._rmsnorm_call(x, weight) if dense else None)
-        t, res, w = x.detach(), residual.detach(), weight.detach()
-        code = dtype_code(w.dtype)
-        ent = self._entry(OpCode.ALL_REDUCE, t, "sum", code, RMSNORM_VIEW)
-        shape = tuple(t.shape)
-        hidden, rows = shape[-1], math.prod(shape[:-1])
-        fused = None if ent.staged else ent.transport.fuses_all_reduce_rmsnorm(t.numel(), hidden, t.dtype, w.dtype)
-        if fused is not None:
-            return fused_rmsnorm(ent.transport, ent.sig, t, res, w, eps, out, residual_out, rows, hidden)
-        a = self._run(OpCode.ALL_REDUCE, t, None, "sum", code, RMSNORM_VIEW)  # a new tensor on x's device
-        return composed_rmsnorm(a, res, w, eps, out, residual_out)
-
-    def _rmsnorm_call(self, x: torch.Tensor, weight: Any) -> tuple[Any, torch.Tensor, tuple[int, int]] | None:
-        """The all_reduce_rmsnorm call a rank rejected (another argument was wrong), for
-        :meth:`_fail_locally`, where x and weight make the signature its peers use; else None."""
-        t = x.detach()
-        if not isinstance(weight, torch.Tensor) or t.dtype not in FLOATS or weight.dtype not in FLOATS \
-                or t.dim() == 0 or t.device.type != self.device.type or (t.is_cuda and t.device != self.device):
-            return None
-        ent = self._entry(OpCode.ALL_REDUCE, t, "sum", dtype_code(weight.dtype), RMSNORM_VIEW)
-        return ent, t, (t.numel() // t.shape[-1], t.shape[-1])
-
     def all_to_all(self, x: Array, send_counts: Sequence[int] | None = None, *, out: Array | None = None,
                    return_counts: bool = False, recv_counts: Sequence[int] | None = None
                    ) -> Array | tuple[Array, Array]:
@@ -584,41 +448,6 @@ class Communicator(CallPaths, PointToPoint):
         """
         self._guarded("barrier", self._barrier)
 
-    def symmetric_empty(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """An uninitialized tensor in the ipc transport's symmetric heap (torch calls this
-        ``symm_mem.empty``; vLLM registers its CUDA-graph buffers for the same reason).
-
-        Collective: every rank calls it with the same shape and dtype, in the same order. An
-        ``all_reduce`` of such a tensor reads it in place on every rank, without the copy into the
-        staging buffer (``out=x`` all-reduces it in place). Freed when the tensor is garbage
-        collected; free in the same order on every rank (allocations must land at one offset).
-
-        Args:
-            shape: the tensor's shape.
-            dtype: its dtype.
-        Returns:
-            [shape] dtype on this communicator's ipc device (CUDA; CPU when ipc is emulated).
-        Raises:
-            CommunicatorBrokenError: this communicator is closed.
-            RuntimeError: this communicator has no ipc transport.
-            TypeError, ValueError (every rank; the communicator stays open): a bad shape or dtype
-                on some rank (that rank raises its own error), the ranks' calls differ, or the heap
-                (setting ``ipc_symmetric_bytes``) is full.
-        """
-        if self._state.closed is not None:
-            self._state.raise_closed()
-        t = self.transports.get("ipc")
-        if t is None:
-            raise RuntimeError("symmetric_empty needs the ipc transport (one node, CUDA and triton, or "
-                               f"MOECOMM_IPC_EMULATE=1); this communicator has {sorted(self.transports)}")
-
-        def allocate() -> torch.Tensor:  # arguments agreed first: the transport's exchange assumes valid ones
-            dims, dt = agree_symmetric_args(self._rdv, self.global_ranks, shape, dtype,
-                                            getattr(t, "symmetric_bytes", None))
-            return t.symmetric_empty(dims, dt)
-
-        return self._guarded("symmetric_empty", allocate)
-
     def synchronize(self) -> None:
         """Wait for this rank's collectives queued on the device, and raise their failures.
 
@@ -671,64 +500,6 @@ class Communicator(CallPaths, PointToPoint):
         self._state.members.add(view)
         return view
 
-    # ---- groups -------------------------------------------------------------------------------
-    def split(self, color: int | None, key: int | None = None, *,
-              options: Mapping[str, Any] | None = None) -> "Communicator | None":
-        """Sub-communicator of the ranks that pass the same ``color`` (MPI_Comm_split semantics).
-
-        Collective over this group; a bad color, key or option on one rank makes every rank raise.
-
-        Args:
-            color: an int (or NumPy integer) of any size; None or negative: this rank joins no group.
-            key: an int ordering the ranks inside the new group (default: the current rank); ties
-                keep the current order.
-            options: settings of the new communicator that differ from this one's, by option
-                name of :mod:`transports.settings` (``{"shm_slot_bytes": 1 << 16}``); the ranks of
-                a new group must agree on them.
-        Returns:
-            The new :class:`Communicator` (its own transports; close it when done), or None for
-            a rank that joined no group.
-        """
-        return self._guarded("split", self._split, color, key, options)
-
-    def _split(self, color: Any, key: Any, options: Mapping[str, Any] | None) -> "Communicator | None":
-        me = self.global_ranks[self.rank]
-        c, k, err = -1, self.rank, None
-        settings = self.settings
-        try:
-            if color is not None:
-                c = as_int(color, f"split: color on rank {me}")
-            if key is not None:
-                k = as_int(key, f"split: key on rank {me}")
-            if options:
-                settings = {**self.settings, **parse_options(options, source=f"split on rank {me}")}
-        except (TypeError, ValueError) as e:
-            err = e
-        # the validation is part of the exchange, so a bad argument on one rank stops every rank
-        mine = [-1, 0, str(err)] if err is not None else [max(c, -1), k, None]
-        entries = [json.loads(b) for b in self._rdv.allgather_bytes(json.dumps(mine).encode())]
-        bad = [(self.global_ranks[r], e[2]) for r, e in enumerate(entries) if e[2] is not None]
-        if err is not None:
-            raise err
-        if bad:
-            raise ValueError(f"split: rank(s) {[r for r, _ in bad]} passed an invalid color, key or option "
-                             f"({bad[0][1]}); every rank aborted the split")
-        c = max(c, -1)
-        members = sorted((r for r in range(self.size) if entries[r][0] == c and c >= 0),
-                         key=lambda r: (entries[r][1], r))
-        new_rank = members.index(self.rank) if c >= 0 else -1
-        # MPI takes colors and keys as C ints: pass the group's index among the agreed colors, and
-        # the agreed order as the key, so any Python int works on every path.
-        colors = sorted({e[0] for e in entries if e[0] >= 0})
-        rdv = self._rdv.split(colors.index(c) if c >= 0 else -1, max(new_rank, 0), new_rank, len(members), members)
-        mpi_sub = getattr(rdv, "comm", None) if self._mpi_comm is not None else None
-        if c < 0:
-            return None
-        topo = self.topology.subset(members, new_rank)
-        return Communicator(rdv, topo, timeout=self.timeout, transport=self._forced or "auto",
-                            global_ranks=[self.global_ranks[m] for m in members], mpi_comm=mpi_sub,
-                            settings=settings, device=self.device)
-
     def close(self) -> None:
         """Release transports and shared memory; peers still waiting on this rank raise at once.
 
@@ -763,9 +534,3 @@ class Communicator(CallPaths, PointToPoint):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-_OPCODE_BY_NAME = {"all_reduce": OpCode.ALL_REDUCE, "all_gather": OpCode.ALL_GATHER,
-                   "reduce_scatter": OpCode.REDUCE_SCATTER, "all_to_all": OpCode.ALL_TO_ALL,
-                   "broadcast": OpCode.BROADCAST, "barrier": OpCode.BARRIER,
-                   "all_reduce_rmsnorm": OpCode.ALL_REDUCE}  # its all_reduce picks the transport
