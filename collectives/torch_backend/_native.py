@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -36,6 +37,21 @@ ENV = "MOECOMM_TORCH_NATIVE"
 # how long a process waits for another one's build before it gives up and goes on without it
 _LOCK_WAIT_S = 600.0
 _loaded: dict[str, ModuleType | None] = {}
+_load_lock = threading.Lock()  # the tests' background build and a group created meanwhile, in one process
+_lock_files: list = []  # the build lock's file while this process holds it
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while another thread built: a lock of its own, and not the parent's build lock (an
+    inherited descriptor would hold the file lock for as long as the child lives)."""
+    global _load_lock
+    _load_lock = threading.Lock()
+    for f in _lock_files:
+        f.close()
+    _lock_files.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def module_name() -> str:
@@ -58,6 +74,8 @@ def _cache_dir() -> Path:
 
 
 def _import(name: str, path: Path) -> ModuleType:
+    if name in sys.modules:  # imported already (by its build in this process)
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -90,8 +108,13 @@ def load() -> ModuleType | None:
         The module (its ``PyBackend`` class), or None: ``MOECOMM_TORCH_NATIVE=0``, or the build
         failed (logged once with the reason; groups then run the collectives in Python).
     """
-    if "module" in _loaded:
+    with _load_lock:
+        if "module" not in _loaded:
+            _loaded["module"] = _load_once()
         return _loaded["module"]
+
+
+def _load_once() -> ModuleType | None:
     mod, why = None, f"{ENV}=0"
     if os.environ.get(ENV, "1") != "0":
         try:
@@ -102,7 +125,6 @@ def load() -> ModuleType | None:
         log.warning("moecomm: torch.distributed groups run their collectives in Python, unseen by torch's "
                     "dispatcher (CommDebugMode counts none; pg._get_backend() has none): the c10d backend "
                     "trampoline is not available (%s)", why)
-    _loaded["module"] = mod
     return mod
 
 
@@ -114,15 +136,19 @@ def _load_or_build() -> ModuleType:
     if not target.exists():
         # flock: released by the kernel if the builder dies, so a killed build never blocks the others
         with open(directory / f"{name}.lock", "w") as lock:
-            deadline = time.monotonic() + _LOCK_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"another process held {lock.name} for {_LOCK_WAIT_S:.0f} s") from None
-                    time.sleep(0.2)
-            if not target.exists():
-                return _build(name, target)
+            _lock_files.append(lock)
+            try:
+                deadline = time.monotonic() + _LOCK_WAIT_S
+                while not target.exists():
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:  # another process builds
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"another process held {lock.name} for {_LOCK_WAIT_S:.0f} s") from None
+                        time.sleep(0.2)
+                        continue
+                    if not target.exists():
+                        return _build(name, target)
+            finally:
+                _lock_files.remove(lock)
     return _import(name, target)
