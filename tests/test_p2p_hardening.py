@@ -9,7 +9,8 @@
 12. a second thread's call while a thread waits in a point-to-point call: both raise at once, the
     peer is told (PeerFailedError), nobody waits for the timeout;
 13. gloo: close() with unfinished point-to-point works releases the process group and the process
-    exits normally;
+    exits normally; mpi: close() ends their requests (a receive left to MPI_Finalize completed into
+    freed memory at exit);
 14. a peer that closed after another rank died: the error names the dead rank too.
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from spmd import UNDER_MPI
+from spmd import UNDER_MPI, mpiexec_path
 
 import collectives
 from collectives.rendezvous import loopback_store_server
@@ -342,3 +343,12 @@ def test_gloo_close_with_unfinished_p2p_ends_cleanly():
     told = [line for line in outs[1].splitlines() if line.startswith("raised after")]
     assert told and "rank 0 closed its communicator" in told[0], outs[1]
     assert float(told[0].split()[2].rstrip("s:")) < 10.0, told
+
+
+@pytest.mark.skipif(mpiexec_path() is None, reason="no mpiexec (install the test extra: pip install '.[test]')")
+def test_mpi_p2p_close_and_deferred_errors():
+    """Over mpi: the deferred mismatch of _deferred_body, and close() with a receive and a send unfinished
+    (tests/jobs/mpi_p2p_close_job.py): their requests end at close, the receiver is told."""
+    p = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, str(HERE / "jobs" / "mpi_p2p_close_job.py")],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0 and p.stdout.count("mpi p2p job ok") == 2, p.stdout[-3000:] + p.stderr[-3000:]

@@ -49,6 +49,8 @@ SPEC = slice(H_DTYPE, H_NBYTES + 1)
 FLAG_EAGER, FLAG_EXTERNAL, FLAG_CMA = 1, 2, 4
 OK, MISMATCH = 1, 2
 MAX_TAG = (1 << 22) - 1
+_CANCEL_WAIT = datetime.timedelta(milliseconds=1)  # GlooChannel.close: the wait that expires
+_CANCEL_GRACE = 2.0  # seconds a channel's close waits for the requests of unfinished operations to end
 
 
 def spec_words(t: torch.Tensor) -> np.ndarray:
@@ -502,6 +504,49 @@ class MPIChannel(MessageChannel):
     def dead_peers(self) -> list[tuple[int, int]]:
         return dead_local(self.t._local_pids)
 
+    def close(self) -> None:
+        """Before the transport frees its communicator: end the requests of unfinished operations.
+
+        Receives are cancelled; every request is then waited for, up to _CANCEL_GRACE. One still pending
+        keeps its buffers for good (_ABANDONED_MPI): mpi4py finalizes MPI after the interpreter has freed
+        its objects, and MPI completing a receive into a freed buffer then corrupted the heap at exit."""
+        pending = [(op, r) for op in self.ops for r in op.reqs if r is not None]
+        keep = [op.keep for op in self.ops]
+        super().close()
+        if not pending:
+            return
+        for op in {id(op): op for op, _ in pending}.values():
+            for r in _receives(op):  # sends to live peers complete; a receive may wait for ever
+                try:
+                    r.Cancel()
+                except self.MPI.Exception as e:
+                    log.debug("mpi point-to-point close: cancel: %s", e)
+        reqs = [r for _, r in pending]
+        end = time.monotonic() + _CANCEL_GRACE
+        try:
+            while not self.MPI.Request.Testall(reqs) and time.monotonic() < end:
+                time.sleep(1e-3)
+            if self.MPI.Request.Testall(reqs):
+                return
+        except self.MPI.Exception as e:
+            log.debug("mpi point-to-point close: %s", e)
+        _ABANDONED_MPI.append((reqs, keep))
+        log.warning("mpi point-to-point close: request(s) still pending after %.1fs; their buffers are kept",
+                    _CANCEL_GRACE)
+
+
+# Requests an MPIChannel.close left pending, with their buffers: MPI may still write into them.
+_ABANDONED_MPI: list = []
+
+
+def _receives(op: Op) -> list:
+    """The receive requests among ``op.reqs`` (MessageChannel's layout): a send's reply receive (index 1);
+    a receive's header receive (state 1), then its data receive before its reply send (state 2)."""
+    if op.kind == "send":
+        return [op.reqs[1]] if len(op.reqs) > 1 and op.reqs[1] is not None else []
+    reqs = op.reqs if op.state == 1 else op.reqs[:-1]
+    return [r for r in reqs if r is not None]
+
 
 class _Waiting:
     __slots__ = ("done", "error", "work")
@@ -550,8 +595,6 @@ class _Waiters:
 
 
 _WAITERS = _Waiters()
-_CANCEL_WAIT = datetime.timedelta(milliseconds=1)  # GlooChannel.close: the wait that expires
-_CANCEL_GRACE = 2.0  # seconds close waits for the failed works' waiters to end
 
 
 class GlooChannel(MessageChannel):

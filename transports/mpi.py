@@ -544,6 +544,8 @@ class MPITransport(Transport):
                 self._note_sends = [(q, m, to) for q, m, to in self._note_sends if not self._sent(q, to)]
                 if self._note_sends:
                     time.sleep(1e-3)
+            if getattr(self, "p2p", None) is not None:
+                self.p2p.close()  # ends unfinished point-to-point requests (transports/_p2p.py)
             for q in self._note_reqs:
                 q.Cancel()
             MPI.Request.Waitall(self._note_reqs)
