@@ -51,7 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from transports._p2p import MAX_TAG, Op, channel_of
+from transports._p2p import MAX_TAG, Op
+from transports._p2p_channels import channel_of
 from transports.base import CollectiveTimeoutError, PeerFailedError
 
 from ._arrays import Array
