@@ -147,15 +147,13 @@ CHECKS = [_all_gather_coalesced, _reduce_dst_mismatch, _broadcast_logical_dtype,
           _sparse_all_reduce, _timeout_message]
 
 
-def _body(comm, init_method: str) -> dict:
-    n, r = comm.size, comm.rank
-    dist.init_process_group("moecomm", init_method=init_method, rank=r, world_size=n,
-                            timeout=datetime.timedelta(seconds=30))
+def run_checks(comm, checks: list) -> dict:
+    """Every check(rank, size) in turn, each reported ("ok" or its traceback), then the group destroyed."""
     report = {}
     try:
-        for check in CHECKS:
+        for check in checks:
             try:
-                check(r, n)
+                check(comm.rank, comm.size)
                 report[check.__name__] = "ok"
             except Exception:  # noqa: BLE001 - reported per check
                 report[check.__name__] = traceback.format_exc()[-2500:]
@@ -163,6 +161,13 @@ def _body(comm, init_method: str) -> dict:
     finally:
         dist.destroy_process_group()
     return report
+
+
+def _body(comm, init_method: str) -> dict:
+    n, r = comm.size, comm.rank
+    dist.init_process_group("moecomm", init_method=init_method, rank=r, world_size=n,
+                            timeout=datetime.timedelta(seconds=30))
+    return run_checks(comm, CHECKS)
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])

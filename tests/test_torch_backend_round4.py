@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import traceback
 
 import pytest
 import torch
@@ -277,18 +276,9 @@ def _body(comm, init_method: str, native: bool) -> dict:
     dist.init_process_group("moecomm", init_method=init_method, rank=r, world_size=n,
                             timeout=datetime.timedelta(seconds=30))
     assert isinstance(dist.group.WORLD, PythonProcessGroup) != native, type(dist.group.WORLD)
-    report = {}
-    try:
-        for check in CHECKS if native else [c for c in CHECKS if c is not _dispatcher_sees_the_calls]:
-            try:
-                check(r, n)
-                report[check.__name__] = "ok"
-            except Exception:  # noqa: BLE001 - reported per check
-                report[check.__name__] = traceback.format_exc()[-2500:]
-            comm.barrier()  # the next check starts together (a failed one may have left ranks apart)
-    finally:
-        dist.destroy_process_group()
-    return report
+    from test_torch_backend_round3 import run_checks
+
+    return run_checks(comm, CHECKS if native else [c for c in CHECKS if c is not _dispatcher_sees_the_calls])
 
 
 @pytest.mark.parametrize("nprocs,native", [(2, True), (3, True), (2, False)], ids=["2", "3", "2-python"])

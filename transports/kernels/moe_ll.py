@@ -146,6 +146,18 @@ def _paired(mine, status, world, call, WORD: tl.constexpr):
 
 
 @triton.jit
+def _record_refusal(status, errs, refused, world):
+    """S_INPUT = ``err * MAX_RANKS + src`` of the first source in ``refused`` ([MAX_RANKS] mask;
+    ``errs``: the sources' error words), unless an earlier refusal is recorded there."""
+    s = tl.arange(0, _MAX_RANKS)
+    first = tl.reduce(tl.where(refused, s, _MAX_RANKS), 0, _min)
+    if first < world:
+        if tl.load(status + _S_INPUT, volatile=True) == 0:
+            err = tl.reduce(tl.where(s == first, errs, 0), 0, _add)
+            tl.store(status + _S_INPUT, err * _MAX_RANKS + first)
+
+
+@triton.jit
 def _arrive_all(reg, rank, world, WORD: tl.constexpr):
     """Add 1 to word WORD + rank of every rank's exchange words (release: this program's stores
     before it are visible to whoever acquires the count)."""
@@ -316,15 +328,10 @@ def ll_dispatch_recv(OUT, OUT2, INFO, RECV_COUNT, reg, rank, world, call, sig_pt
         sm = s < world
         take = _paired(mine, status, world, call, _D_CALL)
         errs = tl.load(mine + _D_ERR + s, mask=sm, other=0, volatile=True)
-        if pid == 0:  # record the first source's input error (not our own host-detected ones: we raised)
+        if pid == 0:  # the first source's input error (not our own host-detected ones: we raised)
             code = errs & 255
             own_host = (s == rank) & (code != _BAD_ID) & (code != _DUP_ID)
-            bad = take & (errs != 0) & (own_host == 0)
-            first = tl.reduce(tl.where(bad, s, _MAX_RANKS), 0, _min)
-            if first < world:
-                if tl.load(status + _S_INPUT, volatile=True) == 0:
-                    err = tl.reduce(tl.where(s == first, errs, 0), 0, _add)
-                    tl.store(status + _S_INPUT, err * _MAX_RANKS + first)
+            _record_refusal(status, errs, take & (errs != 0) & (own_host == 0), world)
         take = take & (errs == 0)  # a refused or unpaired source sent no rows for this call
         cnt = (tl.load(reg + rank) + OFF_CNT).to(tl.pointer_type(tl.int32))
         info = (tl.load(reg + rank) + OFF_INFO).to(tl.pointer_type(tl.int32))
@@ -428,12 +435,7 @@ def ll_combine_recv(OUT, IDX, WEIGHTS, T, K, reg, rank, world, call, sig_ptrs, s
         errs = tl.load(mine + _C_ERR + s, mask=s < world, other=0, volatile=True)
         if pid == 0:  # the first source's refusal (not our own host-detected ones: we raise them)
             own_host = (s == rank) & ((errs & 255) != _STALE)
-            bad = take & (errs != 0) & (own_host == 0)
-            first = tl.reduce(tl.where(bad, s, _MAX_RANKS), 0, _min)
-            if first < world:
-                if tl.load(status + _S_INPUT, volatile=True) == 0:
-                    e = tl.reduce(tl.where(s == first, errs, 0), 0, _add)
-                    tl.store(status + _S_INPUT, e * _MAX_RANKS + first)
+            _record_refusal(status, errs, take & (errs != 0) & (own_host == 0), world)
         whole = tl.reduce((take & (errs == 0)).to(tl.int32), 0, _add) == world  # every source's rows came
         comb = (tl.load(reg + rank) + OFF_COMB).to(tl.pointer_type(OUT.dtype.element_ty))
         c = tl.arange(0, CB)
