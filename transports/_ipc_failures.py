@@ -317,11 +317,7 @@ class IPCFailures:
             const = self._lamport_constants(self._reduce_constants(x.dtype, ReduceOp(int(sig.meta[F_REDOP]))))
             kernel = self._bind(self._k.lamport.all_reduce_lamport, const)
             run = (flat, torch.empty_like(flat), flat.numel(), *args)
-        try:
-            kernel(*run)
-        except BaseException:
-            self._not_launched()
-            raise
+        self._queue(kernel, *run)
         self._regions.sync()  # an error path: our own view of the rejection is ours to drop
         self._status[L.S_MISMATCH] = 0
         self._check(completed=True)

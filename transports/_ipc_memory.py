@@ -138,11 +138,7 @@ class IPCMemory:
         for i, (kernel, args, constexprs) in enumerate(launches):
             if i and not self._regions.capturing():
                 self._launched += 1  # counted as _start counts the first
-            try:
-                self._bind(kernel, constexprs)(*args, *tail)
-            except BaseException:
-                self._not_launched()
-                raise
+            self._queue(self._bind(kernel, constexprs), *args, *tail)
         if self._regions.capturing():
             return None
         self._regions.sync()

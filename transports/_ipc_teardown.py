@@ -91,11 +91,10 @@ class IPCTeardown:
         self._meta_cache.clear()
 
     def _in_flight(self, probe: Callable[[], bool] | None) -> bool:
-        """Whether a kernel of ours may still run (see :meth:`_drain`). In emulation only the probe
-        counts: a launch returns when its kernel has ended, on the thread that launched it, and the
-        communicator never runs close() beside a call, so a count ahead of DONE there is a launch that
-        raised out of the interpreter (an interrupted call), not a kernel."""
-        return (not self.emulate and self._busy()) or (probe is not None and not probe())
+        """Whether a kernel of ours may still run (see :meth:`_drain`): the host's count ahead of DONE
+        (a launch that raised, an interrupted one included, is uncounted where it raised), or the
+        stream probe not done."""
+        return self._busy() or (probe is not None and not probe())
 
     def _drain(self, probe: Callable[[], bool] | None, seconds: float | None = None) -> bool:
         """Wait up to ``seconds`` (after our ABORT: :attr:`_DRAIN_SECONDS`) for our kernels to end;

@@ -350,11 +350,7 @@ class IPCTransport(IPCFailures, IPCMemory, IPCAllToAll, IPCTeardown, Transport):
         host never waits for the stream here.
         """
         self._start()
-        try:
-            self._bind(kernel, constants)(*args)
-        except BaseException:
-            self._not_launched()
-            raise
+        self._queue(self._bind(kernel, constants), *args)
         if self.eager_check:
             self._check(completed=True)
 
@@ -365,6 +361,15 @@ class IPCTransport(IPCFailures, IPCMemory, IPCAllToAll, IPCTeardown, Transport):
         self._check()
         if not self._regions.capturing():  # a captured kernel runs at replays, which the host does not see
             self._launched += 1
+
+    def _queue(self, bound: Callable[..., None], *args: Any) -> None:
+        """``bound(*args)``, a launch that :meth:`_start` counted: uncounted if it raises. (The
+        latency path inlines the same.)"""
+        try:
+            bound(*args)
+        except BaseException:
+            self._not_launched()
+            raise
 
     def _not_launched(self) -> None:
         """A launch that :meth:`_start` counted raised instead (a compile error, an interrupt): uncount
@@ -423,7 +428,7 @@ class IPCTransport(IPCFailures, IPCMemory, IPCAllToAll, IPCTeardown, Transport):
     # ---- collectives ---------------------------------------------------------------------------
     def exchange_meta(self, sig: Signature) -> np.ndarray:
         self._start()
-        self._bind(self._k.barrier_kernel, {"COPY_META": True})(*self._common(sig)[1:])
+        self._queue(self._bind(self._k.barrier_kernel, {"COPY_META": True}), *self._common(sig)[1:])
         self._regions.sync()  # an error path: the host reads the peers' signatures now
         self._status[L.S_MISMATCH] = 0  # differences are the point here
         self._check()
