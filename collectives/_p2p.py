@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from transports._p2p import MAX_TAG, Op
+from transports._p2p import MAX_TAG, Op, copy_back
 from transports._p2p_channels import channel_of
 from transports.base import CollectiveTimeoutError, PeerFailedError
 
@@ -295,13 +295,13 @@ class PointToPoint:
                 buf = t.cpu()
             else:
                 buf = torch.empty(t.shape, dtype=t.dtype)
-                finish = _copy_back(t, buf)
+                finish = copy_back(t, buf)
         elif t.is_contiguous():
             buf = t
         else:
             buf = t.contiguous()
             if kind == "recv":
-                finish = _copy_back(t, buf)
+                finish = copy_back(t, buf)
         return Op(kind, peer, tag, buf, finish=finish), self._p2p_channel_for(peer), result, None
 
     def _p2p_channel_for(self, peer: int | None) -> Any:
@@ -469,13 +469,6 @@ def _in_step(error: BaseException) -> BaseException:
     (collectives/_shared.py's leaves_out_of_step)."""
     error.in_step = True
     return error
-
-
-def _copy_back(dst: torch.Tensor, buf: torch.Tensor) -> Callable[[], None]:
-    def finish() -> None:
-        with torch.no_grad():
-            dst.copy_(buf)
-    return finish
 
 
 def _pending(nccl_t: Any) -> list[Op]:

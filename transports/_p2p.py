@@ -421,6 +421,14 @@ class MessageChannel(Channel):
         return False
 
 
+def copy_back(dst: torch.Tensor, buf: torch.Tensor) -> Callable[[], None]:
+    """An ``Op.finish`` that copies a receive's contiguous (or staged) buffer into its ``dst``."""
+    def finish() -> None:
+        with torch.no_grad():
+            dst.copy_(buf)
+    return finish
+
+
 def dead_local(pids: dict[int, int]) -> list[tuple[int, int]]:
     """(group rank, pid) of the processes in ``pids`` (group rank -> pid, this node's) that are gone."""
     return [(r, pid) for r, pid in sorted(pids.items()) if pid and not pid_alive(pid)]

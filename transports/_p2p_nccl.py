@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ._p2p import Op
+from ._p2p import Op, copy_back
 
 _NCCL_UINT8 = 1  # ncclUint8: messages move as bytes
 
@@ -92,9 +92,10 @@ def p2p_stream(transport: Any, device: torch.device) -> Any:
 
 def _copy_back(dst: torch.Tensor, buf: torch.Tensor) -> Callable[[], None]:
     """A non-contiguous receive's copy into ``dst``, run by :func:`enqueue` under the point-to-point stream."""
+    copy = copy_back(dst, buf)
+
     def finish() -> None:
-        with torch.no_grad():
-            dst.copy_(buf)
+        copy()
         dst.record_stream(torch.cuda.current_stream(dst.device))  # the caller's tensor, written on our stream
     return finish
 

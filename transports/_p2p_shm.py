@@ -59,6 +59,7 @@ from ._p2p import (
     R_STATUS,
     Channel,
     Op,
+    dead_local,
     naming_the_dead,
     same_spec,
 )
@@ -406,7 +407,7 @@ class ShmChannel(Channel):
                                "send ended", [who])
 
     def dead_peers(self) -> list[tuple[int, int]]:
-        return [(r, pid) for r, pid in enumerate(self.pids) if r != self.rank and pid and not pid_alive(pid)]
+        return dead_local({r: pid for r, pid in enumerate(self.pids) if r != self.rank})
 
     def own_copy(self, op: Op) -> None:
         """See :meth:`Channel.own_copy`; a published single-copy send points its ring entry at the copy
