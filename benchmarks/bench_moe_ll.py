@@ -31,13 +31,15 @@ def low_latency_bytes(experts: int, ranks: int, tokens: int, hidden: int, top_k:
     """About what one rank's low-latency dispatcher holds, for a check before the run.
 
     Returns:
-        (region, outputs): the region every rank maps (the staged rows of [L, P*M] of
-        max(H * itemsize, H + H/32) B with their info words, and the combine's M * k rows of H) and a
-        call's new tensors (recv_x [L, P*M, H] and the identity experts' output fed to combine, and
-        FP8's [L, P*M, H] bytes with scales).
+        (region, outputs): the region every rank maps (``transports.ipc_moe.region_layout``'s, as
+        the dispatcher of :func:`time_low_latency` makes it) and a call's new tensors (recv_x
+        [L, P*M, H] and the identity experts' output fed to combine, and FP8's [L, P*M, H] bytes
+        with scales).
     """
+    from transports.ipc_moe import region_layout
+
     slots = experts // ranks * ranks * tokens  # L * P * M received rows
-    region = slots * (max(hidden * itemsize, hidden + hidden // 32) + 4) + tokens * top_k * hidden * itemsize
+    region = region_layout(ranks, experts, tokens, hidden, itemsize, top_k)[-1]
     outputs = 2 * slots * hidden * itemsize + (slots * (hidden + hidden // 32) if fp8 else 0)
     return region, outputs
 

@@ -45,6 +45,24 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def region_layout(ranks: int, num_experts: int, max_tokens: int, hidden: int, itemsize: int, max_topk: int
+                  ) -> tuple[int, int, int, int, int, int]:
+    """Where an exchange region holds what (:mod:`transports.kernels.moe_ll`'s layout), in bytes.
+
+    Returns:
+        (row_bytes, off_cnt, off_info, off_rows, off_comb, region_bytes): a staged row (the data, or
+        FP8 bytes then scales), the offsets of the counts, info words, staged rows and combine rows,
+        and the region's size.
+    """
+    P, M, H, KM, local = ranks, max_tokens, hidden, max_topk, num_experts // ranks
+    row_bytes = _align(max(H * itemsize, H + H // 32), 16)
+    off_cnt = L.LL_WORDS * 8
+    off_info = off_cnt + _align(L.MAX_RANKS * local * 4, _REGION_ALIGN)
+    off_rows = off_info + _align(local * P * M * 4, _REGION_ALIGN)
+    off_comb = off_rows + _align(local * P * M * row_bytes, _REGION_ALIGN)
+    return row_bytes, off_cnt, off_info, off_rows, off_comb, off_comb + M * KM * H * itemsize
+
+
 @dataclass(frozen=True)
 class Dispatched:
     """What a combine needs of its dispatch besides the handle's tensors: the call word, and
@@ -100,12 +118,7 @@ class IPCExpertExchange:
         self.num_experts, self.max_tokens, self.hidden, self.dtype, self.max_topk = E, M, H, dtype, KM
         self.local = E // P
         item = dtype.itemsize
-        self.row_bytes = _align(max(H * item, H + H // 32), 16)  # a staged row: bf16/fp32 data, or FP8 + scales
-        off_cnt = self._k.WORDS * 8
-        off_info = off_cnt + _align(L.MAX_RANKS * self.local * 4, _REGION_ALIGN)
-        off_rows = off_info + _align(self.local * P * M * 4, _REGION_ALIGN)
-        off_comb = off_rows + _align(self.local * P * M * self.row_bytes, _REGION_ALIGN)
-        self.region_bytes = off_comb + M * KM * H * item
+        self.row_bytes, off_cnt, off_info, off_rows, off_comb, self.region_bytes = region_layout(P, E, M, H, item, KM)
         self.table = transport.peer_region(self.region_bytes)
         self.device = transport._device
         cb = math.gcd(H, 1024)  # channels per step: a power of two >= 128 that divides H

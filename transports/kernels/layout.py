@@ -87,6 +87,8 @@ LAMPORT_SENTINEL_BITS = -(1 << 31)  # int32 view of float32 -0.0
 
 STATE_RUNNING, STATE_ABORTED, STATE_CLOSED = 0, 1, 2
 
+LL_WORDS = 512  # int64 words at the start of a low-latency MoE exchange region (transports.kernels.moe_ll)
+
 
 def lamport_slot_bytes(elems: int) -> int:
     """Bytes of one Lamport slot for ``elems`` elements per source: headers, then float32 rows."""

@@ -69,7 +69,7 @@ from .sync import _add, _max, _min, done, may_start, store_rounded, wait_flag
 # D_ERR/C_ERR[src] its error word
 D_ARRIVE, D_ACK, C_ARRIVE, C_ACK, D_ERR, D_CALL, C_CALL, C_ERR = 0, 16, 32, 48, 64, 80, 96, 112
 D_SEND, D_RECV, C_SEND, C_RECV = 128, 192, 256, 320  # per program: calls this program has finished
-WORDS = 512
+WORDS = L.LL_WORDS
 assert L.MAX_RANKS <= 16 and C_RECV + L.MAX_PROGRAMS <= WORDS
 
 _D_ARRIVE = tl.constexpr(D_ARRIVE)
