@@ -36,6 +36,7 @@ from .bench_moe import bench_moe  # noqa: E402
 from .bench_p2p import bench_p2p
 from .bench_tp import bench_tp  # noqa: E402
 from .gpu_validate import validate_gpu  # noqa: E402
+from .paths_cli import paths  # noqa: E402
 from .predict import predict  # noqa: E402
 from .testbed_cli import testbed  # noqa: E402
 from .topo import topo  # noqa: E402
@@ -47,6 +48,7 @@ main.add_command(bench_p2p)
 main.add_command(bench_tp)
 main.add_command(testbed)
 main.add_command(topo)
+main.add_command(paths)
 main.add_command(validate_gpu)
 main.add_command(predict)
 
