@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import click
 
+from transports.paths import PATHS, PathMismatchError
 from transports.settings import TRANSPORT_CHOICES
 
 from . import sweep as sw
@@ -23,33 +24,32 @@ DEFAULT_PLOT = "moecomm-bench.png"
 def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
     """Body of `moecomm bench` on one rank (collective); rank 0 prints as rows arrive.
 
-    Returns {"rows": [Row dicts], "notes": [...], "meta": {...}}; rows are the same on every rank.
+    Returns {"rows": [Row dicts], "notes": [...], "meta": {...}}; rows are the same on every rank (with
+    ``--path``, a node-local path on several nodes: each node's own).
     """
     from .peers import bench_device, build_peers
-    from .progress import Progress
     from .report import memcpy_table, ratio_table
 
     device = bench_device(comm, opts["device"])
-    try:
-        peers, notes = build_peers(comm, transports=opts["transports"], compare=opts["compare"], peers=opts["peers"],
-                                   device=device, timeout=opts["timeout"], memcpy=opts["memcpy"])
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
     lead = comm.rank == 0
-    bar = Progress(0, enabled=False)
+    path_meta: dict[str, Any] = {}
+    if opts.get("paths"):
+        sweeps, notes = _path_sweeps(comm, opts, device, path_meta)
+    else:
+        try:
+            peers, notes = build_peers(comm, transports=opts["transports"], compare=opts["compare"],
+                                       peers=opts["peers"], device=device, timeout=opts["timeout"],
+                                       memcpy=opts["memcpy"])
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        sweeps = [_Sweep(peers, comm)]
 
     def out(text: str = "") -> None:
         if lead:
-            bar.print(text)
+            click.echo(text)
 
-    def on_start(i: int, total: int, step: sw.Step) -> None:
-        nonlocal bar
-        if not lead:
-            return
-        if bar.total != total:
-            bar = Progress(total, enabled=not opts["quiet"])
-        bar.update(i, f"{step.op} {format_size(step.size)} {step.peer.name}")
-
+    rows: list[sw.Row] = []
+    printed_notes: list[str] = []
     try:
         cycles = opts.get("cycles", 1)
         out(f"# moecomm bench: {comm.size} ranks, dtype {','.join(opts['dtypes'])}, iters {opts['iters']}, "
@@ -59,25 +59,11 @@ def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
             out(f"# mode: CUDA graphs, {opts['cuda_graph']} calls captured per graph; time = replay time / "
                 f"{opts['cuda_graph']}, out-of-place only; #wrong checks the result after the timed replays")
         out("# " + str(comm.topology).replace("\n", "\n# "))
-        out("# peers: " + "; ".join(p.describe() for p in peers))
-        printed_notes = []
-
-        def on_notes(more: list[str]) -> None:
-            printed_notes.extend(more)
-            for line in notes + more:
-                out(f"# note: {line}")
-            for line in SWEEP.header():
-                out(line)
-
-        rows = sw.run_sweep({p.name: p for p in peers}, opts["ops"], opts["dtypes"], opts["sizes"],
-                            iters=opts["iters"], warmup=opts["warmup"], check=opts["check"], seed=opts["seed"],
-                            redops=opts["redops"], root=opts["root"], stats=comm, on_start=on_start,
-                            cycles=cycles, graph_calls=opts.get("cuda_graph", 0),
-                            on_notes=on_notes, on_row=lambda r: out(format_row(r)))
-        bar.finish()
+        for i, sweep in enumerate(sweeps):
+            rows += _run_one(sweep, opts, notes, printed_notes, out, lead, i == 0)
     finally:
-        for p in peers:
-            p.close()
+        for sweep in sweeps:
+            sweep.close()
     for line in summary(rows):
         out(line)
     bad_peers = sorted({r.transport for r in rows if r.library != "moecomm" and (r.wrong > 0 or r.ip_wrong > 0)})
@@ -92,8 +78,138 @@ def _bench_rank(comm, opts: dict[str, Any]) -> dict[str, Any]:
     topo = comm.topology
     meta = {"launch": topo.launch, "nranks": comm.size, "nodes": topo.num_nodes, "hosts": sorted(set(topo.hosts)),
             "cpus_per_rank": list(topo.cpus_per_rank), "transports_available": sorted(comm.transports),
-            "peers": {p.name: p.describe() for p in peers}, "device": device}
+            "peers": {p.name: p.describe() for sweep in sweeps for p in sweep.peers}, "device": device}
+    if path_meta:
+        meta["paths"] = path_meta
     return {"rows": row_dicts, "notes": notes + printed_notes, "meta": meta}
+
+
+class _Sweep:
+    """One run_sweep: its peers, the communicator that aggregates them, and for ``--path`` the path's
+    row check and what to close afterwards."""
+
+    def __init__(self, peers: list, stats: Any, on_row: Callable[[Any], None] | None = None, path: str = "",
+                 owned: Any = None) -> None:
+        self.peers, self.stats, self.on_row, self.path, self.owned = peers, stats, on_row, path, owned
+
+    def close(self) -> None:
+        for p in self.peers:
+            p.close()
+        if self.owned is not None:
+            self.owned.close()
+            self.owned = None
+
+
+def _path_sweeps(comm, opts: dict[str, Any], device: str, meta: dict[str, Any]) -> tuple[list[_Sweep], list[str]]:
+    """``--path``: one sweep per path, each on a communicator that can only take it (collective)."""
+    from . import path_bench as pb
+    from .peers import MoecommPeer, comm_gpu
+
+    infos = pb.agreed_paths(comm)
+    pb.check_available(opts["paths"], infos)
+    mdev = str(comm_gpu(comm)) if device == "cuda" else "cpu"
+    log_dir = pb.nccl_log_dir()
+    sweeps, notes = [], []
+    for path in opts["paths"]:
+        transport = pb.transport_for(path, device, opts.get("path_transport"))
+        view, owned = pb.path_comm(comm, path, transport)
+        verify = pb.Verifier(view, path, transport, log_dir)
+        peer = MoecommPeer(view, path, show_transport=True, device=mdev)
+        sweeps.append(_Sweep([peer], view, verify, path, owned))
+        where = f" within each of {comm.topology.num_nodes} nodes" if view.size < comm.size else ""
+        notes.append(f"{path}: {transport} transport, {view.size} ranks{where}")
+        meta[path] = {"transport": transport, "ranks": view.size, "within_node": view.size < comm.size}
+    return sweeps, notes
+
+
+def _run_one(sweep: _Sweep, opts: dict[str, Any], notes: list[str], printed_notes: list[str],
+             out: Callable[[str], None], lead: bool, first: bool) -> list[sw.Row]:
+    """Run one sweep, printing its notes, header and rows on the lead rank."""
+    from . import path_bench as pb
+    from .progress import Progress
+
+    bar = Progress(0, enabled=False)
+
+    def on_start(i: int, total: int, step: sw.Step) -> None:
+        nonlocal bar
+        if not lead:
+            return
+        if bar.total != total:
+            bar = Progress(total, enabled=not opts["quiet"])
+        bar.update(i, f"{step.op} {format_size(step.size)} {step.peer.name}")
+
+    def on_notes(more: list[str]) -> None:
+        printed_notes.extend(more)
+        if sweep.path:
+            if first:
+                out("# paths: " + "; ".join(notes))
+            out(f"# path {sweep.path} (checked at its first row; every row's path field is the path verified):")
+        else:
+            out("# peers: " + "; ".join(p.describe() for p in sweep.peers))
+            more = notes + more
+        for line in more:
+            out(f"# note: {line}")
+        for line in SWEEP.header():
+            out(line)
+
+    def on_row(row: sw.Row) -> None:
+        if sweep.on_row is not None:
+            sweep.on_row(row)
+        if lead:
+            bar.print(format_row(row))
+
+    before = pb.interface_bytes() if sweep.path else {}
+    rows = sw.run_sweep({p.name: p for p in sweep.peers}, opts["ops"], opts["dtypes"], opts["sizes"],
+                        iters=opts["iters"], warmup=opts["warmup"], check=opts["check"], seed=opts["seed"],
+                        redops=opts["redops"], root=opts["root"], stats=sweep.stats, on_start=on_start,
+                        cycles=opts.get("cycles", 1), graph_calls=opts.get("cuda_graph", 0),
+                        on_notes=on_notes, on_row=on_row)
+    bar.finish()
+    if sweep.path == "socket":
+        note = pb.traffic_note(sweep.path, before, pb.interface_bytes())
+        printed_notes.append(note)
+        out(f"# note: {note}")
+    return rows
+
+
+def _bench_paths(opts: dict[str, Any], path: str, nprocs: int) -> tuple[bool, dict[str, Any]]:
+    """``bench --path``: check the paths, then one launch per set of ranks the paths need, merged."""
+    from . import path_bench as pb
+
+    paths = pb.parse_paths(path)
+    if opts["compare"]:
+        raise click.BadParameter("--path measures one transport per path; it does not combine with --compare",
+                                 param_hint="--path")
+    transports = opts["transports"] or []
+    if len(transports) > 1:
+        raise click.BadParameter("with --path, --transport names at most one transport (the one under test)",
+                                 param_hint="--transport")
+    device = pb.resolve_device(opts["device"])
+    external = pb.external_launch()
+    infos = pb.local_paths()
+    if paths == ["all"]:
+        paths = pb.available_paths(infos, device)
+    if not external:  # this machine is the launch: say now, before any rank starts
+        pb.check_available(paths, infos)
+    for p in paths:
+        pb.transport_for(p, device, transports[0] if transports else None)
+    launches = pb.plan_launches(paths, device, transports[0] if transports else None, infos, external=external)
+    merged: dict[str, Any] = {"rows": [], "notes": [], "meta": {}}
+    lead = True
+    for launch in launches:
+        o = dict(opts, paths=launch.paths, device=device, path_transport=transports[0] if transports else None)
+        try:
+            lead, res = on_ranks(_bench_rank, nprocs, o, timeout=opts["timeout"], check_size=_fits(opts),
+                                 env=launch.env)
+        except PathMismatchError as e:
+            where = f" (NCCL's log: {launch.log_dir})" if launch.log_dir else ""
+            raise pb.PathFailed(f"{e}{where}") from None
+        merged["rows"] += res["rows"]
+        merged["notes"] += res["notes"]
+        paths_meta = {**merged["meta"].get("paths", {}), **res["meta"].get("paths", {})}
+        merged["meta"] = {**res["meta"], "paths": paths_meta}
+    pb.cleanup(launches)
+    return lead, merged
 
 
 def _write_outputs(res: dict[str, Any], opts: dict[str, Any], json_path: str | None, csv_path: str | None,
@@ -234,11 +350,17 @@ def _graph_device(device: str) -> str:
 @click.option("--no-save", is_flag=True, help=f"Do not write the default {DEFAULT_JSON} / {DEFAULT_PLOT}.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--seed", type=NONNEGATIVE, default=1, show_default=True, help="Seed of the random inputs.")
+@click.option("--path", "path", default=None, metavar="P[,P..]|all",
+              help="Force the bytes onto path(s) and verify the path taken (`moecomm paths` lists them): "
+                   f"{', '.join(PATHS)}; all: every available one. CPU tensors: shm (shm transport), socket "
+                   "(gloo); CUDA: cuda-ipc (ipc), the others NCCL (forced through its environment, verified "
+                   "from its NCCL_DEBUG=INFO log). One line per path in the table and the plot; a path that is "
+                   "not available exits 2, one that was not taken fails naming both.")
 def bench(minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, ops: str, redop: str, dtype: str,
           root: int, iters: int, warmup: int, cycles: int, check: int, no_check: bool, transport: str | None, compare: bool,
           peers: str | None, memcpy: bool | None, device: str, cuda_graph: int, nprocs: int, timeout: float,
           json_path: str | None, csv_path: str | None, plot_path: str | None, no_save: bool, quiet: bool,
-          seed: int) -> None:
+          seed: int, path: str | None) -> None:
     """Bandwidth sweep in nccl-tests' format: out-of-place and in-place time/algbw/busbw/#wrong, p50/p99.
 
     Self-launches --nprocs local ranks, or uses the job's ranks under mpirun/mpiexec/torchrun.
@@ -253,7 +375,10 @@ def bench(minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, 
     if not no_save:
         json_path = json_path or DEFAULT_JSON
         plot_path = plot_path or DEFAULT_PLOT
-    lead, res = on_ranks(_bench_rank, nprocs, opts, timeout=timeout, check_size=_fits(opts))
+    if path:
+        lead, res = _bench_paths(opts, path, nprocs)
+    else:
+        lead, res = on_ranks(_bench_rank, nprocs, opts, timeout=timeout, check_size=_fits(opts))
     if lead:
         _write_outputs(res, opts, json_path, csv_path, plot_path)
     if any(r["library"] == "moecomm" and (r["wrong"] > 0 or r["ip_wrong"] > 0) for r in res["rows"]):

@@ -42,6 +42,7 @@ from typing import Any
 import click
 import torch
 
+from transports.paths import PathMismatchError
 from transports.settings import TRANSPORT_CHOICES, option_or_environment
 
 from .bench_moe_ll import LL_IMPLS, low_latency_bytes, time_low_latency
@@ -198,6 +199,12 @@ def _bench_rank(comm, o: dict[str, Any]) -> list[list[list[float]]]:
             n = o["iters"]
             rows.append([comm.rank, IMPLS.index(name), *(times[p] / n for p in ("layout", "dispatch", "combine")),
                          uniq_rows, moved, inter, intra, int(ok), num_nodes, uniq_rows * H * esz, uniq_rows * H * esz])
+        if o.get("path"):  # the transport that ran the dispatcher's all-to-alls is the path they took
+            from .path_bench import agree_on_path, nccl_log_dir, taken_path
+
+            ran = comm.plan("all_to_all", x).transport
+            agree_on_path(comm, o["path"], taken_path(o["path"], o["path_transport"], ran, nccl_log_dir()),
+                          "dispatch/combine")
         if o.get("mode") == "low_latency":
             _progress(comm, f"low latency: {o['warmup']} + {o['iters']} iterations per variant")
             for name, t_d, t_c, b_d, b_c, recv_rows, ok in time_low_latency(comm, o, x, experts, weights, sync, want):
@@ -363,6 +370,8 @@ def _json_doc(stats: list[list[list[float]]], o: dict[str, Any]) -> dict[str, An
         for r in per_rank:
             row = dict(zip(keys, r))
             row.update(rank=int(r[0]), impl=IMPLS[int(r[1])], ok=bool(r[9]), nodes=int(r[10]), recv_rows=int(r[5]))
+            # the verified path of the normal-mode rows (--path; bench_moe raises before writing when not taken)
+            row["path"] = (o.get("path") or "") if row["impl"] in ("moecomm", "moecomm-flat") else ""
             for k in ("layout_us", "dispatch_us", "combine_us"):
                 row[k] *= 1e6
             rows.append(row)
@@ -433,9 +442,13 @@ def _print_node_summary(stats: list[list[list[float]]], o: dict[str, Any]) -> No
               help="--mode low_latency on CUDA: also time CUDA graphs of N dispatches and of N combines.")
 @click.option("-J", "--json", "json_path", type=OUTPUT_FILE, default=None,
               help="Also write the rows, the summary and the environment as JSON.")
+@click.option("--path", default=None, metavar="P",
+              help="Force the normal mode's dispatch/combine onto path P and verify it (`moecomm paths`): CPU: shm, "
+                   "socket (gloo); CUDA: cuda-ipc (ipc) or an NCCL path. Not available here: exit 2.")
 def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, nprocs: int, iters: int, warmup: int,
               cpu_scale: bool, baseline: bool, compare_flat: bool, keep_freed_memory: bool, timeout: float,
-              device: str, transport: str, mode: str, fp8: bool, cuda_graph: int, json_path: str | None) -> None:
+              device: str, transport: str, mode: str, fp8: bool, cuda_graph: int, json_path: str | None,
+              path: str | None) -> None:
     """MoE dispatch / combine time and GB/s per rank (layout separately), with the torch.distributed baseline."""
     if tokens is None:
         tokens = 128 if mode == "low_latency" else 4096
@@ -463,8 +476,24 @@ def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, np
         if mode == "low_latency":
             _check_low_latency(o, n, on_cuda)
 
-    lead, stats = on_ranks(_bench_rank, nprocs, o, timeout=timeout, check_size=check_size, transport=transport,
-                           options=settings)
+    env, chosen = None, None
+    if path:
+        from . import path_bench as pb
+
+        chosen = pb.single_path(path, pb.resolve_device(device), None if transport == "auto" else transport)
+        transport, env = chosen.transport, chosen.launch.env
+        o.update(path=chosen.path, path_transport=chosen.transport)
+    try:
+        lead, stats = on_ranks(_bench_rank, nprocs, o, timeout=timeout, check_size=check_size, transport=transport,
+                               options=settings, env=env)
+    except PathMismatchError as e:
+        from .path_bench import PathFailed
+
+        raise PathFailed(f"{e}" + (f" (NCCL's log: {chosen.launch.log_dir})" if chosen.launch.log_dir else "")) from None
+    if chosen is not None:
+        from .path_bench import cleanup
+
+        cleanup([chosen.launch])
     if not lead:
         return
     o["nprocs_run"] = len(stats)

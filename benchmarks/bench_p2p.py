@@ -25,6 +25,8 @@ from typing import Any
 import click
 import torch
 
+from transports.paths import PathMismatchError
+
 from .options import BYTES, COUNT, NONNEGATIVE, OUTPUT_FILE, SECONDS, comma_list
 from .ranks import on_ranks
 from .table import Column, Table
@@ -102,20 +104,28 @@ def _bench_rank(comm, o: dict[str, Any]) -> dict[str, Any] | None:
                     comm.barrier()
                     for _ in range(iters):
                         times[size][b].append(_pingpong(*calls[b], x, box, me))
-        channel = type(c._p2p_host_channel()).__name__
+        ch = c._p2p_host_channel()
+        channel = type(ch).__name__
+        verified = ""
+        if o.get("path"):  # the channel that carried moecomm's rows is the path they took
+            from .path_bench import agree_on_path, nccl_log_dir, taken_path
+
+            taken = taken_path(o["path"], o["transport"], ch.name, nccl_log_dir())
+            verified = agree_on_path(comm, o["path"], taken, "send/recv")
     finally:
         dist.destroy_process_group()
     bad = comm.all_reduce(torch.tensor([0 if all(ok.values()) else 1]), op="max").item()
     if me != 0:
         return None
     return {"times": times, "ok": ok if not bad else {b: False for b in BACKENDS}, "ranks": comm.size,
-            "channel": channel}
+            "channel": channel, "path": verified}
 
 
 def _report(r: dict[str, Any], o: dict[str, Any]) -> list[dict[str, Any]]:
     click.echo(f"# moecomm bench-p2p: send/recv ping-pong between ranks 0 and 1 of {r['ranks']}, one-way time = "
                f"round trip / 2 on rank 0; {o['reps']} repetitions per backend, interleaved, after {o['warmup']} "
-               f"warmup round trips; moecomm's channel: {r['channel']}")
+               f"warmup round trips; moecomm's channel: {r['channel']}"
+               + (f"; path {r['path']} (verified)" if r.get("path") else ""))
     for line in TABLE.header():
         click.echo(line)
     rows = []
@@ -126,7 +136,8 @@ def _report(r: dict[str, Any], o: dict[str, Any]) -> list[dict[str, Any]]:
             p50 = statistics.median(ts)
             mean = statistics.fmean(ts)
             row = {"size": size, "backend": b, "oneway_s": mean, "p50_s": p50, "min_s": min(ts),
-                   "GBps": size / p50 / 1e9, "vs_gloo": gloo / p50, "ok": r["ok"][b], "round_trips": len(ts)}
+                   "GBps": size / p50 / 1e9, "vs_gloo": gloo / p50, "ok": r["ok"][b], "round_trips": len(ts),
+                   "path": r.get("path", "") if b == "moecomm" else ""}
             rows.append(row)
             click.echo(TABLE.line(size, b, mean * 1e6, p50 * 1e6, min(ts) * 1e6, row["GBps"],
                                   f"{row['vs_gloo']:.2f}x", "ok" if row["ok"] else "WRONG"))
@@ -153,8 +164,11 @@ def _report(r: dict[str, Any], o: dict[str, Any]) -> list[dict[str, Any]]:
 @click.option("--json", "json_path", type=OUTPUT_FILE, default=None,
               help="Also write the rows with the run's environment to this JSON file.")
 @click.option("--timeout", type=SECONDS, default=300.0, show_default=True, help="Communicator timeout in seconds.")
+@click.option("--path", default=None, metavar="P",
+              help="Force moecomm's send/recv onto path P and verify it (`moecomm paths`): shm or socket (gloo); "
+                   "not available here: exit 2.")
 def bench_p2p(sizes: str, nprocs: int, iters: int, reps: int, warmup: int, transport: str, json_path: str | None,
-              timeout: float) -> None:
+              timeout: float, path: str | None) -> None:
     """Send/recv ping-pong between two ranks: moecomm (Communicator and torch backend) against gloo."""
     try:
         size_list = [int(BYTES.convert(s, None, None)) for s in comma_list(sizes)]
@@ -172,10 +186,22 @@ def bench_p2p(sizes: str, nprocs: int, iters: int, reps: int, warmup: int, trans
         if n < 2:
             raise click.UsageError("bench-p2p needs at least 2 ranks")
 
+    env = None
+    if path:
+        from .path_bench import single_path
+
+        chosen = single_path(path, "cpu", None if transport == "auto" else transport)
+        transport, env = chosen.transport, chosen.launch.env
     o = {"sizes": size_list, "iters": iters, "reps": reps, "warmup": warmup, "transport": transport,
-         "timeout": timeout}
+         "timeout": timeout, "path": path}
     # created with the transport: gloo exists only where it is asked for (or between nodes)
-    lead, result = on_ranks(_bench_rank, nprocs, o, timeout=timeout, check_size=check_size, transport=transport)
+    try:
+        lead, result = on_ranks(_bench_rank, nprocs, o, timeout=timeout, check_size=check_size, transport=transport,
+                                env=env)
+    except PathMismatchError as e:
+        from .path_bench import PathFailed
+
+        raise PathFailed(str(e)) from None
     if not lead:
         return
     rows = _report(result, o)

@@ -282,6 +282,9 @@ class Row:
     # ``graph_calls`` calls (nccl-tests' -G), time per call = replay time / graph_calls, out-of-place only
     mode: str = "eager"
     graph_calls: int = 0
+    # ``bench --path P``: the path the row's bytes were verified to take (transports.paths.PATHS); "" when
+    # no path was asked for
+    path: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """The row as a plain dict (what JSON and CSV files hold)."""

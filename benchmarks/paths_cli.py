@@ -49,32 +49,31 @@ def _launch_size() -> int | None:
     return 2  # launched, size not in the environment: init finds out
 
 
-def _gather(rows: list[PathInfo]) -> dict[str, list[PathInfo]] | None:
-    """Every rank's rows by host name, on rank 0 (None elsewhere). The ranks exchange JSON as uint8 arrays
-    over a CPU communicator: NCCL need not work for this (it may be what is being diagnosed)."""
-    import numpy as np
+def paths_by_host(comm, rows: list[PathInfo]) -> dict[str, list[PathInfo]]:
+    """Every rank's rows by host name (collective over ``comm``; the same on every rank). The first rank of
+    each host speaks for it: ranks of one host differ only in their CUDA devices."""
+    from .ranks import allgather_text
 
+    mine = json.dumps({"host": socket.gethostname(), "rows": [r.to_dict() for r in rows]})
+    per_host: dict[str, list[PathInfo]] = {}
+    for text in allgather_text(comm, mine):
+        d = json.loads(text)
+        per_host.setdefault(d["host"], [PathInfo.from_dict(x) for x in d["rows"]])
+    return per_host
+
+
+def _gather(rows: list[PathInfo]) -> dict[str, list[PathInfo]] | None:
+    """Every rank's rows by host name, on rank 0 (None elsewhere), over a CPU communicator: NCCL need not
+    work for this (it may be what is being diagnosed)."""
     import collectives
 
     comm = collectives.init(device="cpu")
     try:
-        mine = json.dumps({"host": socket.gethostname(), "rows": [r.to_dict() for r in rows]}).encode()
-        lens = comm.all_gather(np.array([len(mine)], dtype=np.int64))
-        width = int(lens.max())
-        buf = np.zeros(width, dtype=np.uint8)
-        buf[:len(mine)] = np.frombuffer(mine, dtype=np.uint8)
-        everyone = comm.all_gather(buf).reshape(comm.size, width)
+        per_host = paths_by_host(comm, rows)
         rank = comm.rank
     finally:
         comm.close()
-    if rank != 0:
-        return None
-    per_host: dict[str, list[PathInfo]] = {}
-    for r in range(everyone.shape[0]):
-        d = json.loads(everyone[r, :int(lens[r])].tobytes())
-        # the first rank of each host speaks for it (ranks of one host differ only in their CUDA devices)
-        per_host.setdefault(d["host"], [PathInfo.from_dict(x) for x in d["rows"]])
-    return per_host
+    return per_host if rank == 0 else None
 
 
 def _compact(devices: tuple[str, ...]) -> str:

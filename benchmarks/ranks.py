@@ -10,6 +10,7 @@ logging with it (``moecomm -vv bench`` shows every rank's transport decisions).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 import click
@@ -46,7 +47,8 @@ def _logged(comm, level: int, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def launch_logged(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float,
-                  options: dict[str, Any] | None = None, transport: str = "auto") -> list[Any]:
+                  options: dict[str, Any] | None = None, transport: str = "auto",
+                  env: dict[str, str] | None = None) -> list[Any]:
     """``collectives.launch(fn, nprocs, *args)`` whose ranks log at the CLI's level.
 
     Args:
@@ -55,19 +57,22 @@ def launch_logged(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: floa
         timeout: the communicators' timeout in seconds.
         options: transport settings (``transports.settings`` option names), passed to launch.
         transport: the communicators' ``transport=`` ("auto": chosen per call).
+        env: environment variables of the ranks (``collectives.launch(env=)``).
 
     Returns:
         Every rank's result, in rank order (a rank's exception is re-raised here).
     """
     import collectives
 
-    kw = {"options": options} if options else {}
+    kw: dict[str, Any] = {"options": options} if options else {}
+    if env:
+        kw["env"] = env
     return collectives.launch(_logged, nprocs, cli_log_level(), fn, *args, timeout=timeout, transport=transport, **kw)
 
 
 def on_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float,
              check_size: Callable[[int], None] | None = None, transport: str = "auto",
-             options: dict[str, Any] | None = None) -> tuple[bool, Any]:
+             options: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> tuple[bool, Any]:
     """Run ``fn(comm, *args)`` on this job's ranks, or on ``nprocs`` self-launched local ranks.
 
     Args:
@@ -79,6 +84,8 @@ def on_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float,
             not fit that many ranks.
         transport: the communicator's ``transport=`` ("auto": chosen per call).
         options: settings by option name (:mod:`transports.settings`) for the communicators.
+        env: environment variables the ranks need before their communicator is made (NCCL's);
+            under a launcher this process is a rank, and they are set here.
 
     Returns:
         (lead, result): ``lead`` is True in the process that reports (rank 0, or the launching
@@ -87,10 +94,26 @@ def on_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float,
     import collectives
 
     if collectives.detect_launch() in ("mpi", "torchrun"):
+        os.environ.update(env or {})
         with collectives.init(transport, timeout=timeout, options=options) as comm:
             if check_size is not None:
                 check_size(comm.size)
             return comm.rank == 0, fn(comm, *args)
     if check_size is not None:
         check_size(nprocs)
-    return True, launch_logged(fn, nprocs, *args, timeout=timeout, transport=transport, options=options)[0]
+    return True, launch_logged(fn, nprocs, *args, timeout=timeout, transport=transport, options=options,
+                               env=env)[0]
+
+
+def allgather_text(comm, text: str) -> list[str]:
+    """Every rank's ``text``, in rank order (collective over ``comm``, any device's communicator): the
+    lengths, then the padded UTF-8 bytes, as two all_gathers of host arrays."""
+    import numpy as np
+
+    mine = text.encode()
+    lens = comm.all_gather(np.array([len(mine)], dtype=np.int64))
+    width = max(int(lens.max()), 1)
+    buf = np.zeros(width, dtype=np.uint8)
+    buf[:len(mine)] = np.frombuffer(mine, dtype=np.uint8)
+    everyone = comm.all_gather(buf).reshape(comm.size, width)
+    return [everyone[r, :int(lens[r])].tobytes().decode() for r in range(comm.size)]

@@ -125,8 +125,10 @@ def _die_with_parent() -> None:
 
 def _rank_main(rank: int, nprocs: int, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
                transport: str, timeout: float, settings: dict[str, Any], conn: mpc.Connection,
-               threads: int | None, device: Any = None) -> None:
+               threads: int | None, device: Any = None, env: Mapping[str, str] | None = None) -> None:
     _die_with_parent()
+    if env:  # before anything reads it: NCCL caches its variables at its first communicator
+        os.environ.update(env)
     import torch
 
     from ._factory import build_communicator
@@ -167,7 +169,7 @@ def _send(conn: mpc.Connection, payload: tuple) -> None:
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, transport: str = "auto", timeout: float = 300.0,
            options: Mapping[str, Any] | None = None, return_exceptions: bool = False, threads: int | None = None,
-           device: Any = None, **kwargs: Any) -> list[Any]:
+           device: Any = None, env: Mapping[str, str] | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(comm, *args, **kwargs)`` on ``nprocs`` local ranks; return their results in rank order.
 
     The ranks are started from a fork server, which imports the calling script's ``__main__``
@@ -195,6 +197,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, transport: str = "au
             rank r to cuda:r (modulo the GPUs; cpu without a GPU); an int N, "cuda:N" or a
             torch.device puts every rank on that one GPU (NCCL then needs
             NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL >= 2.30); "cpu": no GPU.
+        env: environment variables set in every rank before its communicator is made (e.g.
+            ``NCCL_*``): the ranks inherit the fork server's environment, which is the one of the
+            first launch, so a variable the caller set since does not reach them otherwise.
 
     Returns:
         [nprocs] ``fn``'s return value on each rank, in rank order.
@@ -207,6 +212,10 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, transport: str = "au
     settings = resolve_settings(options, source="collectives.launch")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"launch: threads must be a positive int or None, got {threads!r}")
+    env = dict(env or {})
+    bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str) or not k or "=" in k]
+    if bad:
+        raise TypeError(f"launch: env must map variable names to strings; bad entries: {bad}")
     _refuse_inside_mpi()
     try:
         pickle.dumps(fn)
@@ -225,7 +234,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, transport: str = "au
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_rank_main, name=f"moecomm-rank{rank}", daemon=False,
                             args=(rank, nprocs, port, fn, args, kwargs, transport, timeout, settings, child_end,
-                                  threads, device))
+                                  threads, device, env))
             p.start()
             child_end.close()
             procs.append(p)

@@ -167,13 +167,22 @@ def ipc_available(settings: dict) -> bool:
     settings: resolved transports.settings values. Emulation needs triton; the GPU path needs
     triton, cupy and a CUDA device. The communicator creates ipc only where every rank says yes.
     """
+    return ipc_why_not(settings) is None
+
+
+def ipc_why_not(settings: dict) -> str | None:
+    """Why :func:`ipc_available` says no, in one line, or None when it says yes."""
     from importlib.util import find_spec
 
     if find_spec("triton") is None:
-        return False
+        return "no triton (pip install triton)"
     if settings.get("ipc_emulate"):
-        return True
-    return find_spec("cupy") is not None and torch.cuda.is_available()
+        return None
+    if find_spec("cupy") is None:
+        return "no cupy (pip install \"moecomm[cuda13]\" or [cuda12])"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU (torch.cuda.is_available() is False)"
+    return None
 
 
 def _at(addr: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
