@@ -4,8 +4,13 @@ collective sweep, or for expert-parallel dispatch/combine, on a described machin
 Nothing numeric is computed here: times, bandwidths, bytes, the algorithm/protocol choice and the
 bottleneck come from :func:`collectives.model.predict_collective` and
 :func:`collectives.model.predict_moe`. This module picks the system (a preset, a JSON file, or one
-fitted to a ``moecomm bench --json`` run), walks ``moecomm bench``'s sizes, lays the predictions out
-in nccl-tests' columns and writes them as JSON, CSV or a figure.
+fitted to a ``moecomm bench --json`` run: :mod:`benchmarks.predict_path`), walks ``moecomm bench``'s
+sizes, lays the predictions out in nccl-tests' columns and writes them as JSON, CSV or a figure.
+
+``--path P`` predicts one path bytes take with the system and algorithms of that path
+(:func:`benchmarks.predict_path.path_model`), alone or, with ``--measured RUN.json``, beside every row
+of a ``moecomm bench --path P`` run (:func:`benchmarks.report.predicted_beside`) with the measured /
+predicted busbw ratio per row and its mean per op.
 """
 
 from __future__ import annotations
@@ -22,8 +27,13 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import click
 from click.core import ParameterSource
 
+from transports.paths import PATHS, check_path
+
 from .common import ALL_OPS, DTYPES, counts_for, format_size, itemsize, parse_dtypes, parse_ops, sweep_sizes
 from .options import BYTES, COUNT, FIGURE, comma_list
+from .predict_path import (LINK_OPTIONS, PathModel, check_gpus_per_node, check_nodes, path_model, path_rows,
+                           resolve_system, run_transport, system_summary, verb)
+from .report import PREDICTED, describe_run, predicted_beside, run_shape
 from .table import Column, Table
 
 if TYPE_CHECKING:
@@ -31,10 +41,11 @@ if TYPE_CHECKING:
 
 SCHEMA = "moecomm-predict/1"
 MOE_OPS = ("moe_dispatch", "moe_combine")
-LOCAL = "local"  # --system local: the machine a `moecomm bench --json` run was made on (--calibrate)
 # options that only one kind of prediction reads: giving one to the other kind is a usage error
 _COLLECTIVE_ONLY = {"minbytes": "-b", "maxbytes": "-e", "stepfactor": "-f", "stepbytes": "-i", "dtype": "-d",
-                    "nodes": "--nodes", "plot_path": "--plot", "algorithms": "--algorithms", "protocols": "--protocols"}
+                    "nodes": "--nodes", "plot_path": "--plot", "algorithms": "--algorithms", "protocols": "--protocols",
+                    "path": "--path", "measured": "--measured", "link_rate": "--link-rate",
+                    "link_delay_ms": "--link-delay-ms", "testbed": "--testbed"}
 _MOE_ONLY = {"tokens": "--tokens", "hidden": "--hidden", "topk": "--topk", "experts": "--experts", "ep": "--ep",
              "dispatch_dtype": "--dispatch-dtype", "mode": "--mode", "topk_groups": "--topk-groups",
              "engine": "--engine"}
@@ -60,66 +71,6 @@ SYSTEMS_TABLE = Table(
 
 
 # ---- the system ---------------------------------------------------------------------------------
-def resolve_system(name: str | None, system_file: str | None, calibrate_run: str | None, *,
-                   option: str = "--system") -> "System":
-    """The machine to predict for, from the command line's three ways to name one.
-
-    Args:
-        name: a preset of :func:`collectives.model.list_systems`, or ``local`` (with ``calibrate_run``).
-        system_file: a JSON description (:meth:`System.to_dict`), instead of ``name``.
-        calibrate_run: a ``moecomm bench --json`` run to fit ``local`` from.
-        option: the name of the option that holds ``name`` (``--system``; ``--predict`` in report).
-
-    Returns:
-        The system. Raises click.UsageError saying what to give instead for anything that does not
-        name exactly one system.
-    """
-    from collectives import model
-    from collectives.model.calibrate import calibrate
-
-    if system_file and (name or calibrate_run):
-        raise click.UsageError(f"--system-file describes the machine: give it without {option} and --calibrate")
-    if system_file:
-        try:
-            return model.load_system_file(system_file)
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            raise click.UsageError(f"--system-file {system_file}: not a system description ({e}); "
-                                   "`moecomm predict --system dgx-h100 --save-system F.json` writes one to edit") from None
-    if calibrate_run:
-        if name not in (None, LOCAL):
-            raise click.UsageError(f"--calibrate fits the machine a bench run was made on: use it with {option} "
-                                   f"{LOCAL}, not {option} {name}")
-        try:
-            return calibrate(calibrate_run, name=LOCAL)
-        except (OSError, ValueError, KeyError) as e:
-            raise click.UsageError(f"--calibrate {calibrate_run}: cannot fit a system ({e}); give a run written "
-                                   "by `moecomm bench --json`") from None
-    names = ", ".join(s.name for s in model.list_systems())
-    if name is None:
-        raise click.UsageError(f"no system: give {option} NAME (one of {names}), {option} {LOCAL} --calibrate "
-                               "RUN.json, or --system-file F.json")
-    if name == LOCAL:
-        raise click.UsageError(f"{option} {LOCAL} is fitted from a run of this machine: add --calibrate RUN.json "
-                               "(written by `moecomm bench --json`)")
-    try:
-        return model.get_system(name)
-    except (KeyError, ValueError):
-        raise click.UsageError(f"unknown system {name!r} for {option}; one of {names}, {LOCAL} (with --calibrate), "
-                               "or describe it in --system-file F.json") from None
-
-
-def system_summary(system: "System") -> str:
-    """Two ``#`` lines: the system's name and description, then its GPUs, links and NICs as the model uses them."""
-    from collectives.model import PROTOCOLS
-
-    nic = (f"network {system.nic_bandwidth_per_gpu():g} GB/s ({system.nics_per_node}x {system.nic.name} of "
-           f"{system.nic.bandwidth_gbps:g} GB/s per node)" if system.nic else "no network (one node only)")
-    if system.nic and system.network_protocols != PROTOCOLS:
-        nic += f", across nodes NCCL protocol(s) {'/'.join(system.network_protocols)} only"
-    return (f"# {system.name}: {system.description}\n# {system.gpus_per_node} GPUs (ranks) per node; per GPU: {system.intra.name} "
-            f"{system.intra.bandwidth_gbps:g} GB/s, {nic}; NVLS {'yes' if system.nvls else 'no'}; GB/s = 1e9 B/s")
-
-
 def systems_lines(systems: Sequence["System"]) -> list[str]:
     """The ``--list-systems`` table (GB/s = 1e9 B/s, one direction)."""
     lines = SYSTEMS_TABLE.header()
@@ -355,6 +306,23 @@ def _check_kind(ctx: click.Context, moe: bool) -> None:
 @click.option("--protocols", default=None, metavar="LIST",
               help="Consider only these NCCL protocols, comma-separated (LL, LL128, Simple), as NCCL_PROTO does "
                    "[default: all three; across nodes, those the system's network allows].")
+@click.option("--path", default=None, metavar="PATH",
+              help="Predict one path bytes take (nvlink, pcie, cuda-ipc, shm, ib, roce, socket: `moecomm bench "
+                   "--path`) with the algorithms its transport runs; the system: --system/--system-file (nvlink, pcie, "
+                   "cuda-ipc: its intra link; ib, roce: its NIC), the shipped host calibration (shm), the link's "
+                   "numbers (socket: --link-rate, --link-delay-ms or --testbed).")
+@click.option("--measured", type=click.Path(exists=True, dir_okay=False), default=None, metavar="RUN.json",
+              help="With --path: put the prediction beside every row of this `moecomm bench --path P --json` run "
+                   "taken over P (older runs: rows whose transport is P), with measured/predicted busbw per row; "
+                   "the run gives sizes, dtypes, nodes and ranks.")
+@click.option("--link-rate", default=None, metavar="RATE",
+              help="--path socket: the link's rate as tc shapes it ('1gbit', '800mbit'); the model uses the TCP "
+                   "payload it leaves, RATE x 1448/1514.")
+@click.option("--link-delay-ms", type=float, default=None, metavar="MS",
+              help="--path socket: the one-way delay netem adds on each node's link, as `moecomm testbed --delay-ms` "
+                   "(a packet between two nodes crosses two such links) [default: 0].")
+@click.option("--testbed", default=None, metavar="NAME",
+              help="--path socket: take --link-rate and --link-delay-ms (and --nodes) from testbed NAME's state.")
 @click.option("-J", "--json", "json_path", default=None, metavar="FILE", help="Write the predictions as JSON.")
 @click.option("--csv", "csv_path", default=None, metavar="FILE", help="Write the predictions as CSV.")
 @click.option("--plot", "plot_path", type=FIGURE, default=None,
@@ -364,14 +332,16 @@ def predict(ctx: click.Context, system_name: str | None, system_file: str | None
             save_system: str | None, list_systems: bool, ops: str, nodes: str, gpus_per_node: int | None,
             minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, dtype: str, tokens: int,
             hidden: int, topk: int, experts: int, topk_groups: int | None, ep: str, dispatch_dtype: str, mode: str,
-            engine: str, algorithms: str | None, protocols: str | None, json_path: str | None, csv_path: str | None,
-            plot_path: str | None) -> None:
+            engine: str, algorithms: str | None, protocols: str | None, path: str | None, measured: str | None,
+            link_rate: str | None, link_delay_ms: float | None, testbed: str | None, json_path: str | None,
+            csv_path: str | None, plot_path: str | None) -> None:
     """Predict collective or MoE all-to-all performance on a machine from the analytical model.
 
     Collectives: an nccl-tests-style table (the sizes, counts and bus factors of `moecomm bench`)
     with the predicted time, algbw, busbw, the algorithm and protocol the model picks, the link
     that limits it, and the runner-up. MoE: DeepEP-style dispatch/combine time per rank with the
-    bytes each rank sends over NVLink and over the network.
+    bytes each rank sends over NVLink and over the network. --path P: one path alone, or beside a
+    measured run of it (--measured RUN.json) with measured/predicted busbw per row.
     """
     from collectives import model
 
@@ -379,41 +349,214 @@ def predict(ctx: click.Context, system_name: str | None, system_file: str | None
         for line in systems_lines(model.list_systems()):
             click.echo(line)
         return
+    if any(ctx.params[name] is not None for name in PATH_OPTIONS):
+        _path_command(ctx)
+        return
     system = resolve_system(system_name, system_file, calibrate_run)
+    op_list = parse_op_option(ctx, system)
+    moe = [o for o in op_list if o in MOE_OPS]
+    check_gpus_per_node(system, gpus_per_node)
+    if moe:
+        shape = dict(tokens=tokens, hidden=hidden, topk=topk, experts=experts, topk_groups=topk_groups,
+                     dispatch_dtype=dispatch_dtype, mode=mode, engine=engine)
+        options, rows, notes, lines = _moe_run(system, moe, _int_list(ep, "--ep"), gpus_per_node, shape)
+    else:
+        byte_sizes, dtypes = sweep_option(ctx)
+        options, rows, notes, lines = _collective_run(system, op_list, _int_list(nodes, "--nodes"),
+                                                      gpus_per_node or system.gpus_per_node, dtypes, byte_sizes,
+                                                      _algorithms(algorithms), _protocols(protocols))
+    options.update(system_file=system_file, calibrate=calibrate_run)
+    emit(ctx, system, options, notes, rows, [system_summary(system), *lines])
+
+
+# the options of `predict --path`: any of them given makes the command predict a path (_path_command)
+PATH_OPTIONS = ("path", "measured", *LINK_OPTIONS)
+
+
+def parse_op_option(ctx: click.Context, system: "System | None") -> list[str]:
+    """``--op``'s names: collectives, or MoE ops alone (a usage error for a mix, and for an option the chosen
+    kind of prediction ignores); ``all`` on a calibrated ``system`` means the ops it was fitted for."""
+    text = ctx.params["ops"]
     try:
-        op_list = parse_ops(ops, also=MOE_OPS)
+        op_list = parse_ops(text, also=MOE_OPS)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--op") from None
-    if ops.strip() == "all" and system.calibration:  # a fitted system knows the ops its run measured
+    if text.strip() == "all" and system is not None and system.calibration:  # a fitted system knows its run's ops
         op_list = [op for op in op_list if op in system.calibration]
     moe = [o for o in op_list if o in MOE_OPS]
     if moe and len(moe) != len(op_list):
         raise click.BadParameter(f"{', '.join(moe)} and collectives are predicted by separate commands: give "
                                  "either", param_hint="--op")
     _check_kind(ctx, bool(moe))
-    if gpus_per_node is not None and gpus_per_node > system.gpus_per_node:
-        raise click.BadParameter(f"{gpus_per_node} is more than the {system.gpus_per_node} GPUs per node of "
-                                 f"{system.name}; give at most {system.gpus_per_node}, or describe another machine "
-                                 "with --system-file", param_hint="--gpus-per-node")
-    if moe:
-        shape = dict(tokens=tokens, hidden=hidden, topk=topk, experts=experts, topk_groups=topk_groups,
-                     dispatch_dtype=dispatch_dtype, mode=mode, engine=engine)
-        options, rows, notes, lines = _moe_run(system, moe, _int_list(ep, "--ep"), gpus_per_node, shape)
-    else:
-        try:
-            byte_sizes = sweep_sizes(minbytes, maxbytes, stepfactor, stepbytes)
-            dtypes = parse_dtypes(dtype)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="-b/-e/-f/-i/-d") from None
-        options, rows, notes, lines = _collective_run(system, op_list, _int_list(nodes, "--nodes"),
-                                                      gpus_per_node or system.gpus_per_node, dtypes, byte_sizes,
-                                                      _algorithms(algorithms), _protocols(protocols))
-    options.update(system_file=system_file, calibrate=calibrate_run)
-    for line in [system_summary(system), *lines]:
+    return op_list
+
+
+def sweep_option(ctx: click.Context) -> tuple[list[int], list[str]]:
+    """(sizes, dtypes) of ``-b/-e/-f/-i/-d``, or a usage error naming them."""
+    p = ctx.params
+    try:
+        return sweep_sizes(p["minbytes"], p["maxbytes"], p["stepfactor"], p["stepbytes"]), parse_dtypes(p["dtype"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="-b/-e/-f/-i/-d") from None
+
+
+def emit(ctx: click.Context, system: "System", options: dict[str, Any], notes: Sequence[str],
+         rows: Sequence[Mapping[str, Any]], lines: Sequence[str]) -> None:
+    """Print ``lines``, then write what ``--json``/``--csv``/``--save-system``/``--plot`` ask for."""
+    p = ctx.params
+    for line in lines:
         click.echo(line)
-    _write(make_document(system, options, notes, rows), json_path, csv_path, save_system)
-    if plot_path:
-        _plot(rows, plot_path, system)
+    _write(make_document(system, options, notes, rows), p["json_path"], p["csv_path"], p["save_system"])
+    if p["plot_path"]:
+        _plot(rows, p["plot_path"], system)
+
+
+# ---- --path P [--measured RUN.json] ------------------------------------------------------------------
+MIB = 1 << 20
+# options the run fixes, with --measured
+_RUN_FIXES = {"minbytes": "-b", "maxbytes": "-e", "stepfactor": "-f", "stepbytes": "-i", "dtype": "-d",
+              "nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "plot_path": "--plot"}
+RATIO_TABLE = Table([*PREDICTED.columns[:8], Column("ratio", 7, ".3f"), PREDICTED.columns[9]],
+                    groups=[("measured", 4, 5), ("predicted", 6, 7)])
+SUMMARY_TABLE = Table([Column("op", 14, align="<", gap=2), Column("peer", 8, align="<"), Column("n", 3),
+                       Column("ratio >=1MiB", 12, ".3f"), Column("n", 3), Column("ratio all", 9, ".3f")])
+
+
+def _given(ctx: click.Context, name: str) -> bool:
+    return ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
+
+
+def _link_options(p: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: p[name] for name in LINK_OPTIONS}
+
+
+def _path_algorithms(p: Mapping[str, Any], model: PathModel) -> tuple[list[str] | None, list[str] | None]:
+    """(algorithms, protocols): ``--algorithms``/``--protocols`` where given, else those the path's transport runs."""
+    algorithms = _algorithms(p["algorithms"]) or model.algorithms
+    protocols = _protocols(p["protocols"]) or model.protocols
+    return (list(algorithms) if algorithms else None), (list(protocols) if protocols else None)
+
+
+def _path_command(ctx: click.Context) -> None:
+    """``moecomm predict --path P [--measured RUN.json]`` (the options are ``ctx.params``)."""
+    p = ctx.params
+    if p["path"] is None:
+        given = [flag for name, flag in {"measured": "--measured", **LINK_OPTIONS}.items() if p[name] is not None]
+        raise click.UsageError(f"{', '.join(given)} {verb(given, 'goes', 'go')} with --path P (one of "
+                               f"{', '.join(PATHS)})")
+    try:
+        path = check_path(p["path"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--path") from None
+    if p["measured"]:
+        _path_measured(ctx, path)
+    else:
+        _path_alone(ctx, path)
+
+
+def _path_alone(ctx: click.Context, path: str) -> None:
+    """``--path P`` without a run: the sweep of ``-b/-e/-f`` on ``--nodes`` over that path."""
+    p = ctx.params
+    nodes_list = _int_list(p["nodes"], "--nodes")
+    check_nodes(path, nodes_list, f"--nodes gives {min(nodes_list)}", sweep=True)
+    model = path_model(ctx, path, ranks_per_node=p["gpus_per_node"])
+    op_list = parse_op_option(ctx, model.system)
+    if model.testbed_nodes and not _given(ctx, "nodes"):
+        nodes_list = [model.testbed_nodes]  # socket's: no node count it cannot predict
+    byte_sizes, dtypes = sweep_option(ctx)
+    algorithms, protocols = _path_algorithms(p, model)
+    options, rows, notes, lines = _collective_run(model.system, op_list, nodes_list, model.system.gpus_per_node,
+                                                  dtypes, byte_sizes, algorithms, protocols)
+    extra = [*model.notes, *model.op_notes(op_list, max(nodes_list), model.system.gpus_per_node)]
+    options.update(path=path, **_link_options(p), system_file=p["system_file"], calibrate=p["calibrate_run"])
+    emit(ctx, model.system, options, [*extra, *notes], rows,
+         [system_summary(model.system), *model.lines, *(f"# note: {n}" for n in extra), *lines])
+
+
+def _path_measured(ctx: click.Context, path: str) -> None:
+    """``--path P --measured RUN.json``: every row of the run over P beside the prediction."""
+    from .output import load_run
+
+    p = ctx.params
+    fixed = [flag for name, flag in _RUN_FIXES.items() if _given(ctx, name)]
+    if fixed:
+        raise click.UsageError(f"{', '.join(fixed)} {verb(fixed, 'does', 'do')} not apply with --measured: the run "
+                               "gives the sizes, dtypes, nodes and ranks (and `moecomm report --plot` draws a run)")
+    try:
+        run = load_run(p["measured"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--measured") from None
+    name = Path(p["measured"]).name
+    rows, key = path_rows(run["rows"], path, name)
+    op_list = parse_op_option(ctx, None)
+    if _given(ctx, "ops"):
+        rows = [r for r in rows if r["op"] in op_list]
+        if not rows:
+            raise click.BadParameter(f"{name} has no row of path {path} for {', '.join(op_list)}", param_hint="--op")
+    nodes, ranks = run_shape(run)
+    if ranks < 1 or ranks % nodes:
+        raise click.UsageError(f"{name}: {ranks} ranks on {nodes} node(s) is not a whole number per node")
+    check_nodes(path, [nodes], f"{name} ran on {nodes} node(s)", sweep=False)
+    model = path_model(ctx, path, ranks_per_node=ranks // nodes, transport=run_transport(run, rows, path))
+    model_nodes, model_ranks = model.model_shape(nodes, ranks)
+    algorithms, protocols = _path_algorithms(p, model)
+    points, skipped = ratio_points(rows, model, nodes=model_nodes, ranks=model_ranks, algorithms=algorithms,
+                                   protocols=protocols)
+    if not points:
+        raise click.UsageError(f"no row of path {path} in {name} can be predicted: {'; '.join(skipped)}")
+    notes = [*model.notes, *model.op_notes([r["op"] for r in rows], nodes, ranks // nodes), *skipped]
+    shape = f"{ranks} ranks on {nodes} node(s)" + (
+        f", predicted as {model_ranks} ranks on one node (--path {path} stays inside a node)"
+        if (model_nodes, model_ranks) != (nodes, ranks) else "")
+    head = [describe_run(name, run), system_summary(model.system), *model.lines,
+            f"# {name}: {shape}; {len(rows)} rows of path {path} (matched by {key})",
+            *(f"# note: {n}" for n in notes)]
+    options = dict(path=path, measured=p["measured"], nodes=nodes, ranks=ranks, model_nodes=model_nodes,
+                   model_ranks=model_ranks, algorithms=algorithms, protocols=protocols, **_link_options(p),
+                   system_file=p["system_file"], calibrate=p["calibrate_run"])
+    out_rows = [{"system": model.system.name, "path": path, **pt} for pt in points]
+    emit(ctx, model.system, options, notes, out_rows, [*head, *ratio_lines(points)])
+
+
+def ratio_points(rows: Sequence[Mapping[str, Any]], model: PathModel, *, nodes: int, ranks: int,
+                 algorithms: Sequence[str] | None,
+                 protocols: Sequence[str] | None) -> tuple[list[dict[str, Any]], list[str]]:
+    """:func:`predicted_beside` per op, each point with ``ratio`` = measured busbw / predicted busbw.
+
+    Returns:
+        (points, notes): an op the model cannot predict over the path is left out with a note.
+    """
+    peers = list(dict.fromkeys(r["transport"] for r in rows))
+    points: list[dict[str, Any]] = []
+    notes = []
+    for op in dict.fromkeys(r["op"] for r in rows):
+        try:
+            got = predicted_beside([r for r in rows if r["op"] == op], model.system, nodes=nodes, ranks=ranks,
+                                   peers=peers, algorithms=algorithms, protocols=protocols)
+        except ValueError as e:
+            notes.append(f"no prediction of {op} over {model.path}: {e}")
+            continue
+        points += [{**pt, "ratio": pt["busbw"] / pt["pred_busbw"]} for pt in got]
+    return points, notes
+
+
+def ratio_lines(points: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The table of :func:`ratio_points` (by op, peer, dtype, size), then the mean ratio per op and peer
+    at >= 1 MiB and over every size."""
+    order = {key: i for i, key in enumerate(dict.fromkeys((p["op"], p["peer"], p["dtype"]) for p in points))}
+    points = sorted(points, key=lambda p: (order[p["op"], p["peer"], p["dtype"]], p["size"]))
+    lines = ["# measured vs predicted; ratio = measured busbw / predicted busbw (> 1: faster than the model)",
+             *RATIO_TABLE.header()]
+    lines += [RATIO_TABLE.line(p["op"], p["size"], p["dtype"], p["peer"], p["time_us"], p["busbw"], p["pred_time_us"],
+                               p["pred_busbw"], p["ratio"], f"{p['algorithm']}/{p['protocol']}") for p in points]
+    lines += ["", "# mean of measured / predicted busbw per op, at >= 1 MiB and over every size",
+              *SUMMARY_TABLE.header()]
+    for op, peer in dict.fromkeys((p["op"], p["peer"]) for p in points):
+        every = [p for p in points if p["op"] == op and p["peer"] == peer]
+        big = [p["ratio"] for p in every if p["size"] >= MIB]
+        lines.append(SUMMARY_TABLE.line(op, peer, len(big), sum(big) / len(big) if big else "-", len(every),
+                                        sum(p["ratio"] for p in every) / len(every)))
+    return lines
 
 
 def _algorithms(text: str | None) -> list[str] | None:

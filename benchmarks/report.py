@@ -189,7 +189,8 @@ def run_shape(run: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def predicted_beside(rows: Sequence[Mapping[str, Any]], system: Any, *, nodes: int, ranks: int,
-                     peers: Sequence[str] | None = None) -> list[dict[str, Any]]:
+                     peers: Sequence[str] | None = None, algorithms: Sequence[str] | None = None,
+                     protocols: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Each measured point with the model's prediction for the same op, size, dtype, nodes and ranks.
 
     Args:
@@ -197,6 +198,7 @@ def predicted_beside(rows: Sequence[Mapping[str, Any]], system: Any, *, nodes: i
         system: a :class:`collectives.model.System`.
         nodes, ranks: the run's shape (:func:`run_shape`); ranks per node = ranks / nodes.
         peers: the measured peers to compare (None: ``auto`` when the run has it, else every peer).
+        algorithms, protocols: consider only these (:func:`collectives.model.predict_collective`; None: all).
 
     Returns:
         Dicts with op, size, dtype, peer, measured ``time_us``/``busbw`` (each peer's better checked
@@ -219,7 +221,7 @@ def predicted_beside(rows: Sequence[Mapping[str, Any]], system: Any, *, nodes: i
         key = (r["op"], r["size"], r["dtype"])
         if key not in cache:
             cache[key] = predict_collective(system, r["op"], r["size"], nodes=nodes, gpus_per_node=ranks // nodes,
-                                            dtype=r["dtype"])
+                                            dtype=r["dtype"], algorithms=algorithms, protocols=protocols)
         p = cache[key]
         measured_us = r["size"] / algbw / 1e3  # algbw = size / time (GB/s = 1e3 B/us)
         out.append(dict(op=r["op"], size=r["size"], dtype=r["dtype"], peer=r["transport"], time_us=measured_us,
@@ -338,7 +340,7 @@ def _echo_predictions(names: Sequence[str], runs: Sequence[Mapping[str, Any]], p
                       peer_names: str | None) -> dict[str, dict[str, list]]:
     """``report --predict``: print each run against the prediction; returns the lines to plot dashed."""
     from .options import comma_list
-    from .predict import resolve_system, system_summary
+    from .predict_path import resolve_system, system_summary
 
     system = resolve_system(predict_system, system_file, calibrate_run, option="--predict")
     click.echo("\n" + system_summary(system))
