@@ -109,7 +109,7 @@ def _path_sweeps(comm, opts: dict[str, Any], device: str, meta: dict[str, Any]) 
     pb.check_available(opts["paths"], infos)
     mdev = str(comm_gpu(comm)) if device == "cuda" else "cpu"
     log_dir = pb.nccl_log_dir()
-    sweeps, notes = [], []
+    sweeps, notes = [], list(opts.get("path_notes", []))
     for path in opts["paths"]:
         transport = pb.transport_for(path, device, opts.get("path_transport"))
         view, owned = pb.path_comm(comm, path, transport)
@@ -142,7 +142,8 @@ def _run_one(sweep: _Sweep, opts: dict[str, Any], notes: list[str], printed_note
         printed_notes.extend(more)
         if sweep.path:
             if first:
-                out("# paths: " + "; ".join(notes))
+                for line in notes:
+                    out(f"# paths: {line}")
             out(f"# path {sweep.path} (checked at its first row; every row's path field is the path verified):")
         else:
             out("# peers: " + "; ".join(p.describe() for p in sweep.peers))
@@ -187,8 +188,13 @@ def _bench_paths(opts: dict[str, Any], path: str, nprocs: int) -> tuple[bool, di
     device = pb.resolve_device(opts["device"])
     external = pb.external_launch()
     infos = pb.local_paths()
+    skipped = []
     if paths == ["all"]:
         paths = pb.available_paths(infos, device)
+        skipped = [f"{i.path} not measured: {i.reason if not i.available else f'it does not carry {device} tensors'}"
+                   for i in infos if i.path not in paths]
+        if not paths:
+            raise pb.PathUnavailable(f"no path here carries {device} tensors ({'; '.join(skipped)})")
     if not external:  # this machine is the launch: say now, before any rank starts
         pb.check_available(paths, infos)
     for p in paths:
@@ -197,7 +203,8 @@ def _bench_paths(opts: dict[str, Any], path: str, nprocs: int) -> tuple[bool, di
     merged: dict[str, Any] = {"rows": [], "notes": [], "meta": {}}
     lead = True
     for launch in launches:
-        o = dict(opts, paths=launch.paths, device=device, path_transport=transports[0] if transports else None)
+        o = dict(opts, paths=launch.paths, device=device, path_transport=transports[0] if transports else None,
+                 path_notes=skipped if launch is launches[0] else [])
         try:
             lead, res = on_ranks(_bench_rank, nprocs, o, timeout=opts["timeout"], check_size=_fits(opts),
                                  env=launch.env)

@@ -1,7 +1,7 @@
 """``moecomm validate-gpu --quick``: the GPU check that fits one device call of a 15-minute lease.
 
 A GPU reaches this project by chance and for 15 minutes of device time, a machine start included,
-so the whole check runs as one process tree of at most 8 minutes (:data:`QUICK_BUDGET_S`):
+so the whole check runs as one process tree of at most 8.5 minutes (:data:`QUICK_BUDGET_S`):
 
 1. setup (in this process, :func:`setup`): start MPS, so that two ranks sharing the GPU run their
    kernels at once instead of in time slices (stopped at exit if we started it); load the NCCL of
@@ -42,9 +42,9 @@ from typing import Any, NamedTuple
 from .gpu_checks import MULTI_RANK_ENV, MULTI_RANK_NCCL
 from .gpu_steps import GPU_TEST_FILES, ROOT, Outcome, Step, cli_argv, pytest_argv, source_identity
 
-# Wall time of the whole quick check, setup included: 8 of the lease's 15 minutes, leaving a machine
-# start (1-2 minutes), the transfers and a short rerun.
-QUICK_BUDGET_S = 8 * 60
+# Wall time of the whole quick check, setup included: 8.5 of the lease's 15 minutes, leaving a machine
+# start (1-2 minutes), the transfers and a short rerun (8 until the path check joined it).
+QUICK_BUDGET_S = 8 * 60 + 30
 MARGIN = 1.5  # a measured step's budget over its last measured time
 
 
@@ -79,6 +79,9 @@ QUICK_TABLE: dict[str, Budget] = {
                       f"by difference of pytest totals ({_R}eb7c865-quick.txt 85.1 s - {_R}9478cb7-quick.txt 60.6 s), before "
                       "the stream test was added", "new"),
     "gpu-moe-sync": Budget(10, None, "guess: the file's one GPU test (-k cuda), a 1-rank launch", "new"),
+    "bench-paths": Budget(30, None, "guess: three 2-rank launches (ipc; NCCL forced onto SHM; onto NET/Socket), each "
+                          "~5 s to start plus its NCCL or ipc setup, and 4 sizes of all_reduce (8 B - 256 KiB, 5 + 2 "
+                          "calls); ipc alone without a two-rank NCCL", "new"),
     "bench-moe-ll": Budget(30, None, "guess: bench-moe at DeepEP's normal-mode shape took 14.6 s with its baseline "
                            f"({_R}9478cb7-quick.json); here 2 rank launches plus the low-latency kernels compiled at "
                            "256 experts, 5 + 2 iterations of 4 variants, 2 graphs of 20 captured", "new"),
@@ -132,10 +135,11 @@ LARGE_MIB = 32  # the collectives check's largest case: 4 chunks of ipc's 8 MiB 
 
 
 def quick_paths(gpu_slug: str, date: str, results_dir: str | Path) -> dict[str, Path]:
-    """The record's files: ``gpu-<gpu>-<date>-quick.{txt,json,png}`` and the two sweeps' rows."""
+    """The record's files: ``gpu-<gpu>-<date>-quick.{txt,json,png}``, the two sweeps' and the paths' rows."""
     stem = str(Path(results_dir) / f"gpu-{gpu_slug}-{date}-quick")
     return {"txt": Path(f"{stem}.txt"), "json": Path(f"{stem}.json"), "png": Path(f"{stem}.png"),
-            "bench_json": Path(f"{stem}-bench.json"), "bench_graph_json": Path(f"{stem}-bench-graph.json")}
+            "bench_json": Path(f"{stem}-bench.json"), "bench_graph_json": Path(f"{stem}-bench-graph.json"),
+            "paths_json": Path(f"{stem}-paths.json")}
 
 
 def _test_step(name: str, env: dict[str, str], root: Path) -> Step:
@@ -170,6 +174,12 @@ def quick_plan(paths: dict[str, Path], nccl_lib: str | None, multi_rank: bool, r
         via = "ipc alone (this NCCL refuses two ranks on one GPU: no nccl, no torch baseline)"
         moe_extra = ["--transport", "ipc", "--no-baseline"]
     sweep = ["bench", "--device", "cuda", "--nprocs", "2", *SWEEP_ARGS, *peers, "-q", "--no-save"]
+    # every path two ranks on this GPU can take, each verified (ipc's cuda-ipc; with a two-rank NCCL also its
+    # SHM and NET/Socket, checked in its INFO log: NCCL may keep ranks of one GPU on P2P, which fails the step
+    # naming what it took); the paths it does not have are listed with their reasons
+    paths_argv = ["bench", "--device", "cuda", "--nprocs", "2", "--path", "all" if multi_rank else "cuda-ipc",
+                  "-b", "8", "-e", "256K", "-f", "32", "--ops", "all_reduce", "-n", "5", "-w", "2", "-q", "--no-save",
+                  "-J", str(paths["paths_json"])]
     moe_ll = ["bench-moe", "--device", "cuda", "--nprocs", "2", "--mode", "low_latency", "--fp8", "--cuda-graph", "20",
               "--tokens", "128", "--hidden", "7168", "-k", "8", "--experts", "256", "-d", "bfloat16", "-n", "5", "-w",
               "2", *moe_extra]
@@ -184,6 +194,9 @@ def quick_plan(paths: dict[str, Path], nccl_lib: str | None, multi_rank: bool, r
         step("environment", "device, driver, CUDA, torch, cupy, NCCL, triton versions; moecomm topo --json",
              cli_argv("topo", "--json"), env),
         *new,
+        step("bench-paths", "bench --path " + ("all: cuda-ipc (ipc), NCCL's SHM and NET/Socket, each verified from "
+             "its log" if multi_rank else "cuda-ipc (ipc; this NCCL refuses two ranks on one GPU)") +
+             "; the paths this machine lacks, with their reasons", cli_argv(*paths_argv), bench_env),
         step("bench-moe-ll", "MoE decoding, DeepEP's low-latency shape (128 tokens, hidden 7168, top-8 of 256): "
              "low latency bf16 and FP8, eager and CUDA graphs of 20, beside the normal mode and the baseline, 2 ranks",
              cli_argv(*moe_ll), bench_env),

@@ -101,8 +101,8 @@ def on_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float,
             return comm.rank == 0, fn(comm, *args)
     if check_size is not None:
         check_size(nprocs)
-    return True, launch_logged(fn, nprocs, *args, timeout=timeout, transport=transport, options=options,
-                               env=env)[0]
+    extra = {"env": env} if env else {}
+    return True, launch_logged(fn, nprocs, *args, timeout=timeout, transport=transport, options=options, **extra)[0]
 
 
 def allgather_text(comm, text: str) -> list[str]:

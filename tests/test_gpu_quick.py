@@ -26,7 +26,7 @@ from benchmarks.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 GPU = "NVIDIA H200"
 QUICK = ["environment", "gpu-ipc", "gpu-ipc-spin", "gpu-ipc-lamport", "gpu-ipc-close", "moe-low-latency", "gpu-p2p",
-         "gpu-moe-sync", "bench-moe-ll", "gpu-core", "gpu-moe-tp", "collectives-ws2", "sweep-eager", "sweep-graph"]
+         "gpu-moe-sync", "bench-paths", "bench-moe-ll", "gpu-core", "gpu-moe-tp", "collectives-ws2", "sweep-eager", "sweep-graph"]
 
 
 def _forbid(*_a, **_k):
@@ -41,14 +41,14 @@ def _dry(tmp_path, *extra):
 
 
 @pytest.mark.parametrize("with_lib", [False, True])
-def test_the_quick_plan_fits_eight_minutes_and_runs_the_steps_in_order(monkeypatch, tmp_path, with_lib):
+def test_the_quick_plan_fits_its_budget_and_runs_the_steps_in_order(monkeypatch, tmp_path, with_lib):
     monkeypatch.setattr(gv, "run_plan", _forbid)
     monkeypatch.setattr(gv, "setup", _forbid)
     lib = tmp_path / "libnccl.so.2"
     lib.write_bytes(b"\0")
     out = _dry(tmp_path, *(["--nccl-lib", str(lib)] if with_lib else []))
-    total, budget = map(int, re.search(r"plan: 15 steps, (\d+) s of (\d+) s budget", out).groups())
-    assert total <= budget == gq.QUICK_BUDGET_S == 8 * 60
+    total, budget = map(int, re.search(r"plan: 16 steps, (\d+) s of (\d+) s budget", out).groups())
+    assert total <= budget == gq.QUICK_BUDGET_S == 8 * 60 + 30
     assert total == sum(gq.QUICK_BUDGETS.values())
     positions = [out.index(f"{i}. {name} (") for i, name in enumerate(["setup", *QUICK])]
     assert positions == sorted(positions), out
@@ -72,8 +72,10 @@ def test_the_quick_plan_fits_eight_minutes_and_runs_the_steps_in_order(monkeypat
     assert {"--fp8", "--cuda-graph"} <= set(by["bench-moe-ll"])
     ws2 = by["collectives-ws2"]
     assert ws2[ws2.index("--large-mib") + 1] == str(gq.LARGE_MIB) and f"{gq.LARGE_MIB} MiB" in out
-    for name in ("bench-moe-ll", "sweep-eager", "sweep-graph"):
+    for name in ("bench-paths", "bench-moe-ll", "sweep-eager", "sweep-graph"):
         assert by[name][by[name].index("--device") + 1] == "cuda", name
+    paths_path = by["bench-paths"][by["bench-paths"].index("--path") + 1]
+    assert paths_path == ("all" if with_lib else "cuda-ipc")  # NCCL's paths need two ranks on one GPU
     if with_lib:  # NCCL at 2 ranks: moecomm's nccl and ipc against torch.distributed NCCL
         assert {"--compare", "--peers"} <= set(sweep) and sweep[sweep.index("--transport") + 1] == "nccl,ipc"
         assert "--transport" not in by["bench-moe-ll"]
@@ -92,7 +94,7 @@ def _record_seconds(record: str, step: str) -> float:
 
 def test_every_budget_is_one_and_a_half_its_measured_time_or_a_guess_and_the_plan_fits():
     table = gq.QUICK_TABLE
-    assert sum(b.seconds for b in table.values()) <= gq.QUICK_BUDGET_S == 8 * 60
+    assert sum(b.seconds for b in table.values()) <= gq.QUICK_BUDGET_S == 8 * 60 + 30
     assert set(table) == {"setup", *QUICK}
     for name, b in table.items():
         for record in re.findall(r"benchmarks/results/[\w.-]+\.(?:json|txt|md)", b.source):
