@@ -173,8 +173,11 @@ def _run_one(sweep: _Sweep, opts: dict[str, Any], notes: list[str], printed_note
     return rows
 
 
-def _bench_paths(opts: dict[str, Any], path: str, nprocs: int) -> tuple[bool, dict[str, Any]]:
-    """``bench --path``: check the paths, then one launch per set of ranks the paths need, merged."""
+def _bench_paths(opts: dict[str, Any], path: str, nprocs: int) -> tuple[bool, dict[str, Any], list[str]]:
+    """``bench --path``: check the paths, then one launch per set of ranks the paths need, merged.
+
+    Returns (lead, the launches' rows, notes and environment merged, one message per path that was not
+    taken); a launch whose path was not taken stops there, the others still run."""
     from . import path_bench as pb
 
     paths = pb.parse_paths(path)
@@ -201,7 +204,7 @@ def _bench_paths(opts: dict[str, Any], path: str, nprocs: int) -> tuple[bool, di
         pb.transport_for(p, device, transports[0] if transports else None)
     launches = pb.plan_launches(paths, device, transports[0] if transports else None, infos, external=external)
     merged: dict[str, Any] = {"rows": [], "notes": [], "meta": {}}
-    lead = True
+    lead, failed, kept = True, [], []
     for launch in launches:
         o = dict(opts, paths=launch.paths, device=device, path_transport=transports[0] if transports else None,
                  path_notes=skipped if launch is launches[0] else [])
@@ -209,14 +212,15 @@ def _bench_paths(opts: dict[str, Any], path: str, nprocs: int) -> tuple[bool, di
             lead, res = on_ranks(_bench_rank, nprocs, o, timeout=opts["timeout"], check_size=_fits(opts),
                                  env=launch.env)
         except PathMismatchError as e:
-            where = f" (NCCL's log: {launch.log_dir})" if launch.log_dir else ""
-            raise pb.PathFailed(f"{e}{where}") from None
+            failed.append(f"{e}" + (f" (NCCL's log: {launch.log_dir})" if launch.log_dir else ""))
+            kept.append(launch)
+            continue
         merged["rows"] += res["rows"]
         merged["notes"] += res["notes"]
         paths_meta = {**merged["meta"].get("paths", {}), **res["meta"].get("paths", {})}
         merged["meta"] = {**res["meta"], "paths": paths_meta}
-    pb.cleanup(launches)
-    return lead, merged
+    pb.cleanup([launch for launch in launches if launch not in kept])
+    return lead, merged, failed
 
 
 def _write_outputs(res: dict[str, Any], opts: dict[str, Any], json_path: str | None, csv_path: str | None,
@@ -382,11 +386,16 @@ def bench(minbytes: int, maxbytes: int, stepfactor: int | None, stepbytes: int, 
     if not no_save:
         json_path = json_path or DEFAULT_JSON
         plot_path = plot_path or DEFAULT_PLOT
+    failed: list[str] = []
     if path:
-        lead, res = _bench_paths(opts, path, nprocs)
+        lead, res, failed = _bench_paths(opts, path, nprocs)
     else:
         lead, res = on_ranks(_bench_rank, nprocs, opts, timeout=timeout, check_size=_fits(opts))
-    if lead:
+    if lead and res["rows"]:
         _write_outputs(res, opts, json_path, csv_path, plot_path)
+    if failed:
+        from .path_bench import PathFailed
+
+        raise PathFailed("; ".join(failed))
     if any(r["library"] == "moecomm" and (r["wrong"] > 0 or r["ip_wrong"] > 0) for r in res["rows"]):
         sys.exit(1)

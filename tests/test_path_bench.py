@@ -166,3 +166,30 @@ def test_bench_p2p_and_bench_moe_take_the_path(tmp_path):
     assert {r["path"] for r in rows if r["impl"] == "moecomm"} == {"shm"}
     p = _cli("bench-moe", "--path", "roce", "--tokens", "16", "--hidden", "32", "--experts", "4", "-k", "2")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_path_not_taken_fails_the_run_after_the_others_ran(monkeypatch, tmp_path):
+    # two launches (as for two NCCL paths): the first's path is not taken, the second's rows are still
+    # measured and written, and the run exits 1 naming what the first took
+    import benchmarks.bench as bench_mod
+    from benchmarks.common import Row
+
+    first, second = pb.Launch(["shm"], {"NCCL_DEBUG": "INFO"}, str(tmp_path / "logs")), pb.Launch(["socket"])
+    (tmp_path / "logs").mkdir()
+    monkeypatch.setattr(pb, "plan_launches", lambda *a, **k: [first, second])
+    row = Row(op="all_reduce", transport="socket", size=8, count=2, dtype="float32", redop="sum", time_us=1.0,
+              algbw=0.008, busbw=0.008, wrong=0, path="socket").as_dict()
+
+    def on_ranks(fn, nprocs, o, **kw):
+        if o["paths"] == ["shm"]:
+            assert kw["env"] == first.env
+            raise PathMismatchError("shm", "p2p", "rank 1 (all_reduce of 8 B): via P2P/IPC")
+        return True, {"rows": [row], "notes": [], "meta": {"nranks": 2, "paths": {"socket": {}}}}
+
+    monkeypatch.setattr(bench_mod, "on_ranks", on_ranks)
+    out = tmp_path / "run.json"
+    p = _cli("bench", "--path", "shm,socket", "-b", "8", "-e", "8", "-J", str(out), "--no-save")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "asked for path 'shm', but 'p2p' was taken" in p.stderr and str(tmp_path / "logs") in p.stderr
+    assert [r["path"] for r in json.loads(out.read_text())["rows"]] == ["socket"]
+    assert (tmp_path / "logs").is_dir()  # the failed path's NCCL log is kept for the reader
