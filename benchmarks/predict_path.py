@@ -18,9 +18,10 @@ The system of each path, and the algorithms of the transport that measured it (a
   algorithms for a GPU run that NCCL measured over sockets).
 
 A calibrated system keeps only the fitted terms of the path's transport (:data:`PATH_TRANSPORT`).
-Nothing numeric is computed here beyond the socket link's numbers. The command (benchmarks/predict.py)
-puts the prediction beside a run with :func:`benchmarks.report.predicted_beside`; ``report --predict``
-names its system with :func:`resolve_system`: both import this module, which imports neither.
+Nothing numeric is computed here beyond the socket link's numbers. ``predict --path``
+(benchmarks/predict_measured.py) puts the prediction beside a run with
+:func:`benchmarks.report.predicted_beside`; ``report --predict`` names its system with
+:func:`resolve_system`: both import this module, which imports neither.
 """
 
 from __future__ import annotations
