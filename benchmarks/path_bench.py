@@ -185,7 +185,11 @@ def path_comm(comm, path: str, transport: str) -> tuple[Any, Any | None]:
         if transport != "gloo":
             raise PathUnavailable(f"transport {transport} (path {path}) did not come up here "
                                   f"(available: {sorted(base.transports)})")
-        made = base.split(0, options={"transport": "gloo"})
+        try:
+            made = base.split(0, options={"transport": "gloo"})
+        except ValueError as e:  # every rank: gloo needs a torch store (torchrun, or ranks moecomm launched)
+            raise PathUnavailable(f"path socket is measured through gloo, which cannot start here ({e}); under "
+                                  "mpiexec use torchrun or self-launched ranks") from None
         if owned is not None:
             owned.close()
         owned = base = made

@@ -89,7 +89,7 @@ def test_readme_moecomm_commands_parse(tmp_path, monkeypatch):
     lines = _moecomm_lines()
     assert len(lines) >= 5, lines
     monkeypatch.chdir(tmp_path)
-    for name in ("a.json", "b.json", "x.json"):  # files `moecomm report` is shown reading
+    for name in ("a.json", "b.json", "x.json", "run.json"):  # files `moecomm report`, `predict` are shown reading
         (tmp_path / name).write_text("{}")
     failures = []
     for args in lines:
