@@ -359,6 +359,40 @@ def _print_baseline_summary(stats: list[list[list[float]]]) -> None:
                    + ", ".join(f"{name} {x:.2f}x" for name, x in summary.items()))
 
 
+def _bench_skew(o: dict[str, Any], skew: float | None, redundant: int | None, nprocs: int, transport: str,
+                json_path: str | None) -> None:
+    """``--skew S``: skewed routing without and with EPLB (benchmarks/bench_moe_skew.py)."""
+    from .bench_moe_skew import skew_rank, skew_report
+
+    if skew is None:
+        raise click.BadParameter("--redundant sets the EPLB variant of --skew: give --skew S too",
+                                 param_hint="--redundant")
+    if o["mode"] != "normal":
+        raise click.UsageError("--skew times the normal-mode dispatcher; drop --mode low_latency")
+    E = o["experts"]
+
+    def check_size(n: int) -> None:
+        if E % n:
+            raise click.BadParameter(f"--experts {E} is not divisible by {n} ranks", param_hint="--experts")
+        if o["redundant"] is not None and o["redundant"] % n:
+            raise click.BadParameter(f"{o['redundant']} redundant slots do not spread evenly over {n} ranks: give a "
+                                     f"multiple of {n}", param_hint="--redundant")
+
+    o.update(skew=skew, redundant=redundant)
+    lead, res = on_ranks(skew_rank, nprocs, o, timeout=o["timeout"], check_size=check_size, transport=transport)
+    if not lead:
+        return
+    o.update(ranks=len(res["no-eplb"]["pairs_per_rank"]), redundant=res["redundant"])
+    rows = skew_report(res, o)
+    if json_path:
+        from .output import environment, save_json
+
+        doc = {"schema": "moecomm-bench-moe-skew/1", "env": environment(), "options": o, "rows": rows}
+        click.echo(f"# wrote {save_json(json_path, doc).resolve()}")
+    if not all(r["ok"] for r in rows):
+        raise SystemExit(1)
+
+
 def _json_doc(stats: list[list[list[float]]], o: dict[str, Any]) -> dict[str, Any]:
     """The run as JSON: environment, options, one row per (rank, impl) in microseconds and bytes, the summary."""
     from .output import environment
@@ -442,13 +476,19 @@ def _print_node_summary(stats: list[list[list[float]]], o: dict[str, Any]) -> No
               help="--mode low_latency on CUDA: also time CUDA graphs of N dispatches and of N combines.")
 @click.option("-J", "--json", "json_path", type=OUTPUT_FILE, default=None,
               help="Also write the rows, the summary and the environment as JSON.")
+@click.option("--skew", type=click.FloatRange(min=0.0), default=None, metavar="S",
+              help="Zipf-skewed routing (expert i drawn with weight 1/(i+1)^S; DeepSeek-like loads near 1.2): time "
+                   "dispatch + experts + combine without and with redundant experts placed by moe.eplb (normal mode).")
+@click.option("--redundant", type=NONNEGATIVE, default=None, metavar="R",
+              help="--skew: redundant expert slots of the EPLB variant [default: E/4, rounded so that the ranks "
+                   "divide E + R].")
 @click.option("--path", default=None, metavar="P",
               help="Force the normal mode's dispatch/combine onto path P and verify it (`moecomm paths`): CPU: shm, "
                    "socket (gloo); CUDA: cuda-ipc (ipc) or an NCCL path. Not available here: exit 2.")
 def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, nprocs: int, iters: int, warmup: int,
               cpu_scale: bool, baseline: bool, compare_flat: bool, keep_freed_memory: bool, timeout: float,
               device: str, transport: str, mode: str, fp8: bool, cuda_graph: int, json_path: str | None,
-              path: str | None) -> None:
+              skew: float | None, redundant: int | None, path: str | None) -> None:
     """MoE dispatch / combine time and GB/s per rank (layout separately), with the torch.distributed baseline."""
     if tokens is None:
         tokens = 128 if mode == "low_latency" else 4096
@@ -469,6 +509,9 @@ def bench_moe(tokens: int, hidden: int, top_k: int, experts: int, dtype: str, np
         o["tokens"], o["hidden"] = max(tokens // 8, 1), max(hidden // 4, 1)
     if top_k > experts:
         raise click.BadParameter(f"top-k {top_k} exceeds --experts {experts}", param_hint="--top-k")
+    if skew is not None or redundant is not None:
+        _bench_skew(o, skew, redundant, nprocs, transport, json_path)
+        return
 
     def check_size(n: int) -> None:
         if experts % n:
