@@ -11,9 +11,14 @@ FP8 dispatch) over the ipc transport: :class:`LowLatencyDispatcher` (:mod:`moe.l
 
 Hugging Face transformers MoE models: :mod:`moe.hf` (``expert_parallel(model, comm)``; importing it
 registers ``DistributedConfig(ep_implementation="moecomm")``). It needs the ``hf`` extra.
+
+Load balancing (EPLB): ``MoELayer(..., num_redundant_experts=R)`` holds replicas of hot experts
+(:mod:`moe.eplb`: :class:`Placement`, :func:`balance`, :func:`route`); :mod:`moe.rebalance` moves
+experts between ranks while training or serving (``layer.rebalance``, :class:`Balancer`).
 """
 
 from .dispatcher import ExpertDispatcher
+from .eplb import Placement, balance, logical_loads, route
 from .internode import NodeAwareHandle, NodeAwareLayout
 from .layer import (
            GroupedExperts,
@@ -23,10 +28,12 @@ from .layer import (
            shard_state_dict,
 )
 from .low_latency import LowLatencyDispatcher, LowLatencyHandle
+from .rebalance import Balancer, Moved
 from .records import DispatchHandle, DispatchLayout, DispatchTraffic
 from .router import RouterOutput, RouterScores, TopKRouter
 
 __all__ = [
+           "Balancer",
            "DispatchHandle",
            "DispatchLayout",
            "DispatchTraffic",
@@ -35,12 +42,17 @@ __all__ = [
            "LowLatencyDispatcher",
            "LowLatencyHandle",
            "MoELayer",
+           "Moved",
            "NodeAwareHandle",
            "NodeAwareLayout",
+           "Placement",
            "RouterOutput",
            "RouterScores",
            "SharedExpert",
            "TopKRouter",
+           "balance",
            "gather_state_dict",
+           "logical_loads",
+           "route",
            "shard_state_dict",
 ]

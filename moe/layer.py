@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,9 @@ from torch import nn
 from collectives.agreement import agree, rank_label, rejecting
 from collectives.protocols import CommunicatorLike, check_communicator
 
+from . import rebalance as _rebalance
 from .dispatcher import ExpertDispatcher
+from .eplb import Placement, logical_loads, route
 from .records import _to_device
 from .router import (EXPERT_STREAM, SCORES, SHARED_STREAM, TopKRouter, check_router_arguments, is_positive_int,
                      seeded_generator, shape_or_type)
@@ -70,25 +72,31 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tens
 class GroupedExperts(nn.Module):
     """This rank's experts, stacked: ``fc1`` [L, H, F or 2F], ``fc2`` [L, F, H] float32 (no biases).
 
-    Expert ``i`` here is global expert ``first_expert + i``; its weights come from
-    ``seeded_generator(seed, EXPERT_STREAM, first_expert + i)`` alone, so they do not depend on
-    how experts are spread over ranks. Local (no communication).
+    Expert ``i`` here is logical expert ``expert_ids[i]`` (default: ``first_expert + i``); its weights
+    come from ``seeded_generator(seed, EXPERT_STREAM, expert_ids[i])`` alone, so they do not depend
+    on how experts are spread over ranks, nor on how many replicas an expert has (a logical id may
+    appear several times: identical copies). Local (no communication).
 
     Args:
-        num_local_experts: L. first_expert: the global id of local expert 0.
+        num_local_experts: L. first_expert: the global id of local expert 0 (ignored with ``expert_ids``).
         hidden_size: H. ffn_hidden_size: F. activation: a key of ``_ACTIVATIONS`` (gated ones
             double fc1's width). seed: an int >= 0.
+        expert_ids: L logical ids, one per local slot (an EPLB placement's slots of this rank), or None.
     """
 
     def __init__(self, num_local_experts: int, first_expert: int, hidden_size: int, ffn_hidden_size: int,
-                 activation: str, seed: int):
+                 activation: str, seed: int, *, expert_ids: Sequence[int] | None = None):
         super().__init__()
         self.activation = activation
-        w1, w2 = zip(*(_ffn_weights(hidden_size, ffn_hidden_size, activation,
-                                    seeded_generator(seed, EXPERT_STREAM, first_expert + i))
-                       for i in range(num_local_experts)))
-        self.fc1 = nn.Parameter(torch.stack(w1))
-        self.fc2 = nn.Parameter(torch.stack(w2))
+        ids = list(range(first_expert, first_expert + num_local_experts)) if expert_ids is None else \
+            [int(e) for e in expert_ids]
+        if len(ids) != num_local_experts:
+            raise ValueError(f"GroupedExperts: {len(ids)} expert_ids for {num_local_experts} local experts")
+        drawn = {e: _ffn_weights(hidden_size, ffn_hidden_size, activation, seeded_generator(seed, EXPERT_STREAM, e))
+                 for e in dict.fromkeys(ids)}
+        self.expert_ids = ids
+        self.fc1 = nn.Parameter(torch.stack([drawn[e][0] for e in ids]))
+        self.fc2 = nn.Parameter(torch.stack([drawn[e][1] for e in ids]))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Run each local expert on its rows.
@@ -200,13 +208,31 @@ def _hf_spec(block: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], 
     return args, full
 
 
+def _check_placement(P: int, E: int, R: Any, placement: Any) -> Placement | None:
+    """The placement a layer of E experts + R redundant slots on P ranks starts with (None: the identity,
+    R = 0); ValueError for an invalid R or placement. Local."""
+    if not isinstance(R, int) or isinstance(R, bool) or R < 0:
+        raise ValueError(f"num_redundant_experts must be an int >= 0, got {R!r}")
+    if placement is None:
+        if R and (E + R) % P:
+            raise ValueError(f"num_experts + num_redundant_experts = {E} + {R} = {E + R} slots are not divisible "
+                             f"by the {P} ranks; each rank must hold the same number of slots")
+        return Placement.default(E, P, R) if R else None
+    if not isinstance(placement, Placement):
+        raise ValueError(f"placement must be a moe.eplb.Placement, got {type(placement).__name__}")
+    if (placement.num_logical, placement.num_physical, placement.num_ranks) != (E, E + R, P):
+        raise ValueError(f"placement has {placement.num_logical} experts in {placement.num_physical} slots on "
+                         f"{placement.num_ranks} ranks; this layer needs {E} in {E + R} slots on {P} ranks")
+    return placement
+
+
 class MoELayer(nn.Module):
     """Router -> dispatch -> local experts -> combine (+ shared expert), expert-parallel over ``comm``.
 
-    Rank ``i`` of P holds experts ``[i*L, (i+1)*L)``, L = E / P (notation in :mod:`moe.dispatcher`);
-    the router and the shared expert are replicated. All weights are drawn from ``seed`` and each
-    expert's global index, so layers with the same arguments over 1 or N ranks compute the same
-    function.
+    Rank ``i`` of P holds experts ``[i*L, (i+1)*L)``, L = E / P (notation in :mod:`moe.dispatcher`),
+    or with EPLB the slots ``placement.slots_of(i)``; the router and the shared expert are replicated.
+    All weights are drawn from ``seed`` and each expert's global (logical) index, so layers with the
+    same arguments over 1 or N ranks, with or without redundant experts, compute the same function.
 
     Gradients: expert parameters get their full gradient on their rank. The router and shared
     expert are replicated, so each rank's gradient is its tokens' share: sum them over ranks (a
@@ -224,8 +250,23 @@ class MoELayer(nn.Module):
         seed: an int >= 0.
         node_aware: None (auto: node-aware dispatch when ``comm`` spans nodes), True or False: see
             :class:`~moe.dispatcher.ExpertDispatcher`; call :meth:`close` when done with the layer.
+        num_redundant_experts: R >= 0 redundant expert slots (EPLB, :mod:`moe.eplb`); (E + R) % P == 0.
+            0 (default): the plain layer. With R > 0 (or a ``placement``) the dispatcher runs over
+            E + R physical slots, this rank's :class:`GroupedExperts` hold the logical experts
+            ``placement.physical_to_logical[placement.slots_of(rank)]`` (identical replicas of one
+            logical expert), and forward maps the router's logical choices to slots with
+            :func:`moe.eplb.route`. The layer computes the same function as with R = 0 (same seed);
+            train it with :meth:`reduce_replica_grads` after backward so that replicas stay identical.
+            With ``capacity_factor`` the capacity applies per slot (C over E + R slots).
+        placement: a :class:`moe.eplb.Placement` of E logical experts over E + R slots on P ranks, the
+            same on every rank; default ``Placement.default(E, P, R)`` (the identity when R = 0).
         router_kwargs: ``score``, ``normalize``, ``aux_loss_coef``, ``z_loss_coef``, ``num_groups``,
             ``topk_groups``, ``bias``, ``routed_scaling_factor`` of :class:`TopKRouter`.
+
+    Load statistics: ``expert_load`` ([E] int64 buffer, not saved) counts the router's (token, slot)
+    choices per logical expert over the forwards since :meth:`reset_expert_load` (this rank's
+    tokens; no host sync). :meth:`rebalance` moves experts to a new placement;
+    :class:`moe.rebalance.Balancer` does it from the loads every so many steps.
 
     :meth:`from_hf` builds one from a transformers MoE block (Mixtral, Qwen3-MoE, DeepSeek-V3), weights included.
     """
@@ -235,7 +276,7 @@ class MoELayer(nn.Module):
     def __init__(self, comm: CommunicatorLike, hidden_size: int, ffn_hidden_size: int, num_experts: int,
                  top_k: int, *, activation: str = "swiglu", capacity_factor: float | None = None,
                  shared_ffn_hidden_size: int = 0, seed: int = 0, node_aware: bool | None = None,
-                 **router_kwargs: Any):
+                 num_redundant_experts: int = 0, placement: Placement | None = None, **router_kwargs: Any):
         super().__init__()
         check_communicator(comm, "MoELayer")
         options = {"score": "softmax", "normalize": True, "aux_loss_coef": 0.0, "z_loss_coef": 0.0, "num_groups": 1,
@@ -257,8 +298,10 @@ class MoELayer(nn.Module):
             if not (is_positive_int(shared_ffn_hidden_size) or shared_ffn_hidden_size == 0):
                 raise ValueError(f"shared_ffn_hidden_size must be an int >= 0, got {shared_ffn_hidden_size!r}")
             router = TopKRouter(hidden_size, num_experts, top_k, seed=seed, **options)
+            placement = _check_placement(comm.size, num_experts, num_redundant_experts, placement)
         except (TypeError, ValueError) as e:
             err, router = e, None
+        R = num_redundant_experts
         names = sorted(_ACTIVATIONS)
         # The same keys on every rank, whatever failed locally: the all-gather needs equal lengths.
         values = {"hidden_size": hidden_size, "ffn_hidden_size": ffn_hidden_size, "num_experts": num_experts,
@@ -271,20 +314,31 @@ class MoELayer(nn.Module):
                   "topk_groups": options["topk_groups"] if is_positive_int(options["topk_groups"]) else None,
                   "bias": bool(options["bias"]),
                   "routed_scaling_factor": (float(options["routed_scaling_factor"])
-                                            if isinstance(options["routed_scaling_factor"], (int, float)) else None)}
+                                            if isinstance(options["routed_scaling_factor"], (int, float)) else None),
+                  "num_redundant_experts": R if isinstance(R, int) and not isinstance(R, bool) else None,
+                  "placement (digest)": _rebalance.digest_int(placement) if isinstance(placement, Placement) else None}
         agree(comm, "MoELayer", values, error=err,
               formats={"activation": lambda i: repr(names[i]), "score": lambda i: repr(SCORES[i])},
               hint="Construct the layer with the same arguments on every rank.")
         self.comm = comm
-        self.dispatcher = ExpertDispatcher(comm, num_experts, capacity_factor=capacity_factor, node_aware=node_aware)
+        self.dispatcher = ExpertDispatcher(comm, num_experts + R, capacity_factor=capacity_factor,
+                                           node_aware=node_aware)
         self.router = router
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
-        self.num_local_experts = self.dispatcher.num_local_experts
-        self.experts = GroupedExperts(self.num_local_experts, self.dispatcher.first_local_expert, hidden_size,
-                                      ffn_hidden_size, activation, seed)
+        self.num_redundant_experts = R
+        self.num_local_experts = self.dispatcher.num_local_experts  # slots of this rank: (E + R) / P
+        self.placement = placement if placement is not None else Placement(torch.arange(num_experts), comm.size,
+                                                                          num_experts)
+        self._identity = R == 0 and bool(torch.equal(self.placement.physical_to_logical, torch.arange(num_experts)))
+        self._moving: str | None = None  # why forward refuses: a rebalance is under way or was interrupted
+        slots = self.placement.slots_of(comm.rank)
+        self.experts = GroupedExperts(self.num_local_experts, slots.start, hidden_size, ffn_hidden_size, activation,
+                                      seed, expert_ids=self.placement.physical_to_logical[slots.start:slots.stop])
         self.shared = (SharedExpert(hidden_size, shared_ffn_hidden_size, activation, seed)
                        if shared_ffn_hidden_size else None)
+        self.expert_load: torch.Tensor
+        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.last_handle = None
 
     @classmethod
@@ -348,9 +402,32 @@ class MoELayer(nn.Module):
         self.dispatcher.close()
 
     def extra_repr(self) -> str:
-        return (f"rank={self.comm.rank}/{self.comm.size}, experts {self.dispatcher.first_local_expert}.."
-                f"{self.dispatcher.first_local_expert + self.num_local_experts - 1} of {self.num_experts}, "
-                f"top_k={self.top_k}, capacity_factor={self.dispatcher.capacity_factor}")
+        first = self.dispatcher.first_local_expert
+        held = (f"experts {first}..{first + self.num_local_experts - 1} of {self.num_experts}" if self._identity else
+                f"slots {first}..{first + self.num_local_experts - 1} of {self.num_experts} experts + "
+                f"{self.num_redundant_experts} redundant (experts {self.experts.expert_ids})")
+        return (f"rank={self.comm.rank}/{self.comm.size}, {held}, top_k={self.top_k}, "
+                f"capacity_factor={self.dispatcher.capacity_factor}")
+
+    def reset_expert_load(self) -> None:
+        """Zero ``expert_load`` (local)."""
+        self.expert_load.zero_()
+
+    def reduce_replica_grads(self) -> None:
+        """Give every replica of a logical expert the sum of all its replicas' gradients (collective).
+
+        Call it after backward and before the optimizer step, on every rank: then replicas stay
+        identical under any optimizer, and training with redundant experts equals training without.
+        It moves the gradients of all E experts (one all-reduce of [E, ...] fc1 and fc2 gradients);
+        a no-op (no communication) when the layer has no redundant experts.
+        """
+        if self.num_redundant_experts:
+            _rebalance.reduce_replica_grads(self)
+
+    def rebalance(self, placement: Placement, optimizer: torch.optim.Optimizer | None = None, *,
+                  max_experts_per_round: int = _rebalance.MAX_EXPERTS_PER_ROUND) -> _rebalance.Moved:
+        """Move the experts to ``placement`` (collective): see :func:`moe.rebalance.rebalance`."""
+        return _rebalance.rebalance(self, placement, optimizer, max_experts_per_round=max_experts_per_round)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route, dispatch, run the experts, combine (collective; its backward is collective too).
@@ -363,8 +440,13 @@ class MoELayer(nn.Module):
             rank's share of the router losses of the whole batch over all ranks (see
             :class:`TopKRouter`): the shares of all ranks sum to the loss the same layer computes
             on one rank over all tokens. The dispatch handle of the call is kept as
-            ``last_handle`` (e.g. ``.dropped``).
+            ``last_handle`` (e.g. ``.dropped``; its routing is by physical slot).
+
+        Raises ``RuntimeError`` while a :meth:`rebalance` is under way, and for good after one that
+        was interrupted (the experts' weights are then partly moved).
         """
+        if self._moving is not None:  # every rank of the rebalance has it: no peer waits on this rank
+            raise RuntimeError(f"MoELayer on {rank_label(self.comm)}: {self._moving}")
         # Local work between collectives runs under `rejecting`: a failure on this rank makes the peers'
         # next collective raise. Before dispatch that is its count exchange, which moves CPU tensors.
         with rejecting(self.comm):
@@ -375,7 +457,10 @@ class MoELayer(nn.Module):
             shape = x.shape
             x2 = x.reshape(-1, self.hidden_size)
             weights, experts, scores = self.router.route(x2)
-        recv_x, tokens_per_expert, handle = self.dispatcher.dispatch(x2, experts, weights=weights.detach())
+            with torch.no_grad():
+                self.expert_load += logical_loads(experts, self.num_experts).to(self.expert_load.device)
+            slots = experts if self._identity else route(experts, self.placement, offset=self.comm.rank)
+        recv_x, tokens_per_expert, handle = self.dispatcher.dispatch(x2, slots, weights=weights.detach())
         with rejecting(self.comm, on=recv_x):  # the peers go on to combine's all-to-all
             expert_out = self.experts(recv_x, tokens_per_expert)
         y = self.dispatcher.combine(expert_out, handle, weights).to(x.dtype)
@@ -383,7 +468,11 @@ class MoELayer(nn.Module):
             with rejecting(self.comm, on=y):
                 y = y + self.shared(x2).to(x.dtype)
         lay = handle.layout
-        aux = self.router.aux_loss(scores, lay.global_tokens_per_expert, lay.num_global_tokens)
+        per_expert = lay.global_tokens_per_expert  # [E + R] (CPU): fold the replicas' counts into their experts'
+        if not self._identity:
+            per_expert = torch.zeros(self.num_experts, dtype=per_expert.dtype).index_add_(
+                0, self.placement.physical_to_logical, per_expert)
+        aux = self.router.aux_loss(scores, per_expert, lay.num_global_tokens)
         self.last_handle = handle
         return y.reshape(shape), aux
 
@@ -396,13 +485,16 @@ def gather_state_dict(layer: MoELayer) -> dict[str, torch.Tensor]:
 
     Returns:
         name -> tensor: expert tensors (``MoELayer.expert_keys``, [L, ...] per rank) all-gathered
-        into [E, ...] in global expert order; replicated tensors copied from this rank. It loads
-        into a ``MoELayer`` over one rank with the same arguments.
+        into [E, ...] in logical expert order (with redundant experts or another placement: each
+        expert from its first replica); replicated tensors copied from this rank. It loads into a
+        ``MoELayer`` over one rank with the same arguments (and no redundant experts).
     """
     full = {}
     for name, t in layer.state_dict().items():
         if name in layer.expert_keys:
             full[name] = layer.comm.all_gather(t.detach().contiguous()) if layer.comm.size > 1 else t.detach().clone()
+            if not layer._identity:  # [E + R] slots -> [E] logical experts
+                full[name] = full[name][layer.placement.logical_to_physical[:, 0].to(t.device)]
         else:
             full[name] = t.detach().clone()
     return full
@@ -417,17 +509,19 @@ def shard_state_dict(layer: MoELayer, full: dict[str, torch.Tensor]) -> dict[str
             single-rank layer's ``state_dict()``.
 
     Returns:
-        A dict for ``layer.load_state_dict``: expert tensors sliced to this rank's experts [L, ...],
-        the others as given. Raises ``ValueError`` on an expert tensor without E rows.
+        A dict for ``layer.load_state_dict``: expert tensors sliced to this rank's experts [L, ...]
+        (its slots' logical experts ``placement.physical_to_logical[slots_of(rank)]``), the others
+        as given. Raises ``ValueError`` on an expert tensor without E rows.
     """
-    L, first = layer.num_local_experts, layer.dispatcher.first_local_expert
+    slots = layer.placement.slots_of(layer.comm.rank)
+    ids = layer.placement.physical_to_logical[slots.start: slots.stop]
     out = {}
     for name, t in full.items():
         if name in layer.expert_keys:
             if t.dim() == 0 or t.shape[0] != layer.num_experts:
                 raise ValueError(f"shard_state_dict: {name} has shape {tuple(t.shape)}; a full state dict holds "
                                  f"all {layer.num_experts} experts along dim 0")
-            out[name] = t[first: first + L].clone()
+            out[name] = t[ids.to(t.device)].clone()
         else:
             out[name] = t
     return out
