@@ -15,10 +15,14 @@ registers ``DistributedConfig(ep_implementation="moecomm")``). It needs the ``hf
 Load balancing (EPLB): ``MoELayer(..., num_redundant_experts=R)`` holds replicas of hot experts
 (:mod:`moe.eplb`: :class:`Placement`, :func:`balance`, :func:`route`); :mod:`moe.rebalance` moves
 experts between ranks while training or serving (``layer.rebalance``, :class:`Balancer`).
+
+Expert tensor parallelism (ETP): ``MoELayer(comm, ..., expert_tp_size=T)`` runs EP x ETP over ``comm``
+(rank = ep_rank * T + etp_rank): experts spread over P / T ranks, each one's FFN sharded over T
+(:mod:`moe.expert_tp`), with or without EPLB; the same seed gives the same function at any layout.
 """
 
 from .dispatcher import ExpertDispatcher
-from .eplb import Placement, balance, logical_loads, route
+from .eplb import Placement, balance, fold_replicas, logical_loads, route
 from .internode import NodeAwareHandle, NodeAwareLayout
 from .layer import (
            GroupedExperts,
@@ -51,6 +55,7 @@ __all__ = [
            "SharedExpert",
            "TopKRouter",
            "balance",
+           "fold_replicas",
            "gather_state_dict",
            "logical_loads",
            "route",

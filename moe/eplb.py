@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-__all__ = ["Placement", "balance", "logical_loads", "route"]
+__all__ = ["Placement", "balance", "fold_replicas", "logical_loads", "route"]
 
 
 def _is_int(v: object) -> bool:
@@ -428,3 +428,17 @@ def logical_loads(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     flat = experts.reshape(-1).long()
     out = torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
     return out.index_add_(0, flat, torch.ones_like(flat))
+
+
+def fold_replicas(per_slot: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """Per-slot values summed into their logical experts (e.g. a dispatch layout's tokens per slot).
+
+    Args:
+        per_slot: ``[E + R]`` numbers, one per physical slot, any device.
+        placement: the :class:`Placement` whose slots they are.
+
+    Returns:
+        ``[E]`` of per_slot's dtype and device: entry e is the sum over e's replicas.
+    """
+    p2l = placement.physical_to_logical.to(per_slot.device)
+    return torch.zeros(placement.num_logical, dtype=per_slot.dtype, device=per_slot.device).index_add_(0, p2l, per_slot)

@@ -28,28 +28,43 @@ replicated, so every ETP rank routes the same tokens alike); dispatch X over the
 rank's shards of its L experts (partial outputs); combine over EP (a partial y for X); reduce-scatter
 over the ETP group (the sum of the partials, each rank keeping its own T_i rows).
 
-The two autograd regions over the ETP group, each named for its forward and its backward:
+The router sees the whole gradient of each token, once: the routing weights go to dispatch and
+combine in X's precision (float64 for float64 tokens), and their gradient, partial on each rank of
+the ETP group, is summed over the group (a reduce-scatter in the backward) and kept on the rows of
+the rank that owns each token, zeros elsewhere; the aux losses are computed on this rank's own rows.
+So the router's float32 softmax runs its backward on the same numbers as one process would, and
+the router's (and the input's) gradients match a one-process layer's to float64 rounding, not
+float32's.
+
+The autograd regions over the ETP group, each named for its forward and its backward:
 
 ==================================  ===========================  ===========================
 function                            forward                      backward
 ==================================  ===========================  ===========================
 gather_tokens                       all-gather rows (uneven)     reduce-scatter rows (uneven)
 reduce_scatter_tokens               reduce-scatter rows          all-gather rows
+routing weights (etp_forward)       identity                     reduce-scatter to own rows
 ==================================  ===========================  ===========================
 
 Weights do not depend on the layout: expert e's full fc1/fc2 are drawn as :class:`moe.layer.GroupedExperts`
-draws them (``seeded_generator(seed, EXPERT_STREAM, e)``), then sliced, so the same seed gives the same
-function as a one-process :class:`moe.layer.MoELayer`. Double backward is not supported (it raises).
+draws them (``seeded_generator(seed, EXPERT_STREAM, e)``, :mod:`moe.ffn`), then sliced, so the same seed
+gives the same function as a one-process :class:`moe.layer.MoELayer`. Double backward is not supported
+(it raises).
+
+``MoELayer(comm, ..., expert_tp_size=T)`` is built from these pieces (its ``ep_comm``, ``etp_comm``,
+``ShardedExperts`` and ``etp_forward``). With EPLB (``num_redundant_experts``, a ``placement`` over the
+P / T EP ranks) the dispatcher runs over E + R slots, ``ShardedExperts(expert_ids=)`` holds shards of
+the slots' logical experts, and ``etp_forward(placement=)`` maps X's choices to slots with the same
+offset on every rank of an ETP group. :func:`gather_expert_slots` / :func:`shard_expert_slots` put a
+layer's shards together and cut them again, for ``moe.gather_state_dict`` / ``moe.shard_state_dict``.
 """
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
@@ -57,33 +72,13 @@ from collectives.agreement import agree, rank_label, reject
 from collectives.protocols import CommunicatorLike, check_communicator
 from transports.base import dtype_code, dtype_name
 
+from .eplb import Placement, fold_replicas, route
+from .ffn import _ACTIVATIONS, _GATED, _expert_weights
 from .records import _FLOATS
-from .router import EXPERT_STREAM, is_positive_int, seeded_generator, shape_or_type
+from .router import is_positive_int, shape_or_type
 
-__all__ = ["ShardedExperts", "etp_forward", "expert_tp_groups", "gather_tokens", "reduce_scatter_tokens",
-           "shard_expert_weights", "shard_indices"]
-
-# ---- the FFN pieces of moe.layer ----------------------------------------------------------------
-# Copies of moe.layer's _ACTIVATIONS, _GATED and _ffn_weights: moe.layer is to import this module (for
-# MoELayer(expert_tp_size=T)), and tests/test_import_graph.py rejects a circle even through an import
-# inside a function. tests/test_expert_tp.py checks that they match moe.layer's.
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "swiglu": lambda h: F.silu(h[..., : h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:],
-    "geglu": lambda h: F.gelu(h[..., : h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:],
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-}
-_GATED = ("swiglu", "geglu")
-
-
-def _ffn_weights(hidden: int, ffn: int, activation: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """fc1 [H, F or 2F] ~ N(0, 1/H), fc2 [F, H] ~ N(0, 1/F), drawn in that order from ``gen``."""
-    width = 2 * ffn if activation in _GATED else ffn
-    fc1 = torch.randn(hidden, width, generator=gen) / math.sqrt(hidden)
-    fc2 = torch.randn(ffn, hidden, generator=gen) / math.sqrt(ffn)
-    return fc1, fc2
-
+__all__ = ["ShardedExperts", "etp_forward", "expert_tp_groups", "gather_expert_slots", "gather_tokens",
+           "reduce_scatter_tokens", "shard_expert_slots", "shard_expert_weights", "shard_indices"]
 
 # ---- helpers ------------------------------------------------------------------------------------
 def _padded_rows(counts: Sequence[int], m: int, device: torch.device) -> torch.Tensor:
@@ -173,6 +168,14 @@ def _step(name: str, groups: dict[str, tuple[CommunicatorLike, str]], where: str
         raise
 
 
+def _slot_experts(placement: Placement | None, dispatcher: Any) -> list[int]:
+    """The logical experts of the dispatcher's local slots in ``placement`` (None: slot = expert)."""
+    first, L = dispatcher.first_local_expert, dispatcher.num_local_experts
+    if placement is None:
+        return list(range(first, first + L))
+    return placement.physical_to_logical[first: first + L].tolist()
+
+
 # ---- autograd regions ---------------------------------------------------------------------------
 class _AllGatherRowsReduceScatterGrad(torch.autograd.Function):
     """Forward: all-gather rows with uneven counts; backward: reduce-scatter (sum) the rows' gradients."""
@@ -186,6 +189,24 @@ class _AllGatherRowsReduceScatterGrad(torch.autograd.Function):
     @once_differentiable  # the collectives run on detached tensors: a second derivative must raise
     def backward(ctx, grad):
         return _reduce_scatter_rows(grad, ctx.comm, ctx.counts), None, None
+
+
+class _SumGradOnOwnRows(torch.autograd.Function):
+    """Forward: identity on rows replicated over the group ([sum(counts), *]); backward: the gradient summed
+    over the group (reduce-scatter rows) on this rank's own rows, zeros on the other ranks' rows."""
+
+    @staticmethod
+    def forward(ctx, w, comm, counts):
+        ctx.comm, ctx.counts = comm, counts
+        return w.view_as(w)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        out = grad.new_zeros(grad.shape)
+        start = sum(ctx.counts[:ctx.comm.rank])
+        out[start: start + ctx.counts[ctx.comm.rank]] = _reduce_scatter_rows(grad, ctx.comm, ctx.counts)
+        return out, None, None
 
 
 class _ReduceScatterRowsAllGatherGrad(torch.autograd.Function):
@@ -336,37 +357,44 @@ def shard_expert_weights(fc1: torch.Tensor, fc2: torch.Tensor, activation: str, 
 class ShardedExperts(nn.Module):
     """This rank's shards of its L experts, stacked: ``fc1`` [L, H, F_T or 2 F_T], ``fc2`` [L, F_T, H] float32.
 
-    Local expert ``i`` is global expert ``first_expert + i``; its full weights are drawn from
-    ``seeded_generator(seed, EXPERT_STREAM, first_expert + i)`` exactly as
+    Local expert ``i`` is logical expert ``expert_ids[i]`` (default: ``first_expert + i``); its full
+    weights are drawn from ``seeded_generator(seed, EXPERT_STREAM, expert_ids[i])`` exactly as
     :class:`moe.layer.GroupedExperts` draws them, then sliced by :func:`shard_expert_weights`, so they
-    depend on neither the EP nor the ETP layout. Local (no communication); ``ValueError`` on a bad argument.
+    depend on neither the EP nor the ETP layout, nor on how many replicas an expert has (EPLB: a
+    logical id may appear several times, identical copies). Local (no communication); ``ValueError``
+    on a bad argument.
 
     Args:
-        num_local_experts: L. first_expert: the global id of local expert 0.
+        num_local_experts: L. first_expert: the global id (or EPLB slot) of local expert 0.
         hidden_size: H. ffn_hidden_size: F, divisible by T. activation: a key of ``_ACTIVATIONS``.
         seed: an int >= 0. etp_rank: r in [0, T). expert_tp_size: T.
+        expert_ids: L logical ids, one per local slot (an EPLB placement's slots of this EP rank), or None.
     """
 
     def __init__(self, num_local_experts: int, first_expert: int, hidden_size: int, ffn_hidden_size: int,
-                 activation: str, seed: int, *, etp_rank: int, expert_tp_size: int):
+                 activation: str, seed: int, *, etp_rank: int, expert_tp_size: int,
+                 expert_ids: Sequence[int] | None = None):
         super().__init__()
         shard_indices(ffn_hidden_size, activation, etp_rank, expert_tp_size)  # checks the arguments
         self.activation, self.etp_rank, self.expert_tp_size = activation, etp_rank, expert_tp_size
         self.first_expert, self.ffn_hidden_size = first_expert, ffn_hidden_size
-        shards = [shard_expert_weights(*_ffn_weights(hidden_size, ffn_hidden_size, activation,
-                                                     seeded_generator(seed, EXPERT_STREAM, first_expert + i)),
-                                       activation, etp_rank, expert_tp_size) for i in range(num_local_experts)]
-        w1, w2 = zip(*shards) if shards else ((), ())
+        ids, drawn = _expert_weights("ShardedExperts", num_local_experts, first_expert, expert_ids, hidden_size,
+                                     ffn_hidden_size, activation, seed)
+        self.expert_ids = ids
+        shards = {e: shard_expert_weights(*w, activation, etp_rank, expert_tp_size) for e, w in drawn.items()}
         width = (2 if activation in _GATED else 1) * (ffn_hidden_size // expert_tp_size)
-        self.fc1 = nn.Parameter(torch.stack(w1) if w1 else torch.zeros(0, hidden_size, width))
-        self.fc2 = nn.Parameter(torch.stack(w2) if w2 else torch.zeros(0, ffn_hidden_size // expert_tp_size,
-                                                                          hidden_size))
+        self.fc1 = nn.Parameter(torch.stack([shards[e][0] for e in ids]) if ids else
+                                torch.zeros(0, hidden_size, width))
+        self.fc2 = nn.Parameter(torch.stack([shards[e][1] for e in ids]) if ids else
+                                torch.zeros(0, ffn_hidden_size // expert_tp_size, hidden_size))
 
     def extra_repr(self) -> str:
         L = self.fc1.shape[0]
-        return (f"experts {self.first_expert}..{self.first_expert + L - 1}, shard {self.etp_rank} of "
-                f"{self.expert_tp_size}, fc1 {tuple(self.fc1.shape)}, fc2 {tuple(self.fc2.shape)}, "
-                f"activation={self.activation!r}")
+        held = (f"experts {self.first_expert}..{self.first_expert + L - 1}"
+                if self.expert_ids == list(range(self.first_expert, self.first_expert + L))
+                else f"slots {self.first_expert}..{self.first_expert + L - 1} (experts {self.expert_ids})")
+        return (f"{held}, shard {self.etp_rank} of {self.expert_tp_size}, fc1 {tuple(self.fc1.shape)}, "
+                f"fc2 {tuple(self.fc2.shape)}, activation={self.activation!r}")
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Run each local expert's shard on its rows: one GEMM pair per local expert.
@@ -387,8 +415,32 @@ class ShardedExperts(nn.Module):
         return torch.cat(outs) if outs else x.new_zeros((0, self.fc2.shape[-1]))
 
 
+def _check_call(x: Any, H: int, experts: ShardedExperts, dispatcher: Any, etp_comm: CommunicatorLike,
+                placement: Placement | None) -> ValueError | None:
+    """What is wrong with etp_forward's arguments on this rank (local), or None."""
+    ep_comm = dispatcher.comm
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != H:
+        return ValueError(f"x must be [T, {H}] or [B, S, {H}], got {shape_or_type(x)}")
+    if (experts.expert_tp_size, experts.etp_rank) != (etp_comm.size, etp_comm.rank) or (
+            experts.fc1.shape[0], experts.first_expert) != (dispatcher.num_local_experts, dispatcher.first_local_expert):
+        return ValueError(f"experts hold experts {experts.first_expert}.. ({experts.fc1.shape[0]}), shard "
+                          f"{experts.etp_rank} of {experts.expert_tp_size}; the dispatcher and etp_comm want "
+                          f"{dispatcher.first_local_expert}.. ({dispatcher.num_local_experts}), shard "
+                          f"{etp_comm.rank} of {etp_comm.size}")
+    if placement is not None and not (isinstance(placement, Placement) and (
+            placement.num_physical, placement.num_ranks) == (dispatcher.num_experts, ep_comm.size)):
+        return ValueError(f"placement must be a moe.eplb.Placement of the dispatcher's {dispatcher.num_experts} "
+                          f"slots on the {ep_comm.size} EP ranks, got {placement!r}")
+    want = _slot_experts(placement, dispatcher)
+    if experts.expert_ids != want:
+        return ValueError(f"experts hold logical experts {experts.expert_ids}; the slots of this EP rank hold {want}"
+                          + (" in the placement" if placement is not None else " (no placement given)"))
+    return None
+
+
 def etp_forward(x: torch.Tensor, router: nn.Module, dispatcher: Any, experts: ShardedExperts,
-                etp_comm: CommunicatorLike, *, return_routing: bool = False) -> tuple[torch.Tensor, ...]:
+                etp_comm: CommunicatorLike, *, return_routing: bool = False, placement: Placement | None = None,
+                error: Exception | None = None) -> tuple[torch.Tensor, ...]:
     """Gather over ETP, route, dispatch over EP, run the expert shards, combine, reduce-scatter over ETP.
 
     Collective over both groups, and so is its backward: every rank calls it (and backward on a loss
@@ -399,21 +451,32 @@ def etp_forward(x: torch.Tensor, router: nn.Module, dispatcher: Any, experts: Sh
     Args:
         x: [T_i, H] or [B, S, H] float (T_i, or B * S, may differ between ranks, and be 0).
         router: a :class:`moe.router.TopKRouter`, the same (replicated) on every rank.
-        dispatcher: an :class:`moe.dispatcher.ExpertDispatcher` over this rank's EP group (E experts).
+        dispatcher: an :class:`moe.dispatcher.ExpertDispatcher` over this rank's EP group (E experts,
+            or E + R slots with a ``placement``).
         experts: this rank's :class:`ShardedExperts`: L = dispatcher.num_local_experts experts from
-            dispatcher.first_local_expert, shard etp_comm.rank of etp_comm.size.
+            dispatcher.first_local_expert, shard etp_comm.rank of etp_comm.size (with a placement:
+            the logical experts of its slots, ``expert_ids``).
         etp_comm: this rank's ETP group (:func:`expert_tp_groups`).
         return_routing: also return the dispatch handle and this rank's routing (for a layer's
             ``last_handle`` and expert-load counters).
+        placement: EPLB (:mod:`moe.eplb`): a :class:`~moe.eplb.Placement` of the E logical experts over
+            the dispatcher's slots on the P / T EP ranks, the same on every rank; the router's logical
+            choices of X go to slots by :func:`moe.eplb.route` with offset ``ep_comm.rank`` (the same on
+            every rank of an ETP group, so that all its ranks send X's rows alike), and the aux loss
+            counts tokens per logical expert (:func:`moe.eplb.fold_replicas`). None: slot = expert.
+        error: a failure of this rank's own work before the call (a layer's shared expert), or None:
+            raised as ``ValueError`` on every rank at the first step, as a bad x is.
 
     Returns:
         ``(y, aux_loss)``: y of x's shape and dtype, the layer's output for this rank's tokens;
-        aux_loss a 0-d float32 tensor: the router losses of the ETP group's tokens (over the whole
-        batch's counts) divided by T, so that the shares of all P ranks sum to the loss one
-        process computes over all tokens. With ``return_routing``: ``(y, aux_loss, handle, chosen)``,
-        handle the EP dispatch handle (of X's rows: the ETP group's tokens), chosen [T_i, k] int64
-        the global experts of this rank's own tokens (summed over all P ranks, their counts are the
-        batch's, each token counted once).
+        aux_loss a 0-d float32 tensor: this rank's tokens' share of the router losses (over the
+        whole batch's counts), so that the shares of all P ranks sum to the loss one process
+        computes over all tokens. With ``return_routing``: ``(y, aux_loss, handle, chosen)``,
+        handle the EP dispatch handle (of X's rows: the ETP group's tokens; routed by slot),
+        chosen [T_i, k] int64 the global (logical) experts of this rank's own tokens (summed over
+        all P ranks, their counts are the batch's, each token counted once).
+
+    The router's parameters must require grad alike on every rank (its backward runs a collective).
     """
     ep_comm = dispatcher.comm
     where = f"etp_forward on {rank_label(ep_comm) if etp_comm.size == 1 else rank_label(etp_comm)}"
@@ -422,24 +485,21 @@ def etp_forward(x: torch.Tensor, router: nn.Module, dispatcher: Any, experts: Sh
     groups = {"ep": (ep_comm, device), "etp": (etp_comm, device)}
     gather_groups = {"ep": (ep_comm, "cpu"), "etp": (etp_comm, device)}
     H = router.hidden_size
-    shape = x.shape if isinstance(x, torch.Tensor) and x.dim() in (2, 3) else None
-    err = None
-    if shape is None or x.shape[-1] != H:
-        err = ValueError(f"x must be [T, {H}] or [B, S, {H}], got {shape_or_type(x)}")
-    elif (experts.expert_tp_size, experts.etp_rank) != (etp_comm.size, etp_comm.rank) or (
-            experts.fc1.shape[0], experts.first_expert) != (dispatcher.num_local_experts, dispatcher.first_local_expert):
-        err = ValueError(f"experts hold experts {experts.first_expert}.. ({experts.fc1.shape[0]}), shard "
-                         f"{experts.etp_rank} of {experts.expert_tp_size}; the dispatcher and etp_comm want "
-                         f"{dispatcher.first_local_expert}.. ({dispatcher.num_local_experts}), shard "
-                         f"{etp_comm.rank} of {etp_comm.size}")
+    shape = x.shape if isinstance(x, torch.Tensor) else None
+    err = error if error is not None else _check_call(x, H, experts, dispatcher, etp_comm, placement)
     x2 = x.reshape(-1, H) if err is None else x
     with _step("gather", gather_groups, where):
         counts = _exchange_counts(x2, etp_comm, "etp_forward", hidden=H, error=err)
         X = x2 if etp_comm.size == 1 else _AllGatherRowsReduceScatterGrad.apply(x2, etp_comm, counts)
     with _step("route", gather_groups, where):
         weights, chosen, scores = router.route(X)
+        slots = chosen if placement is None else route(chosen, placement, offset=ep_comm.rank)
+        if etp_comm.size > 1:  # see the module docstring: the router's backward on whole gradients, once per token
+            weights = weights.to(torch.promote_types(weights.dtype, X.dtype))
+            if weights.requires_grad:
+                weights = _SumGradOnOwnRows.apply(weights, etp_comm, counts)
     with _step("dispatch", groups, where):
-        recv_x, tokens_per_expert, handle = dispatcher.dispatch(X, chosen, weights=weights.detach())
+        recv_x, tokens_per_expert, handle = dispatcher.dispatch(X, slots, weights=weights.detach())
     with _step("experts", groups, where):
         out = experts(recv_x, tokens_per_expert)
     with _step("combine", groups, where):
@@ -447,8 +507,55 @@ def etp_forward(x: torch.Tensor, router: nn.Module, dispatcher: Any, experts: Sh
     with _step("reduce_scatter", groups, where):
         y = reduce_scatter_tokens(y_partial, etp_comm, counts).to(x.dtype)
     lay = handle.layout
-    aux = router.aux_loss(scores, lay.global_tokens_per_expert, lay.num_global_tokens) / etp_comm.size
+    per_expert = lay.global_tokens_per_expert if placement is None else fold_replicas(lay.global_tokens_per_expert,
+                                                                                      placement)
+    mine = slice(sum(counts[:etp_comm.rank]), sum(counts[:etp_comm.rank + 1]))  # this rank's rows of X
+    aux = router.aux_loss(type(scores)(*(t[mine] for t in scores)), per_expert, lay.num_global_tokens)
     if not return_routing:
         return y.reshape(shape), aux
-    start = sum(counts[:etp_comm.rank])
-    return y.reshape(shape), aux, handle, chosen[start:start + counts[etp_comm.rank]]
+    return y.reshape(shape), aux, handle, chosen[mine]
+
+
+# ---- state dicts of a layer with ETP (moe.layer.gather_state_dict / shard_state_dict) ----------------
+# the dim of an expert tensor [L, ...] that ETP shards, and which of shard_indices' index tensors is its shard
+_SHARDED = {"experts.fc1": (2, 0), "experts.fc2": (1, 1)}
+
+
+def gather_expert_slots(layer: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+    """Every slot's whole expert tensor ``name`` of a :class:`moe.MoELayer` (collective over ``layer.comm``).
+
+    Args:
+        layer: the layer (every rank of ``layer.comm`` calls this, in the same order of names).
+        name: ``"experts.fc1"`` or ``"experts.fc2"``.
+        t: this rank's tensor [L, ...] (its ETP shards when ``layer.expert_tp_size`` T > 1).
+
+    Returns:
+        [(E + R), H, F or 2F] for fc1, [(E + R), F, H] for fc2, in slot order (EP rank, then local
+        slot): one all-gather over ``layer.comm`` (rank = ep_rank * T + etp_rank), each ETP rank's
+        shard put back where :func:`shard_indices` took it from. With T = 1 the all-gather alone.
+    """
+    comm, T = layer.comm, layer.expert_tp_size
+    t = t.detach().contiguous()
+    parts = comm.all_gather(t) if comm.size > 1 else t.clone()  # [P * L, ...]: EP rank-major, then ETP rank
+    if T == 1:
+        return parts
+    dim, which = _SHARDED[name]
+    L, rest = t.shape[0], t.shape[1:]
+    parts = parts.view(comm.size // T, T, L, *rest)
+    shape = [comm.size // T * L, *rest]
+    shape[dim] *= T
+    full = t.new_zeros(shape)
+    for r in range(T):
+        idx = shard_indices(layer.ffn_hidden_size, layer.activation, r, T)[which].to(t.device)
+        full.index_copy_(dim, idx, parts[:, r].reshape(-1, *rest))
+    return full
+
+
+def shard_expert_slots(layer: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+    """This rank's ETP shard of whole expert tensors ``t`` [n, ...] of ``name`` (local): ``t`` itself when T = 1."""
+    T = layer.expert_tp_size
+    if T == 1:
+        return t
+    dim, which = _SHARDED[name]
+    return t.index_select(dim, shard_indices(layer.ffn_hidden_size, layer.activation, layer.etp_comm.rank,
+                                             T)[which].to(t.device))

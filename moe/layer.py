@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -12,29 +11,14 @@ from torch import nn
 from collectives.agreement import agree, rank_label, rejecting
 from collectives.protocols import CommunicatorLike, check_communicator
 
+from . import expert_tp as _etp
 from . import rebalance as _rebalance
 from .dispatcher import ExpertDispatcher
-from .eplb import Placement, logical_loads, route
+from .eplb import Placement, fold_replicas, logical_loads, route
+from .ffn import _ACTIVATIONS, _expert_weights, _ffn_weights
 from .records import _to_device
-from .router import (EXPERT_STREAM, SCORES, SHARED_STREAM, TopKRouter, check_router_arguments, is_positive_int,
-                     seeded_generator, shape_or_type)
-
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "swiglu": lambda h: F.silu(h[..., : h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:],
-    "geglu": lambda h: F.gelu(h[..., : h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:],
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-}
-_GATED = ("swiglu", "geglu")
-
-
-def _ffn_weights(hidden: int, ffn: int, activation: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """fc1 [H, F or 2F] ~ N(0, 1/H), fc2 [F, H] ~ N(0, 1/F), drawn in that order from ``gen``."""
-    width = 2 * ffn if activation in _GATED else ffn
-    fc1 = torch.randn(hidden, width, generator=gen) / math.sqrt(hidden)
-    fc2 = torch.randn(ffn, hidden, generator=gen) / math.sqrt(ffn)
-    return fc1, fc2
+from .router import (SCORES, SHARED_STREAM, TopKRouter, check_router_arguments, is_positive_int, seeded_generator,
+                     shape_or_type)
 
 
 def _grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -88,12 +72,8 @@ class GroupedExperts(nn.Module):
                  activation: str, seed: int, *, expert_ids: Sequence[int] | None = None):
         super().__init__()
         self.activation = activation
-        ids = list(range(first_expert, first_expert + num_local_experts)) if expert_ids is None else \
-            [int(e) for e in expert_ids]
-        if len(ids) != num_local_experts:
-            raise ValueError(f"GroupedExperts: {len(ids)} expert_ids for {num_local_experts} local experts")
-        drawn = {e: _ffn_weights(hidden_size, ffn_hidden_size, activation, seeded_generator(seed, EXPERT_STREAM, e))
-                 for e in dict.fromkeys(ids)}
+        ids, drawn = _expert_weights("GroupedExperts", num_local_experts, first_expert, expert_ids, hidden_size,
+                                     ffn_hidden_size, activation, seed)
         self.expert_ids = ids
         self.fc1 = nn.Parameter(torch.stack([drawn[e][0] for e in ids]))
         self.fc2 = nn.Parameter(torch.stack([drawn[e][1] for e in ids]))
@@ -146,7 +126,7 @@ class SharedExpert(nn.Module):
 # The transformers MoE blocks MoELayer.from_hf takes (matched by class name along the MRO, so transformers
 # need not be importable here), and the MoELayer keywords it passes on (the rest comes from the block).
 _HF_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE")
-_HF_OPTIONS = ("capacity_factor", "node_aware", "aux_loss_coef", "z_loss_coef")
+_HF_OPTIONS = ("capacity_factor", "node_aware", "aux_loss_coef", "z_loss_coef", "expert_tp_size")
 
 
 def _hf_gated(act: object, where: str) -> str:
@@ -208,6 +188,17 @@ def _hf_spec(block: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], 
     return args, full
 
 
+def _check_expert_tp(P: int, ffn: int, T: Any) -> int:
+    """T, checked against P ranks and the experts' inner size ``ffn`` (ValueError for a bad one). Local."""
+    if not is_positive_int(T):
+        raise ValueError(f"expert_tp_size must be a positive int, got {T!r}")
+    if P % T:
+        raise ValueError(f"expert_tp_size={T} does not divide the {P} ranks of comm")
+    if ffn % T:
+        raise ValueError(f"ffn_hidden_size={ffn} is not divisible by expert_tp_size={T}")
+    return T
+
+
 def _check_placement(P: int, E: int, R: Any, placement: Any) -> Placement | None:
     """The placement a layer of E experts + R redundant slots on P ranks starts with (None: the identity,
     R = 0); ValueError for an invalid R or placement. Local."""
@@ -230,19 +221,21 @@ class MoELayer(nn.Module):
     """Router -> dispatch -> local experts -> combine (+ shared expert), expert-parallel over ``comm``.
 
     Rank ``i`` of P holds experts ``[i*L, (i+1)*L)``, L = E / P (notation in :mod:`moe.dispatcher`),
-    or with EPLB the slots ``placement.slots_of(i)``; the router and the shared expert are replicated.
-    All weights are drawn from ``seed`` and each expert's global (logical) index, so layers with the
-    same arguments over 1 or N ranks, with or without redundant experts, compute the same function.
+    or with EPLB the slots ``placement.slots_of(i)``, or with ETP (``expert_tp_size``) a shard of
+    those of its EP rank; the router and the shared expert are replicated. All weights are drawn
+    from ``seed`` and each expert's global (logical) index, so layers with the same arguments over
+    1 or N ranks, with or without redundant experts, at any EP x ETP size, compute the same function.
 
-    Gradients: expert parameters get their full gradient on their rank. The router and shared
-    expert are replicated, so each rank's gradient is its tokens' share: sum them over ranks (a
-    data-parallel all-reduce with op="sum") to get the gradient of the whole batch.
+    Gradients: expert parameters get their full gradient on their rank (with ETP: the full gradient
+    of this rank's shard). The router and shared expert are replicated, so each rank's gradient is
+    its tokens' share: sum them over all P ranks of ``comm`` (a data-parallel all-reduce with
+    op="sum") to get the gradient of the whole batch.
 
     Args:
         comm: the expert-parallel group. Construction is collective: every rank must pass the same
             arguments; a bad or differing argument on any rank raises ``ValueError`` (``TypeError``
             for an unknown keyword) on every rank, naming the rank.
-        hidden_size: H. ffn_hidden_size: F, each expert's inner size. num_experts: E, divisible by P.
+        hidden_size: H. ffn_hidden_size: F, each expert's inner size. num_experts: E, divisible by P / T.
         top_k: k <= E, experts per token.
         activation: "swiglu", "geglu" (gated: fc1 is 2F wide), "gelu", "relu" or "silu".
         capacity_factor: None (dropless) or > 0: see :class:`~moe.dispatcher.ExpertDispatcher`.
@@ -250,7 +243,7 @@ class MoELayer(nn.Module):
         seed: an int >= 0.
         node_aware: None (auto: node-aware dispatch when ``comm`` spans nodes), True or False: see
             :class:`~moe.dispatcher.ExpertDispatcher`; call :meth:`close` when done with the layer.
-        num_redundant_experts: R >= 0 redundant expert slots (EPLB, :mod:`moe.eplb`); (E + R) % P == 0.
+        num_redundant_experts: R >= 0 redundant expert slots (EPLB, :mod:`moe.eplb`); (E + R) % (P / T) == 0.
             0 (default): the plain layer. With R > 0 (or a ``placement``) the dispatcher runs over
             E + R physical slots, this rank's :class:`GroupedExperts` hold the logical experts
             ``placement.physical_to_logical[placement.slots_of(rank)]`` (identical replicas of one
@@ -258,15 +251,25 @@ class MoELayer(nn.Module):
             :func:`moe.eplb.route`. The layer computes the same function as with R = 0 (same seed);
             train it with :meth:`reduce_replica_grads` after backward so that replicas stay identical.
             With ``capacity_factor`` the capacity applies per slot (C over E + R slots).
-        placement: a :class:`moe.eplb.Placement` of E logical experts over E + R slots on P ranks, the
-            same on every rank; default ``Placement.default(E, P, R)`` (the identity when R = 0).
+        placement: a :class:`moe.eplb.Placement` of E logical experts over E + R slots on P / T (EP)
+            ranks, the same on every rank; default ``Placement.default(E, P / T, R)`` (the identity when R = 0).
+        expert_tp_size: T, expert tensor parallelism (:mod:`moe.expert_tp`), dividing P and F; 1
+            (default): none. With T > 1, ``comm`` is an EP x ETP grid (rank = ep_rank * T + etp_rank;
+            ``ep_comm``, ``etp_comm``: :func:`moe.expert_tp.expert_tp_groups`): the experts (or EPLB
+            slots) are spread over the P / T ranks of ``ep_comm`` as above, and each of them is
+            sharded over the T ranks of ``etp_comm`` (:class:`~moe.expert_tp.ShardedExperts`: fc1
+            by columns, fc2 by rows). Each rank still passes its own tokens and gets its own outputs
+            (:func:`~moe.expert_tp.etp_forward` gathers an ETP group's tokens, routes them, runs the
+            shards and reduce-scatters the result); the weights, drawn whole and then sliced, and so
+            the function, do not depend on T. With T = 1, ``ep_comm`` is ``comm`` and ``etp_comm`` None.
         router_kwargs: ``score``, ``normalize``, ``aux_loss_coef``, ``z_loss_coef``, ``num_groups``,
             ``topk_groups``, ``bias``, ``routed_scaling_factor`` of :class:`TopKRouter`.
 
     Load statistics: ``expert_load`` ([E] int64 buffer, not saved) counts the router's (token, slot)
     choices per logical expert over the forwards since :meth:`reset_expert_load` (this rank's
-    tokens; no host sync). :meth:`rebalance` moves experts to a new placement;
-    :class:`moe.rebalance.Balancer` does it from the loads every so many steps.
+    tokens; no host sync; summed over all P ranks they count the batch once, with ETP too).
+    :meth:`rebalance` moves experts to a new placement; :class:`moe.rebalance.Balancer` does it from
+    the loads every so many steps.
 
     :meth:`from_hf` builds one from a transformers MoE block (Mixtral, Qwen3-MoE, DeepSeek-V3), weights included.
     """
@@ -276,7 +279,8 @@ class MoELayer(nn.Module):
     def __init__(self, comm: CommunicatorLike, hidden_size: int, ffn_hidden_size: int, num_experts: int,
                  top_k: int, *, activation: str = "swiglu", capacity_factor: float | None = None,
                  shared_ffn_hidden_size: int = 0, seed: int = 0, node_aware: bool | None = None,
-                 num_redundant_experts: int = 0, placement: Placement | None = None, **router_kwargs: Any):
+                 num_redundant_experts: int = 0, placement: Placement | None = None, expert_tp_size: int = 1,
+                 **router_kwargs: Any):
         super().__init__()
         check_communicator(comm, "MoELayer")
         options = {"score": "softmax", "normalize": True, "aux_loss_coef": 0.0, "z_loss_coef": 0.0, "num_groups": 1,
@@ -298,10 +302,14 @@ class MoELayer(nn.Module):
             if not (is_positive_int(shared_ffn_hidden_size) or shared_ffn_hidden_size == 0):
                 raise ValueError(f"shared_ffn_hidden_size must be an int >= 0, got {shared_ffn_hidden_size!r}")
             router = TopKRouter(hidden_size, num_experts, top_k, seed=seed, **options)
-            placement = _check_placement(comm.size, num_experts, num_redundant_experts, placement)
+            T = _check_expert_tp(comm.size, ffn_hidden_size, expert_tp_size)
+            placement = _check_placement(comm.size // T, num_experts, num_redundant_experts, placement)
+            if T > 1 and (num_experts + num_redundant_experts) % (comm.size // T):
+                raise ValueError(f"num_experts={num_experts} is not divisible by the {comm.size // T} EP ranks "
+                                 f"(comm.size / expert_tp_size); each must hold the same number of experts")
         except (TypeError, ValueError) as e:
             err, router = e, None
-        R = num_redundant_experts
+        R, T = num_redundant_experts, expert_tp_size
         names = sorted(_ACTIVATIONS)
         # The same keys on every rank, whatever failed locally: the all-gather needs equal lengths.
         values = {"hidden_size": hidden_size, "ffn_hidden_size": ffn_hidden_size, "num_experts": num_experts,
@@ -316,25 +324,35 @@ class MoELayer(nn.Module):
                   "routed_scaling_factor": (float(options["routed_scaling_factor"])
                                             if isinstance(options["routed_scaling_factor"], (int, float)) else None),
                   "num_redundant_experts": R if isinstance(R, int) and not isinstance(R, bool) else None,
+                  "expert_tp_size": T if is_positive_int(T) else None,
                   "placement (digest)": _rebalance.digest_int(placement) if isinstance(placement, Placement) else None}
         agree(comm, "MoELayer", values, error=err,
               formats={"activation": lambda i: repr(names[i]), "score": lambda i: repr(SCORES[i])},
               hint="Construct the layer with the same arguments on every rank.")
-        self.comm = comm
-        self.dispatcher = ExpertDispatcher(comm, num_experts + R, capacity_factor=capacity_factor,
-                                           node_aware=node_aware)
+        self.comm, self.expert_tp_size = comm, T
+        # EP x ETP (T > 1): rank = ep_rank * T + etp_rank; experts over ep_comm, each one's FFN sharded over etp_comm
+        self.ep_comm, self.etp_comm = _etp.expert_tp_groups(comm, T) if T > 1 else (comm, None)
+        try:
+            self.dispatcher = ExpertDispatcher(self.ep_comm, num_experts + R, capacity_factor=capacity_factor,
+                                               node_aware=node_aware)
+        except BaseException:
+            self._close_groups()
+            raise
         self.router = router
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
         self.num_redundant_experts = R
-        self.num_local_experts = self.dispatcher.num_local_experts  # slots of this rank: (E + R) / P
-        self.placement = placement if placement is not None else Placement(torch.arange(num_experts), comm.size,
-                                                                          num_experts)
+        self.num_local_experts = self.dispatcher.num_local_experts  # slots of this rank: (E + R) / (P / T)
+        self.placement = placement if placement is not None else Placement(torch.arange(num_experts),
+                                                                          self.ep_comm.size, num_experts)
         self._identity = R == 0 and bool(torch.equal(self.placement.physical_to_logical, torch.arange(num_experts)))
         self._moving: str | None = None  # why forward refuses: a rebalance is under way or was interrupted
-        slots = self.placement.slots_of(comm.rank)
-        self.experts = GroupedExperts(self.num_local_experts, slots.start, hidden_size, ffn_hidden_size, activation,
-                                      seed, expert_ids=self.placement.physical_to_logical[slots.start:slots.stop])
+        slots = self.placement.slots_of(self.ep_comm.rank)
+        args = (self.num_local_experts, slots.start, hidden_size, ffn_hidden_size, activation, seed)
+        ids = self.placement.physical_to_logical[slots.start:slots.stop]
+        self.experts: GroupedExperts | _etp.ShardedExperts = (
+            GroupedExperts(*args, expert_ids=ids) if T == 1 else
+            _etp.ShardedExperts(*args, etp_rank=self.etp_comm.rank, expert_tp_size=T, expert_ids=ids))
         self.shared = (SharedExpert(hidden_size, shared_ffn_hidden_size, activation, seed)
                        if shared_ffn_hidden_size else None)
         self.expert_load: torch.Tensor
@@ -353,8 +371,9 @@ class MoELayer(nn.Module):
         gelu ("swiglu"/"geglu"). Mixtral's ``router_jitter_noise`` (training only) is not applied.
 
         The weights are copied in the block's dtype and device: expert ``e`` of this rank (``e`` in
-        ``[rank * L, (rank + 1) * L)``, L = E / P) gets ``fc1 = gate_up_proj[e].T`` [H, 2I] and
-        ``fc2 = down_proj[e].T`` [I, H]; the router ``gate.weight`` [E, H] (float32 for DeepSeek-V3,
+        ``[ep_rank * L, (ep_rank + 1) * L)``, L = E / (P / T)) gets ``fc1 = gate_up_proj[e].T`` [H, 2I]
+        and ``fc2 = down_proj[e].T`` [I, H] (with ``expert_tp_size`` T > 1 this rank's shard of them,
+        as :func:`shard_state_dict` cuts it); the router ``gate.weight`` [E, H] (float32 for DeepSeek-V3,
         whose gate transformers runs in float32) and its bias; the shared MLP ``fc1 = [gate_proj;
         up_proj].T`` [H, 2I_s], ``fc2 = down_proj.T`` [I_s, H]. The copies are independent of the block.
         With a float32 or float64 block, ``layer(x)[0]`` equals ``block(x)`` up to the order of float
@@ -365,13 +384,14 @@ class MoELayer(nn.Module):
             block: the transformers MoE block, the same on every rank (its class and expert count are
                 checked to agree).
             comm: the expert-parallel group (every rank calls from_hf).
-            kwargs: ``capacity_factor``, ``node_aware``, ``aux_loss_coef``, ``z_loss_coef`` of
-                :class:`MoELayer` (defaults: dropless, auto, no losses); the rest comes from the block.
+            kwargs: ``capacity_factor``, ``node_aware``, ``aux_loss_coef``, ``z_loss_coef``,
+                ``expert_tp_size`` of :class:`MoELayer` (defaults: dropless, auto, no losses, no ETP);
+                the rest comes from the block.
 
         Returns:
             A :class:`MoELayer` holding this rank's experts. An unsupported block class (or unknown
             keyword) raises ``TypeError``, naming the class; a block it cannot reproduce, or E not
-            divisible by ``comm.size``, ``ValueError``: on every rank.
+            divisible by the P / T EP ranks, ``ValueError``: on every rank.
         """
         check_communicator(comm, "MoELayer.from_hf")
         err, args, full = None, {}, {}
@@ -381,32 +401,46 @@ class MoELayer(nn.Module):
             err = e
         except AttributeError as e:  # a block of a supported class, changed: not one we know how to copy
             err = TypeError(f"{type(block).__qualname__}: {e}")
-        E = args.get("num_experts")
-        agree(comm, "MoELayer.from_hf", {"num_experts": E}, error=err,
-              hint="Pass the same block to from_hf on every rank.")
-        if E % comm.size:  # agreed: every rank raises
+        E, T = args.get("num_experts"), kwargs.get("expert_tp_size", 1)
+        T = T if is_positive_int(T) and comm.size % T == 0 else None  # else the layer's own check says why
+        agree(comm, "MoELayer.from_hf", {"num_experts": E, "expert_tp_size": T}, error=err,
+              hint="Pass the same block and expert_tp_size to from_hf on every rank.")
+        if T is not None and E % (comm.size // T):  # agreed: every rank raises
+            ranks = f"{comm.size} ranks of comm" if T == 1 else f"{comm.size // T} EP ranks (comm.size / expert_tp_size)"
             raise ValueError(f"MoELayer.from_hf: {type(block).__qualname__} has {E} experts, not divisible by the "
-                             f"{comm.size} ranks of comm; each rank must hold the same number of experts")
+                             f"{ranks}; each rank must hold the same number of experts")
         layer = cls(comm, **args, **kwargs)
-        first, L = layer.dispatcher.first_local_expert, layer.num_local_experts
-        with torch.no_grad():
-            for key, t in full.items():
+        with torch.no_grad():  # this rank's experts (with ETP: its shards of them), in the block's dtype and device
+            for key, t in shard_state_dict(layer, full).items():
                 path, attr = key.rsplit(".", 1)
                 owner = layer.get_submodule(path)
-                t = (t[first: first + L] if key in cls.expert_keys else t).clone(memory_format=torch.contiguous_format)
+                t = t.clone(memory_format=torch.contiguous_format)
                 setattr(owner, attr, nn.Parameter(t) if isinstance(getattr(owner, attr), nn.Parameter) else t)
         return layer
 
     def close(self) -> None:
-        """Close the dispatcher's sub-groups (the node-aware path's; collective like their creation)."""
-        self.dispatcher.close()
+        """Close the dispatcher's sub-groups (the node-aware path's) and, with ETP, the EP and ETP groups
+        (collective like their creation)."""
+        try:
+            self.dispatcher.close()
+        finally:
+            self._close_groups()
+
+    def _close_groups(self) -> None:
+        if self.etp_comm is not None:
+            try:
+                self.ep_comm.close()
+            finally:
+                self.etp_comm.close()
 
     def extra_repr(self) -> str:
         first = self.dispatcher.first_local_expert
         held = (f"experts {first}..{first + self.num_local_experts - 1} of {self.num_experts}" if self._identity else
                 f"slots {first}..{first + self.num_local_experts - 1} of {self.num_experts} experts + "
                 f"{self.num_redundant_experts} redundant (experts {self.experts.expert_ids})")
-        return (f"rank={self.comm.rank}/{self.comm.size}, {held}, top_k={self.top_k}, "
+        etp = (f" (EP rank {self.ep_comm.rank}/{self.ep_comm.size} x ETP rank {self.etp_comm.rank}/"
+               f"{self.expert_tp_size})" if self.etp_comm is not None else "")
+        return (f"rank={self.comm.rank}/{self.comm.size}{etp}, {held}, top_k={self.top_k}, "
                 f"capacity_factor={self.dispatcher.capacity_factor}")
 
     def reset_expert_load(self) -> None:
@@ -418,8 +452,9 @@ class MoELayer(nn.Module):
 
         Call it after backward and before the optimizer step, on every rank: then replicas stay
         identical under any optimizer, and training with redundant experts equals training without.
-        It moves the gradients of all E experts (one all-reduce of [E, ...] fc1 and fc2 gradients);
-        a no-op (no communication) when the layer has no redundant experts.
+        It moves the gradients of all E experts (one all-reduce of [E, ...] fc1 and fc2 gradients over
+        ``ep_comm``; with ETP, of this rank's shards); a no-op (no communication) when the layer has
+        no redundant experts.
         """
         if self.num_redundant_experts:
             _rebalance.reduce_replica_grads(self)
@@ -440,13 +475,16 @@ class MoELayer(nn.Module):
             rank's share of the router losses of the whole batch over all ranks (see
             :class:`TopKRouter`): the shares of all ranks sum to the loss the same layer computes
             on one rank over all tokens. The dispatch handle of the call is kept as
-            ``last_handle`` (e.g. ``.dropped``; its routing is by physical slot).
+            ``last_handle`` (e.g. ``.dropped``; its routing is by physical slot; with ETP, the EP
+            dispatch of the ETP group's gathered tokens).
 
         Raises ``RuntimeError`` while a :meth:`rebalance` is under way, and for good after one that
         was interrupted (the experts' weights are then partly moved).
         """
         if self._moving is not None:  # every rank of the rebalance has it: no peer waits on this rank
             raise RuntimeError(f"MoELayer on {rank_label(self.comm)}: {self._moving}")
+        if self.etp_comm is not None:
+            return self._forward_etp(x)
         # Local work between collectives runs under `rejecting`: a failure on this rank makes the peers'
         # next collective raise. Before dispatch that is its count exchange, which moves CPU tensors.
         with rejecting(self.comm):
@@ -470,11 +508,28 @@ class MoELayer(nn.Module):
         lay = handle.layout
         per_expert = lay.global_tokens_per_expert  # [E + R] (CPU): fold the replicas' counts into their experts'
         if not self._identity:
-            per_expert = torch.zeros(self.num_experts, dtype=per_expert.dtype).index_add_(
-                0, self.placement.physical_to_logical, per_expert)
+            per_expert = fold_replicas(per_expert, self.placement)
         aux = self.router.aux_loss(scores, per_expert, lay.num_global_tokens)
         self.last_handle = handle
         return y.reshape(shape), aux
+
+    def _forward_etp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward with T > 1: :func:`moe.expert_tp.etp_forward`, then the shared expert's output added."""
+        shared, err = None, None
+        # the shared expert runs first: a failure there goes into etp_forward's first agreement, so that
+        # every rank raises (after the call, the peers' next collectives would be in backward)
+        if self.shared is not None and isinstance(x, torch.Tensor) and x.shape[-1:] == (self.hidden_size,):
+            try:
+                shared = self.shared(x).to(x.dtype)
+            except Exception as e:  # noqa: BLE001 - raised on every rank by etp_forward
+                err = ValueError(f"the shared expert failed: {type(e).__name__}: {e}")
+        y, aux, handle, chosen = _etp.etp_forward(x, self.router, self.dispatcher, self.experts, self.etp_comm,
+                                                  return_routing=True, error=err,
+                                                  placement=None if self._identity else self.placement)
+        with torch.no_grad():  # this rank's own tokens: the sum over all P ranks counts the batch once
+            self.expert_load += logical_loads(chosen, self.num_experts).to(self.expert_load.device)
+        self.last_handle = handle
+        return (y if shared is None else y + shared), aux
 
 
 def gather_state_dict(layer: MoELayer) -> dict[str, torch.Tensor]:
@@ -484,15 +539,17 @@ def gather_state_dict(layer: MoELayer) -> dict[str, torch.Tensor]:
         layer: the layer (every rank of its communicator calls this).
 
     Returns:
-        name -> tensor: expert tensors (``MoELayer.expert_keys``, [L, ...] per rank) all-gathered
-        into [E, ...] in logical expert order (with redundant experts or another placement: each
-        expert from its first replica); replicated tensors copied from this rank. It loads into a
-        ``MoELayer`` over one rank with the same arguments (and no redundant experts).
+        name -> tensor: expert tensors (``MoELayer.expert_keys``, [L, ...] per rank; with ETP, the
+        rank's shards of them) all-gathered into whole [E, ...] in logical expert order (with
+        redundant experts or another placement: each expert from its first replica; ETP shards put
+        together by :func:`moe.expert_tp.gather_expert_slots`); replicated tensors copied from this
+        rank. It loads into a ``MoELayer`` over one rank with the same arguments (and no redundant
+        experts, ``expert_tp_size=1``).
     """
     full = {}
     for name, t in layer.state_dict().items():
         if name in layer.expert_keys:
-            full[name] = layer.comm.all_gather(t.detach().contiguous()) if layer.comm.size > 1 else t.detach().clone()
+            full[name] = _etp.gather_expert_slots(layer, name, t)
             if not layer._identity:  # [E + R] slots -> [E] logical experts
                 full[name] = full[name][layer.placement.logical_to_physical[:, 0].to(t.device)]
         else:
@@ -510,10 +567,11 @@ def shard_state_dict(layer: MoELayer, full: dict[str, torch.Tensor]) -> dict[str
 
     Returns:
         A dict for ``layer.load_state_dict``: expert tensors sliced to this rank's experts [L, ...]
-        (its slots' logical experts ``placement.physical_to_logical[slots_of(rank)]``), the others
-        as given. Raises ``ValueError`` on an expert tensor without E rows.
+        (its slots' logical experts ``placement.physical_to_logical[slots_of(ep_rank)]``; with ETP
+        this rank's shard of each, :func:`moe.expert_tp.shard_expert_slots`), the others as given.
+        Raises ``ValueError`` on an expert tensor without E rows.
     """
-    slots = layer.placement.slots_of(layer.comm.rank)
+    slots = layer.placement.slots_of(layer.ep_comm.rank)
     ids = layer.placement.physical_to_logical[slots.start: slots.stop]
     out = {}
     for name, t in full.items():
@@ -521,7 +579,7 @@ def shard_state_dict(layer: MoELayer, full: dict[str, torch.Tensor]) -> dict[str
             if t.dim() == 0 or t.shape[0] != layer.num_experts:
                 raise ValueError(f"shard_state_dict: {name} has shape {tuple(t.shape)}; a full state dict holds "
                                  f"all {layer.num_experts} experts along dim 0")
-            out[name] = t[ids.to(t.device)].clone()
+            out[name] = _etp.shard_expert_slots(layer, name, t[ids.to(t.device)].clone())
         else:
             out[name] = t
     return out

@@ -10,6 +10,12 @@ physical slots, ``(E + R) / P`` per rank. This module keeps such a layer trainab
 * :class:`Balancer`: every ``every`` steps, sums ``layer.expert_load`` over ranks and rebalances to
   :func:`moe.eplb.balance` of it when the current placement's imbalance exceeds a threshold.
 
+With expert tensor parallelism (``expert_tp_size`` T > 1, :mod:`moe.expert_tp`) the placement is
+over the P / T ranks of ``layer.ep_comm``, and every rank of an ETP group holds its shard of the
+same slots: gradients are reduced and experts moved over ``ep_comm``, each ETP rank its own shards
+(the same slots move in every EP group, so the shards stay together); the agreements run over the
+whole ``layer.comm``.
+
     balancer = Balancer(layer, every=100, threshold=1.1, optimizer=opt)
     for batch in data:
         y, aux = layer(x); loss(y, aux).backward()
@@ -58,7 +64,8 @@ def digest_int(placement: Placement) -> int:
 
 def reduce_replica_grads(layer: MoELayer) -> None:
     """``layer.reduce_replica_grads()``: every replica's fc1/fc2 gradient becomes the sum over all ranks of
-    its logical expert's replica gradients (collective: one all-reduce).
+    its logical expert's replica gradients (collective: one all-reduce over ``layer.ep_comm``; with
+    ETP, of this rank's shards, which its EP group's ranks all hold alike).
 
     Simple first: the local slots' gradients are scatter-added into a zero [E, ...] buffer (fc1 and
     fc2 flattened side by side), all-reduced and gathered back, so it moves all E experts'
@@ -71,7 +78,7 @@ def reduce_replica_grads(layer: MoELayer) -> None:
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     ids = torch.tensor(ex.expert_ids, dtype=torch.int64, device=grads[0].device)
     flat = torch.cat([g.reshape(n, -1) for g in grads], 1)
-    total = layer.comm.all_reduce(flat.new_zeros((layer.num_experts, flat.shape[1])).index_add_(0, ids, flat))
+    total = layer.ep_comm.all_reduce(flat.new_zeros((layer.num_experts, flat.shape[1])).index_add_(0, ids, flat))
     mine, col = total[ids], 0
     for p, g in zip(params, grads):
         part = mine[:, col: col + g[0].numel()].reshape(g.shape)
@@ -194,6 +201,11 @@ def rebalance(layer: MoELayer, placement: Placement, optimizer: Any = None, *,
     The layer computes the same function afterwards. Gradients are not moved: the experts' are
     cleared (set to None); call it between an optimizer step and the next backward.
 
+    With ETP (T > 1) the placement is over the P / T ranks of ``layer.ep_comm``; steps 1 and 4 run
+    over ``layer.comm``, step 3 over ``ep_comm``, each ETP rank moving its own shards (every EP group
+    makes the same moves). A failure in step 3 is also relayed to the other EP groups, whose final
+    agreement then raises.
+
     Args:
         layer: the :class:`moe.MoELayer` (every rank of its communicator calls this).
         placement: the new :class:`moe.eplb.Placement`, the same on every rank (e.g. from
@@ -211,7 +223,7 @@ def rebalance(layer: MoELayer, placement: Placement, optimizer: Any = None, *,
     try:
         if not isinstance(placement, Placement):
             raise ValueError(f"placement must be a moe.eplb.Placement, got {type(placement).__name__}")
-        E, R, P = layer.num_experts, layer.num_redundant_experts, comm.size
+        E, R, P = layer.num_experts, layer.num_redundant_experts, layer.ep_comm.size
         if (placement.num_logical, placement.num_physical, placement.num_ranks) != (E, E + R, P):
             raise ValueError(f"placement has {placement.num_logical} experts in {placement.num_physical} slots on "
                              f"{placement.num_ranks} ranks; this layer has {E} in {E + R} slots on {P} ranks")
@@ -234,14 +246,14 @@ def rebalance(layer: MoELayer, placement: Placement, optimizer: Any = None, *,
     old, new = layer.placement.physical_to_logical.tolist(), placement.physical_to_logical.tolist()
     layer._moving = f"a rebalance to placement {placement.digest()[:12]} is under way"
     try:
-        moved = _move(layer, tensors, old, new, max_experts_per_round)
+        moved = _move_relayed(layer, tensors, old, new, max_experts_per_round)
         agree(comm, "MoELayer.rebalance (finished)", {"finished": 1})
     except BaseException as e:
         layer._moving = (f"a rebalance to placement {placement.digest()[:12]} was interrupted "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the experts' weights "
                          "are partly moved, so this layer cannot run: build a new one and load a checkpoint")
         raise
-    mine = placement.slots_of(comm.rank)
+    mine = placement.slots_of(layer.ep_comm.rank)
     layer.placement = placement
     layer._identity = layer.num_redundant_experts == 0 and new == list(range(layer.num_experts))
     layer.experts.expert_ids = new[mine.start: mine.stop]
@@ -265,10 +277,28 @@ def _check_same_placement(comm: Any, digests: list[int]) -> None:
                        "all-reduced loads gives it).")
 
 
+def _move_relayed(layer: MoELayer, tensors: list[tuple[str, torch.Tensor]], old: list[int], new: list[int],
+                  per_round: int) -> Moved:
+    """:func:`_move`; with ETP, a failure is also rejected on ``layer.comm``: the other EP groups learn of it
+    at their final agreement (this EP group's peers raise in ``_move``'s own collectives)."""
+    try:
+        return _move(layer, tensors, old, new, per_round)
+    except Exception as e:
+        if layer.ep_comm is not layer.comm:
+            relayed = ValueError(f"MoELayer.rebalance on {rank_label(layer.comm)} failed in its EP group: "
+                                 f"{type(e).__name__}: {e}")
+            try:
+                layer.comm.reject(relayed)  # on the CPU: the final agreement's all-gather moves CPU tensors
+            except Exception:  # noqa: BLE001 - reject raises `relayed` by design; the original error is raised
+                pass
+        raise
+
+
 def _move(layer: MoELayer, tensors: list[tuple[str, torch.Tensor]], old: list[int], new: list[int],
           per_round: int) -> Moved:
-    """Step 3 of :func:`rebalance`: the rounds of copies and all-to-alls (collective)."""
-    comm, me, P = layer.comm, layer.comm.rank, layer.comm.size
+    """Step 3 of :func:`rebalance`: the rounds of copies and all-to-alls (collective over ``layer.ep_comm``)."""
+    comm = layer.ep_comm
+    me, P = comm.rank, comm.size
     S = len(new) // P
     base = me * S
     source, round_of, hold_until = _plan(old, new, S, P, per_round)
@@ -360,7 +390,7 @@ class Balancer:
         self.last_imbalance = layer.placement.imbalance(loads)
         if self.last_imbalance <= self.threshold:
             return False
-        new = balance(loads, layer.comm.size, layer.num_redundant_experts)
+        new = balance(loads, layer.ep_comm.size, layer.num_redundant_experts)
         if new == layer.placement or new.imbalance(loads) >= self.last_imbalance:
             return False
         layer.rebalance(new, self.optimizer, max_experts_per_round=self.max_experts_per_round)

@@ -1,6 +1,8 @@
 """examples/train_moe.py as a newcomer runs it (``python examples/train_moe.py``, see test_examples.py):
 it must exit 0, print the loss of each of its 5 steps, and report that the 2 x 2-rank run (data x
 tensor/expert parallel) agrees with the one-process run within 1e-9, losses and parameters alike.
+The same with ``--layout ep-etp`` (the MoE layer EP over the data-parallel groups x expert tensor
+parallel over the model-parallel ones).
 
 The second test shows that this check has teeth: the same script with the usual data-parallel
 mistake (every gradient summed over the data-parallel group only, so the replicated norms and router,
@@ -34,8 +36,8 @@ _buckets = train_moe.gradient_buckets
 
 
 def dp_only(model):
-    complete, partial = _buckets(model)
-    return complete + partial, []
+    complete, partial, whole = _buckets(model)
+    return complete + partial + whole, [], []
 
 
 train_moe.gradient_buckets = dp_only
@@ -52,9 +54,13 @@ def _reported(out: str, label: str) -> float:
     return float(m.group(1))
 
 
-@pytest.mark.skipif(_in_mpi_job(), reason="starts its own ranks")
-def test_train_moe_example_matches_one_process(tmp_path):
-    out = run_example(TRAIN_MOE, tmp_path, timeout=180)
+def _python(cwd, *args) -> subprocess.CompletedProcess:
+    """``python ARGS`` from ``cwd`` with the repository on PYTHONPATH, its output captured."""
+    return subprocess.run([sys.executable, *map(str, args)], check=False, capture_output=True, text=True, timeout=180,
+                          env=_env(), cwd=cwd)
+
+
+def _check_run(out: str) -> None:
     lines = out.splitlines()
     steps = [line for line in lines if line.startswith("step ")]
     assert [s.split(":")[0] for s in steps] == [f"step {i}" for i in range(1, STEPS + 1)], out
@@ -65,13 +71,27 @@ def test_train_moe_example_matches_one_process(tmp_path):
     assert lines[-1] == "2 x 2 ranks agree with one process within 1e-09: ok", out
 
 
+@pytest.mark.skipif(_in_mpi_job(), reason="starts its own ranks")
+def test_train_moe_example_matches_one_process(tmp_path):
+    out = run_example(TRAIN_MOE, tmp_path, timeout=180)
+    assert out.splitlines()[0] == "layout ep: MoE layer EP over mp", out
+    _check_run(out)
+
+
+@pytest.mark.skipif(_in_mpi_job(), reason="starts its own ranks")
+def test_train_moe_example_with_expert_tensor_parallelism_matches_one_process(tmp_path):
+    p = _python(tmp_path, TRAIN_MOE, "--layout", "ep-etp")
+    assert p.returncode == 0, f"exited {p.returncode}:\n{p.stdout[-3000:]}{p.stderr[-5000:]}"
+    assert p.stdout.splitlines()[0] == "layout ep-etp: MoE layer EP over dp x ETP over mp (all 4 ranks)", p.stdout
+    _check_run(p.stdout)
+
+
 @pytest.mark.slow  # a second run of the example (about 15 s): `pytest -m slow` runs it
 @pytest.mark.skipif(_in_mpi_job(), reason="starts its own ranks")
 def test_train_moe_check_fails_when_gradients_are_reduced_over_dp_only(tmp_path):
     script = tmp_path / "dp_only.py"
     script.write_text(DP_ONLY)
-    p = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=180,
-                       env=_env(), cwd=tmp_path)
+    p = _python(tmp_path, script)
     out = p.stdout
     assert p.returncode == 1, f"exited {p.returncode}:\n{out}{p.stderr[-5000:]}"
     assert out.splitlines()[-1] == "2 x 2 ranks agree with one process within 1e-09: FAILED", out

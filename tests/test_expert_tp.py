@@ -1,7 +1,7 @@
 """Expert tensor parallelism (moe.expert_tp): the building blocks, and EP x ETP layers against a one-process MoELayer.
 
 The collective checks run in one launch of 4 ranks (each check's result kept apart), the error
-checks in a second one; the local ones (weight sharding, the copies of moe.layer's FFN pieces) run
+checks in a second one; the local ones (weight sharding, the FFN pieces shared with moe.layer) run
 here. Everything is float64 so that the layouts must agree to 1e-10.
 """
 
@@ -14,6 +14,7 @@ import torch
 
 import collectives
 import moe.layer as layer_mod
+from moe import ffn
 from moe import ExpertDispatcher, GroupedExperts, MoELayer, TopKRouter
 from moe import expert_tp as etp_mod
 from moe.expert_tp import (ShardedExperts, etp_forward, expert_tp_groups, gather_tokens, reduce_scatter_tokens,
@@ -148,11 +149,12 @@ def _detach_routing(router):
 def _layer_body(comm, name):
     """An EP x ETP layer assembled from the blocks equals MoELayer over one rank on all ranks' tokens.
 
-    The router computes its logits in float32 whatever the dtype, so gradients that pass through the
-    routing weights differ by float32 roundings (the ETP ranks' partial gradients are rounded apart):
-    the first pass checks them to 1e-5, the second pass detaches the routing in both layers and checks
-    the input gradient to 1e-10. Every comparison runs on every rank before any raises (a check failing
-    on some ranks only must not leave the others waiting in a collective).
+    The router computes its softmax in float32 whatever the dtype; etp_forward sums the routing
+    weights' partial gradients over the ETP group in float64 before the router's backward (each
+    token's on its own rank), so gradients through the routing match to 1e-10 too: the first pass
+    checks them so, the second detaches the routing in both layers (the path without that sum). Every
+    comparison runs on every rank before any raises (a check failing on some ranks only must not
+    leave the others waiting in a collective).
     """
     cfg = LAYERS[name]
     T, act, rows, kw = cfg["T"], cfg["activation"], cfg["rows"], cfg["kw"]
@@ -213,13 +215,9 @@ def _layer_body(comm, name):
             check(g2, ref.experts.fc2.grad, f"{what}: expert fc2 grad (shards placed, summed over ranks)")
             aux_sum = comm.all_reduce(aux.detach().reshape(1))[0]
             check(aux_sum, aux_ref.detach(), f"{what}: aux loss shares summed over ranks", rtol=1e-6, atol=1e-9)
-            if exact:
-                check(x.grad, Xr.grad[sl], f"{what}: input grad")
-            else:  # the float32 router: its partial gradients round apart
-                check(x.grad, Xr.grad[sl], f"{what}: input grad", rtol=1e-5, atol=1e-6)
-                # replicated router: the ranks' shares sum to the whole
-                check(comm.all_reduce(router.weight.grad), ref.router.weight.grad, f"{what}: router grad summed",
-                      rtol=1e-5, atol=1e-6)
+            check(x.grad, Xr.grad[sl], f"{what}: input grad")
+            if not exact:  # replicated router: the ranks' shares sum to the whole
+                check(comm.all_reduce(router.weight.grad), ref.router.weight.grad, f"{what}: router grad summed")
                 if not float(aux_ref.detach()) > 0:
                     bad.append(f"{what}: no aux loss to check")
         comm.barrier()
@@ -235,32 +233,44 @@ _CHECKS = {"groups": _groups_body, "regions": _regions_body,
            **{f"layer:{n}": (lambda comm, n=n: _layer_body(comm, n)) for n in LAYERS}}
 
 
-def _all_checks(comm) -> dict:
-    """Every check in one launch, each result kept apart (a check failing on some ranks only may make
-    later ones fail too: read the first failure)."""
+def run_checks(checks: dict, comm) -> dict:
+    """Every check of ``checks`` (name -> body(comm)) in this launch, each result kept apart: name ->
+    ("ok", what the body returned) or ("fail", its traceback). A check failing on some ranks only may
+    make later ones fail too: read the first failure."""
     out = {}
-    for name, body in _CHECKS.items():
+    for name, body in checks.items():
         try:
-            body(comm)
-            out[name] = ("ok", "")
+            out[name] = ("ok", body(comm))
         except Exception:  # noqa: BLE001 - reported by the test of this check
             out[name] = ("fail", traceback.format_exc())
     return out
 
 
-@pytest.fixture(scope="module")
-def etp_run():
+def launched_checks(all_checks, timeout: float):
+    """``get(name)``: launches ``all_checks`` (a module-level ``run_checks`` caller) on P ranks at its first
+    call; fails the test of a check that failed on some rank (naming the ranks, showing the first one's
+    traceback), else returns what the check returned on rank 0."""
     cache = {}
 
     def get(name):
         if "all" not in cache:
-            cache["all"] = collectives.launch(_all_checks, P, timeout=60)
+            cache["all"] = collectives.launch(all_checks, P, timeout=timeout)
         fails = [(r, res[name][1]) for r, res in enumerate(cache["all"]) if res[name][0] == "fail"]
         if fails:
             pytest.fail(f"check {name!r} failed on ranks {[r for r, _ in fails]}; rank {fails[0][0]}:\n{fails[0][1]}",
                         pytrace=False)
+        return cache["all"][0][name][1]
 
     return get
+
+
+def _all_checks(comm) -> dict:
+    return run_checks(_CHECKS, comm)
+
+
+@pytest.fixture(scope="module")
+def etp_run():
+    return launched_checks(_all_checks, timeout=60)
 
 
 def test_groups_layout_and_an_indivisible_or_differing_size_fails_every_rank(etp_run):
@@ -333,25 +343,18 @@ def test_one_rank_failing_makes_every_rank_raise_at_once():
 
 
 # ---- local checks ---------------------------------------------------------------------------------
-def test_the_ffn_pieces_match_moe_layers():
-    # moe.expert_tp holds copies of moe.layer's (an import of moe.layer would close a circle once
-    # moe.layer imports moe.expert_tp): the same weights and the same activations
-    assert etp_mod._GATED == layer_mod._GATED
-    assert etp_mod._ACTIVATIONS.keys() == layer_mod._ACTIVATIONS.keys()
-    h = torch.randn(5, 12, dtype=F64)
-    for act in ACTIVATIONS:
-        assert torch.equal(etp_mod._ACTIVATIONS[act](h), layer_mod._ACTIVATIONS[act](h)), act
-        gen = etp_mod.seeded_generator(3, etp_mod.EXPERT_STREAM, 5)
-        mine = etp_mod._ffn_weights(H, FFN, act, gen)
-        theirs = layer_mod._ffn_weights(H, FFN, act, etp_mod.seeded_generator(3, etp_mod.EXPERT_STREAM, 5))
-        assert all(torch.equal(a, b) for a, b in zip(mine, theirs)), act
+def test_the_ffn_pieces_are_one_definition():
+    # moe.layer's experts and moe.expert_tp's shards take the activations and the weight draw from moe.ffn
+    assert etp_mod._ACTIVATIONS is layer_mod._ACTIVATIONS is ffn._ACTIVATIONS
+    assert etp_mod._GATED is ffn._GATED and layer_mod._ffn_weights is ffn._ffn_weights
+    assert etp_mod._expert_weights is layer_mod._expert_weights is ffn._expert_weights
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
 def test_the_shards_sum_to_the_expert(act):
-    fc1, fc2 = (w.double() for w in etp_mod._ffn_weights(H, FFN, act, torch.Generator().manual_seed(1)))
+    fc1, fc2 = (w.double() for w in ffn._ffn_weights(H, FFN, act, torch.Generator().manual_seed(1)))
     x = torch.randn(9, H, dtype=F64)
-    f = etp_mod._ACTIVATIONS[act]
+    f = ffn._ACTIVATIONS[act]
     whole = f(x @ fc1) @ fc2
     for T in (1, 2, 3, 4):
         n = FFN // T
@@ -366,7 +369,7 @@ def test_the_shards_sum_to_the_expert(act):
 
 
 def test_shard_arguments_are_checked():
-    fc1, fc2 = etp_mod._ffn_weights(H, FFN, "swiglu", torch.Generator().manual_seed(1))
+    fc1, fc2 = ffn._ffn_weights(H, FFN, "swiglu", torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="not divisible by expert_tp_size=5"):
         shard_expert_weights(fc1, fc2, "swiglu", 0, 5)
     with pytest.raises(ValueError, match=r"etp_rank must be an int in \[0, 2\)"):
