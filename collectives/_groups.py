@@ -1,11 +1,12 @@
 """``Communicator.split`` (a mixin of the Communicator): MPI_Comm_split over the group's rendezvous,
-arguments validated as part of the exchange so that a bad one on any rank stops every rank.
+arguments validated as part of the exchange so that a bad one on any rank stops every rank; and
+``Communicator.shrink``: the group of the survivors after a failure, made without the excluded ranks.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, TypeVar
+from typing import Any, Mapping, Sequence, TypeVar
 
 from transports.settings import parse_options
 
@@ -15,7 +16,7 @@ C = TypeVar("C")  # the Communicator (not imported: it imports this module)
 
 
 class GroupCalls:
-    """split() of :class:`collectives.Communicator`."""
+    """split() and shrink() of :class:`collectives.Communicator`."""
 
     # ---- groups -------------------------------------------------------------------------------
     def split(self: C, color: int | None, key: int | None = None, *,
@@ -74,3 +75,50 @@ class GroupCalls:
         return type(self)(rdv, topo, timeout=self.timeout, transport=self._forced or "auto",
                             global_ranks=[self.global_ranks[m] for m in members], mpi_comm=mpi_sub,
                             settings=settings, device=self.device)
+
+    def shrink(self: C, exclude: Sequence[int]) -> C:
+        """A new communicator of the ranks not in ``exclude`` (survivor i becomes rank i), made
+        without the excluded ranks' help: they take no part and may be dead.
+
+        Collective over the survivors only. It works on a communicator that is closed or broken
+        (e.g. its last call raised ``PeerFailedError`` because a peer died); the new communicator
+        keeps the timeout, settings, device and forced transport, its ``global_ranks`` are the
+        survivors' own, and its transports are new (close it, and this one, when done). Needs the
+        store rendezvous (``collectives.launch`` or torchrun); a store hosted by an excluded rank
+        (rank 0 under torchrun without an agent store, or ``collectives.init``) died with it.
+
+        Args:
+            exclude: ranks of this communicator to drop (ints, in range, unique, not this rank).
+        Returns:
+            The survivors' :class:`Communicator`. Raises ValueError on the rank that passed a bad
+            ``exclude`` and on every survivor that hears of it, or when the survivors pass different
+            ``exclude`` (naming the ranks); RuntimeError when the store lived in an excluded rank's
+            process; NotImplementedError under MPI (no ULFM); PeerFailedError when a survivor dies.
+        """
+        me = self.global_ranks[self.rank]
+        if self._mpi_comm is not None or self._forced == "mpi":
+            raise NotImplementedError("shrink needs the store rendezvous (collectives.launch or torchrun); "
+                                      "MPI cannot drop a dead rank without ULFM")
+        err: str | None = None
+        dropped: list[int] = []
+        try:
+            if isinstance(exclude, (str, bytes)) or not hasattr(exclude, "__iter__"):
+                raise TypeError(f"a sequence of ranks, not {type(exclude).__name__}")
+            for x in exclude:
+                r = as_int(x, f"shrink: exclude on rank {me}")
+                if not 0 <= r < self.size:
+                    raise ValueError(f"rank {r} is out of range for a group of {self.size}")
+                if r == self.rank:
+                    raise ValueError(f"rank {me} excludes itself")
+                if r in dropped:
+                    raise ValueError(f"rank {r} is listed twice")
+                dropped.append(r)
+        except (TypeError, ValueError) as e:
+            err = f"exclude={list(exclude) if hasattr(exclude, '__iter__') else exclude!r} on rank {me}: {e}"
+        survivors = [r for r in range(self.size) if r not in dropped] if err is None else [self.rank]
+        rdv = self._rdv.shrink(survivors, error=err)
+        new_rank = survivors.index(self.rank)
+        topo = self.topology.subset(survivors, new_rank)
+        return type(self)(rdv, topo, timeout=self.timeout, transport=self._forced or "auto",
+                          global_ranks=[self.global_ranks[m] for m in survivors],
+                          settings=self.settings, device=self.device)

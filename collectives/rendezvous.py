@@ -78,6 +78,12 @@ class LocalRendezvous(Rendezvous):
         """Returns: a new one-rank rendezvous (see :meth:`Rendezvous.split`)."""
         return LocalRendezvous(self.timeout)
 
+    def shrink(self, survivors: list[int], *, error: str | None = None) -> "LocalRendezvous":
+        """Returns: a new one-rank rendezvous (see :meth:`Rendezvous.shrink`)."""
+        if error is not None:
+            raise ValueError(error)
+        return LocalRendezvous(self.timeout)
+
 
 # Store waits poll ``check`` instead of blocking in the store's ``wait``: a blocked wait delivers no
 # Ctrl-C until it returns and cannot see a peer that died, and every timeout of a short one logs two
@@ -134,6 +140,7 @@ class StoreRendezvous(Rendezvous):
         self._lineage = list(_lineage)
         self._round = 0
         self._splits = 0
+        self._shrinks = 0
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank contributes ``data``.
@@ -254,6 +261,72 @@ class StoreRendezvous(Rendezvous):
                                host_rank=self.host_rank, _peers=self._peers,
                                _lineage=[*self._lineage, (self.prefix, self._round - 1)])
 
+    def shrink(self, survivors: list[int], *, error: str | None = None) -> "StoreRendezvous":
+        """The rendezvous of the ``survivors`` (ranks of this group, ascending; survivor i becomes rank i),
+        met through the store without the other ranks, which may be dead.
+
+        Called by every survivor (each call on this rendezvous takes the next shrink prefix, so the
+        survivors must shrink it equally often). The survivors first tell each other their lists under
+        ``{prefix}/x{n}/ex/{world rank}``; lists that differ, or a survivor's ``error``, make every survivor
+        that sees them raise ValueError naming the ranks. The new group has its own prefix (with its
+        members) and no lineage: its members all left this group (closed its communicator), which does
+        not count against them there; a member that dies is seen by its pid as in any group.
+
+        Args:
+            survivors: the surviving ranks of this group, ascending, this rank among them.
+            error: this rank's own argument error (told to the survivors, then raised here as ValueError).
+        Returns:
+            The new rendezvous. Raises RuntimeError when the store's server lived in an excluded rank's
+            process (it died with it), PeerFailedError when a survivor died or left, ValueError as above.
+        """
+        import json
+
+        import torch.distributed as dist
+
+        self._shrinks += 1
+        me = self.global_ranks[self.rank]
+        base = f"{self.prefix}/x{self._shrinks}"
+        members = [self.global_ranks[r] for r in survivors]
+        if error is None and self.host_rank is not None and self.host_rank not in members:
+            raise RuntimeError(
+                f"shrink on rank {me}: the rendezvous store lived in rank {self.host_rank}'s process (rank "
+                f"{self.host_rank} hosts it under torchrun without an agent store or collectives.init), so it is "
+                f"gone with rank {self.host_rank} and the survivors cannot meet; a group that must survive rank "
+                f"{self.host_rank} needs a store hosted outside the ranks (collectives.launch, or torchrun's "
+                "elastic agent)")
+        mine = json.dumps({"survivors": members, "error": error})
+        try:
+            self.store.set(f"{base}/ex/{me}", mine)
+        except dist.DistError as e:
+            raise self._unreachable(e) from e
+        if error is not None:
+            raise ValueError(error)
+        new = StoreRendezvous(self.store, survivors.index(self.rank), len(survivors), self.timeout,
+                              f"{base}-{'.'.join(str(m) for m in members)}", members, root=self.root,
+                              host_rank=self.host_rank, _peers=self._peers)
+        new._registered = self._registered  # registers its pid under root at its first exchange if not yet
+        keys = [f"{base}/ex/{m}" for m in members]
+        try:
+            new._await(keys)
+            entries = [json.loads(bytes(self.store.get(key)).decode()) for key in keys]
+        except dist.DistError as e:
+            raise new._unreachable(e) from e
+        except BaseException as e:
+            new.leave(f"{type(e).__name__} interrupted its shrink", 0)
+            raise
+        errors = [(m, e["error"]) for m, e in zip(members, entries) if e["error"] is not None]
+        differ = {m: e["survivors"] for m, e in zip(members, entries) if e["survivors"] != members}
+        if errors or differ:
+            if errors:
+                why = (f"shrink on rank {me}: rank(s) {[m for m, _ in errors]} passed an invalid exclude "
+                       f"({errors[0][1]}); every survivor aborted the shrink")
+            else:
+                why = (f"shrink on rank {me}: the survivors disagree on exclude: rank {me} keeps ranks {members}, "
+                       + ", ".join(f"rank {m} keeps {s}" for m, s in differ.items()))
+            new.leave("its shrink was aborted", 0)
+            raise ValueError(why)
+        return new
+
 
 class MPIRendezvous(Rendezvous):
     """Exchange through mpi4py, posted non-blocking and polled so it is bounded by the timeout.
@@ -301,6 +374,11 @@ class MPIRendezvous(Rendezvous):
         if color < 0:
             return None
         return MPIRendezvous(sub, self.timeout, [self.global_ranks[r] for r in ranks])
+
+    def shrink(self, survivors: list[int], *, error: str | None = None) -> "MPIRendezvous":
+        """Not possible: raises NotImplementedError (see :meth:`Rendezvous.shrink`)."""
+        raise NotImplementedError("shrink needs the store rendezvous (collectives.launch or torchrun); "
+                                  "MPI cannot drop a dead rank without ULFM")
 
     def close(self) -> None:
         """Free the sub-communicator (never COMM_WORLD/COMM_SELF)."""
