@@ -252,6 +252,19 @@ def mpiexec_path() -> str | None:
     return str(local) if local.exists() else shutil.which("mpiexec")
 
 
+def run_checks(checks: dict[str, Callable[[Any], Any]], comm: Any) -> dict[str, tuple[str, Any]]:
+    """Every check of ``checks`` (name -> body(comm)) in one launch, each result kept apart: name ->
+    ("ok", what the body returned) or ("fail", its traceback). A check failing on some ranks only may
+    make later ones fail too (the Communicator refuses mismatched calls): read the first failure."""
+    out: dict[str, tuple[str, Any]] = {}
+    for name, body in checks.items():
+        try:
+            out[name] = ("ok", body(comm))
+        except Exception:  # noqa: BLE001 - reported by the test of this check
+            out[name] = ("fail", traceback.format_exc())
+    return out
+
+
 def outcome(fn: Callable[[], Any]) -> tuple[str, str]:
     """(exception type name, message) of what ``fn()`` raised here, or ("ok", "")."""
     try:

@@ -7,10 +7,9 @@ here. Everything is float64 so that the layouts must agree to 1e-10.
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
+from spmd import run_checks
 
 import collectives
 import moe.layer as layer_mod
@@ -231,19 +230,6 @@ def _layer_body(comm, name):
 
 _CHECKS = {"groups": _groups_body, "regions": _regions_body,
            **{f"layer:{n}": (lambda comm, n=n: _layer_body(comm, n)) for n in LAYERS}}
-
-
-def run_checks(checks: dict, comm) -> dict:
-    """Every check of ``checks`` (name -> body(comm)) in this launch, each result kept apart: name ->
-    ("ok", what the body returned) or ("fail", its traceback). A check failing on some ranks only may
-    make later ones fail too: read the first failure."""
-    out = {}
-    for name, body in checks.items():
-        try:
-            out[name] = ("ok", body(comm))
-        except Exception:  # noqa: BLE001 - reported by the test of this check
-            out[name] = ("fail", traceback.format_exc())
-    return out
 
 
 def launched_checks(all_checks, timeout: float):

@@ -22,8 +22,8 @@ import importlib.util
 
 import pytest
 import torch
-from spmd import outcome
-from test_expert_tp import _detach_routing, _Failures, _slice, launched_checks, run_checks
+from spmd import outcome, run_checks
+from test_expert_tp import _detach_routing, _Failures, _slice, launched_checks
 from test_moe_eplb import _skewed
 
 import collectives

@@ -11,7 +11,7 @@ import torch
 
 import collectives
 from collectives import PeerFailedError
-from spmd import UNDER_MPI, left_behind, shm_segments
+from spmd import UNDER_MPI, left_behind, outcome, shm_segments
 
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="fault injection needs spawned ranks")
 
@@ -84,24 +84,16 @@ def test_shrink_after_a_rank_died(victim):
     assert not left_behind(before)
 
 
-def _catch(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects it
-        return type(e).__name__, str(e)
-    return None
-
-
 def _body_bad_exclude(comm):
     r = comm.rank
     out = {}
     # every survivor (all four ranks) shrinks; one passes a bad exclude
-    out["self"] = _catch(lambda: comm.shrink([1] if r == 1 else []))
-    out["range"] = _catch(lambda: comm.shrink([4] if r == 2 else []))
-    out["dup"] = _catch(lambda: comm.shrink([0, 0] if r == 3 else []))
+    out["self"] = outcome(lambda: comm.shrink([1] if r == 1 else []))
+    out["range"] = outcome(lambda: comm.shrink([4] if r == 2 else []))
+    out["dup"] = outcome(lambda: comm.shrink([0, 0] if r == 3 else []))
     # ranks 0 and 2 keep rank 2, rank 1 drops it; rank 3 sits this one out (excluded by all)
     if r != 3:
-        out["differ"] = _catch(lambda: comm.shrink([2, 3] if r == 1 else [3]))
+        out["differ"] = outcome(lambda: comm.shrink([2, 3] if r == 1 else [3]))
     comm.barrier()  # the communicator itself is untouched
     return out
 

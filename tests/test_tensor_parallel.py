@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import re
-import traceback
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 
 import collectives
 from collectives import tensor_parallel as tp
+from spmd import run_checks
 
 F64 = torch.float64
 S, B, H, FFN, V = 12, 2, 12, 24, 36  # sequence, batch, hidden, ffn, vocab: all divisible by 1, 2, 3, 4
@@ -386,13 +386,7 @@ def _all_checks(comm) -> dict:
     A check that fails on every rank leaves them in step; one that fails on some ranks only makes
     the later checks fail too (the Communicator refuses mismatched calls), so read the first failure.
     """
-    out = {}
-    for name, body in _CHECKS.items():
-        try:
-            out[name] = ("ok", body(comm))
-        except Exception:  # noqa: BLE001 - reported by the test of this check
-            out[name] = ("fail", traceback.format_exc())
-    return out
+    return run_checks(_CHECKS, comm)
 
 
 @pytest.fixture(scope="module")
