@@ -105,8 +105,10 @@ def _path_sweeps(comm, opts: dict[str, Any], device: str, meta: dict[str, Any]) 
     from . import path_bench as pb
     from .peers import MoecommPeer, comm_gpu
 
-    infos = pb.agreed_paths(comm)
-    pb.check_available(opts["paths"], infos)
+    # self-launched ranks run on the machine the launching process checked; under mpirun/torchrun every
+    # host looks at itself and the ranks agree
+    if not opts.get("paths_checked"):
+        pb.check_available(opts["paths"], pb.agreed_paths(comm))
     mdev = str(comm_gpu(comm)) if device == "cuda" else "cpu"
     log_dir = pb.nccl_log_dir()
     sweeps, notes = [], list(opts.get("path_notes", []))
@@ -159,7 +161,7 @@ def _run_one(sweep: _Sweep, opts: dict[str, Any], notes: list[str], printed_note
         if lead:
             bar.print(format_row(row))
 
-    before = pb.interface_bytes() if sweep.path else {}
+    before = pb.interface_bytes() if sweep.path == "socket" else {}
     rows = sw.run_sweep({p.name: p for p in sweep.peers}, opts["ops"], opts["dtypes"], opts["sizes"],
                         iters=opts["iters"], warmup=opts["warmup"], check=opts["check"], seed=opts["seed"],
                         redops=opts["redops"], root=opts["root"], stats=sweep.stats, on_start=on_start,
@@ -207,7 +209,7 @@ def _bench_paths(opts: dict[str, Any], path: str, nprocs: int) -> tuple[bool, di
     lead, failed, kept = True, [], []
     for launch in launches:
         o = dict(opts, paths=launch.paths, device=device, path_transport=transports[0] if transports else None,
-                 path_notes=skipped if launch is launches[0] else [])
+                 path_notes=skipped if launch is launches[0] else [], paths_checked=not external)
         try:
             lead, res = on_ranks(_bench_rank, nprocs, o, timeout=opts["timeout"], check_size=_fits(opts),
                                  env=launch.env)

@@ -480,8 +480,8 @@ def _print_node_summary(stats: list[list[list[float]]], o: dict[str, Any]) -> No
               help="Zipf-skewed routing (expert i drawn with weight 1/(i+1)^S; DeepSeek-like loads near 1.2): time "
                    "dispatch + experts + combine without and with redundant experts placed by moe.eplb (normal mode).")
 @click.option("--redundant", type=NONNEGATIVE, default=None, metavar="R",
-              help="--skew: redundant expert slots of the EPLB variant [default: E/4, rounded so that the ranks "
-                   "divide E + R].")
+              help="--skew: redundant expert slots of the EPLB variant, a multiple of the ranks [default: E/4 rounded "
+                   "down to a multiple of the ranks, at least one per rank].")
 @click.option("--path", default=None, metavar="P",
               help="Force the normal mode's dispatch/combine onto path P and verify it (`moecomm paths`): CPU: shm, "
                    "socket (gloo); CUDA: cuda-ipc (ipc) or an NCCL path. Not available here: exit 2.")

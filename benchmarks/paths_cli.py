@@ -4,7 +4,6 @@ this launch offers, what each would use, and why a path is missing (rules: colle
 from __future__ import annotations
 
 import json
-import os
 import socket
 
 import click
@@ -12,9 +11,6 @@ import click
 from collectives.topology.paths import PathInfo
 
 # how many ranks an external launcher started: torchrun's, then the MPI launchers' variables
-_SIZE_ENV = {"torchrun": ("WORLD_SIZE",), "mpi": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")}
-
-
 def unavailable_message(info: PathInfo) -> str:
     """One line for a path that cannot be measured here: ``path roce is not available here: <reason>``."""
     return f"path {info.path} is not available here: {info.reason}"
@@ -33,20 +29,6 @@ def local_paths() -> list[PathInfo]:
     from collectives.topology.paths import discover_paths
 
     return discover_paths(detect(probe=False), ipc_why_not=_ipc_why_not())
-
-
-def _launch_size() -> int | None:
-    """Ranks of the external launch (None: single process, or a launcher that does not say)."""
-    import collectives
-
-    mode = collectives.detect_launch()
-    if mode == "single":
-        return None
-    for var in _SIZE_ENV.get(mode, ()):
-        v = os.environ.get(var, "")
-        if v.isdigit():
-            return int(v)
-    return 2  # launched, size not in the environment: init finds out
 
 
 def paths_by_host(comm, rows: list[PathInfo]) -> dict[str, list[PathInfo]]:
@@ -118,13 +100,14 @@ def paths(as_json: bool, recording: str | None) -> None:
             raise click.BadParameter(str(e), param_hint="'--from'") from None
         rows = discover_paths(topo, root=recording)
     else:
+        import collectives
+
         rows = local_paths()
-        size = _launch_size()
-        if size is not None and size > 1:
+        if collectives.detect_launch() != "single":  # every rank of the launch looks at its node
             try:
                 per_host = _gather(rows)
             except (RuntimeError, OSError) as e:  # no mpi4py under mpirun, an unreachable store, a timeout
-                raise click.ClickException(f"cannot gather the paths of the {size} ranks: {e}") from None
+                raise click.ClickException(f"cannot gather the paths of the launch's ranks: {e}") from None
             if per_host is None:
                 return  # not rank 0
             rows, hosts = combine_paths(per_host), len(per_host)
