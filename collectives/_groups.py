@@ -76,7 +76,7 @@ class GroupCalls:
                             global_ranks=[self.global_ranks[m] for m in members], mpi_comm=mpi_sub,
                             settings=settings, device=self.device)
 
-    def shrink(self: C, exclude: Sequence[int]) -> C:
+    def shrink(self: C, exclude: Sequence[int], *, key: str = "") -> C:
         """A new communicator of the ranks not in ``exclude`` (survivor i becomes rank i), made
         without the excluded ranks' help: they take no part and may be dead.
 
@@ -89,6 +89,10 @@ class GroupCalls:
 
         Args:
             exclude: ranks of this communicator to drop (ints, in range, unique, not this rank).
+            key: a name for a series of shrinks. Shrinks of this communicator are matched by their
+                count per key on each survivor, so survivors must make the same shrinks with a key in
+                the same order; use a key per set of excluded ranks when different sets of survivors
+                shrink it (masks of live ranks: ``moe.elastic``), "" (default) otherwise.
         Returns:
             The survivors' :class:`Communicator`. Raises ValueError on the rank that passed a bad
             ``exclude`` and on every survivor that hears of it, or when the survivors pass different
@@ -116,7 +120,9 @@ class GroupCalls:
         except (TypeError, ValueError) as e:
             err = f"exclude={list(exclude) if hasattr(exclude, '__iter__') else exclude!r} on rank {me}: {e}"
         survivors = [r for r in range(self.size) if r not in dropped] if err is None else [self.rank]
-        rdv = self._rdv.shrink(survivors, error=err)
+        if not isinstance(key, str) or "/" in key:
+            raise TypeError(f"shrink: key must be a str without '/', got {key!r}")
+        rdv = self._rdv.shrink(survivors, error=err, key=key)
         new_rank = survivors.index(self.rank)
         topo = self.topology.subset(survivors, new_rank)
         return type(self)(rdv, topo, timeout=self.timeout, transport=self._forced or "auto",

@@ -78,7 +78,7 @@ class LocalRendezvous(Rendezvous):
         """Returns: a new one-rank rendezvous (see :meth:`Rendezvous.split`)."""
         return LocalRendezvous(self.timeout)
 
-    def shrink(self, survivors: list[int], *, error: str | None = None) -> "LocalRendezvous":
+    def shrink(self, survivors: list[int], *, error: str | None = None, key: str = "") -> "LocalRendezvous":
         """Returns: a new one-rank rendezvous (see :meth:`Rendezvous.shrink`)."""
         if error is not None:
             raise ValueError(error)
@@ -140,7 +140,7 @@ class StoreRendezvous(Rendezvous):
         self._lineage = list(_lineage)
         self._round = 0
         self._splits = 0
-        self._shrinks = 0
+        self._shrinks: dict[str, int] = {}  # shrinks so far, by key
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank contributes ``data``.
@@ -261,13 +261,13 @@ class StoreRendezvous(Rendezvous):
                                host_rank=self.host_rank, _peers=self._peers,
                                _lineage=[*self._lineage, (self.prefix, self._round - 1)])
 
-    def shrink(self, survivors: list[int], *, error: str | None = None) -> "StoreRendezvous":
+    def shrink(self, survivors: list[int], *, error: str | None = None, key: str = "") -> "StoreRendezvous":
         """The rendezvous of the ``survivors`` (ranks of this group, ascending; survivor i becomes rank i),
         met through the store without the other ranks, which may be dead.
 
-        Called by every survivor (each call on this rendezvous takes the next shrink prefix, so the
-        survivors must shrink it equally often). The survivors first tell each other their lists under
-        ``{prefix}/x{n}/ex/{world rank}``; lists that differ, or a survivor's ``error``, make every survivor
+        Called by every survivor (each call with a given ``key`` takes that key's next shrink prefix, so
+        the survivors must shrink it with that key equally often). The survivors first tell each other
+        their lists under ``{prefix}/x{key}{n}/ex/{world rank}``; lists that differ, or a survivor's ``error``, make every survivor
         that sees them raise ValueError naming the ranks. The new group has its own prefix (with its
         members) and no lineage: its members all left this group (closed its communicator), which does
         not count against them there; a member that dies is seen by its pid as in any group.
@@ -275,6 +275,7 @@ class StoreRendezvous(Rendezvous):
         Args:
             survivors: the surviving ranks of this group, ascending, this rank among them.
             error: this rank's own argument error (told to the survivors, then raised here as ValueError).
+            key: names a series of shrinks (e.g. masks of one set of ranks); "" is the default series.
         Returns:
             The new rendezvous. Raises RuntimeError when the store's server lived in an excluded rank's
             process (it died with it), PeerFailedError when a survivor died or left, ValueError as above.
@@ -283,9 +284,9 @@ class StoreRendezvous(Rendezvous):
 
         import torch.distributed as dist
 
-        self._shrinks += 1
+        n = self._shrinks[key] = self._shrinks.get(key, 0) + 1
         me = self.global_ranks[self.rank]
-        base = f"{self.prefix}/x{self._shrinks}"
+        base = f"{self.prefix}/x{key}{n}"
         members = [self.global_ranks[r] for r in survivors]
         if error is None and self.host_rank is not None and self.host_rank not in members:
             raise RuntimeError(
@@ -375,7 +376,7 @@ class MPIRendezvous(Rendezvous):
             return None
         return MPIRendezvous(sub, self.timeout, [self.global_ranks[r] for r in ranks])
 
-    def shrink(self, survivors: list[int], *, error: str | None = None) -> "MPIRendezvous":
+    def shrink(self, survivors: list[int], *, error: str | None = None, key: str = "") -> "MPIRendezvous":
         """Not possible: raises NotImplementedError (see :meth:`Rendezvous.shrink`)."""
         raise NotImplementedError("shrink needs the store rendezvous (collectives.launch or torchrun); "
                                   "MPI cannot drop a dead rank without ULFM")

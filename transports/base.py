@@ -361,10 +361,11 @@ class Rendezvous(abc.ABC):
     def split(self, color: int, key: int, new_rank: int, new_size: int, ranks: list[int]) -> "Rendezvous":
         """The rendezvous of a sub-group (called collectively by every parent rank, with color < 0 for none)."""
 
-    def shrink(self, survivors: list[int], *, error: str | None = None) -> "Rendezvous":
+    def shrink(self, survivors: list[int], *, error: str | None = None, key: str = "") -> "Rendezvous":
         """The rendezvous of the group's ``survivors`` (ranks of this group, in order), called by the
         survivors only: the other ranks take no part and may be dead. ``error``: this rank's own
-        argument error, told to the survivors (then raised here as ValueError)."""
+        argument error, told to the survivors (then raised here as ValueError). ``key``: shrinks
+        with the same key are matched by their count on each survivor (see ``Communicator.shrink``)."""
         raise NotImplementedError(f"shrink is not supported by {type(self).__name__}")
 
     def close(self) -> None:  # noqa: B027 - optional hook
