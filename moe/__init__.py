@@ -19,9 +19,14 @@ experts between ranks while training or serving (``layer.rebalance``, :class:`Ba
 Expert tensor parallelism (ETP): ``MoELayer(comm, ..., expert_tp_size=T)`` runs EP x ETP over ``comm``
 (rank = ep_rank * T + etp_rank): experts spread over P / T ranks, each one's FFN sharded over T
 (:mod:`moe.expert_tp`), with or without EPLB; the same seed gives the same function at any layout.
+
+Masks (elastic EP): ``disp.dispatch(x, experts, masked_ranks=[r])`` runs without rank r (dead or
+stopped: no call waits for it) over a :class:`MaskedGroup` of the others; ``disp.mask([r])`` masks
+it for good, and ``ExpertDispatcher(..., on_peer_failure="mask")`` does so itself when r dies.
 """
 
 from .dispatcher import ExpertDispatcher
+from .elastic import MaskedGroup
 from .eplb import Placement, balance, fold_replicas, logical_loads, route
 from .internode import NodeAwareHandle, NodeAwareLayout
 from .layer import (
@@ -45,6 +50,7 @@ __all__ = [
            "GroupedExperts",
            "LowLatencyDispatcher",
            "LowLatencyHandle",
+           "MaskedGroup",
            "MoELayer",
            "Moved",
            "NodeAwareHandle",

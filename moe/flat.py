@@ -75,11 +75,14 @@ def check_inputs(x: Any, experts: Any, weights: Any, *, need_weights: bool) -> s
     return None
 
 
-def range_error(lo: int, hi: int, num_experts: int) -> str | None:
-    """The message for expert ids outside [-1, E), given their least and greatest value (host ints), or None."""
+def range_error(lo: int, hi: int, num_experts: int, shown: int | None = None) -> str | None:
+    """The message for expert ids outside [-1, E), given their least and greatest value (host ints), or None.
+
+    ``shown``: the E the caller's ids refer to, when they were mapped into a group with fewer experts
+    (a masked call: :meth:`moe.elastic.MaskedGroup.map_experts` passes bad ids through unchanged)."""
     if lo < -1 or hi >= num_experts:
-        return (f"expert indices must lie in [0, {num_experts}) (or -1 for an unused slot), "
-                f"got values in [{lo}, {hi}]")
+        return (f"expert indices must lie in [0, {num_experts if shown is None else shown}) (or -1 for an "
+                f"unused slot), got values in [{lo}, {hi}]")
     return None
 
 
@@ -202,6 +205,8 @@ class FlatPath:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // comm.size
         self.capacity_factor = capacity_factor
+        # the E that the caller's expert ids refer to, for messages: larger in a masked group (moe.elastic)
+        self.shown_num_experts = num_experts
         # the node of each rank (None: one node): for the traffic counters, from the topology itself (node-aware
         # placement does not apply to nodes of unequal rank counts, which still have a node boundary)
         self.node_of = node_of_ranks(comm)
@@ -245,7 +250,7 @@ class FlatPath:
             if extra_counts is not None:
                 parts.append(extra_counts(e, valid).to(torch.int64))
             host = _to_host(torch.cat(parts))                 # the layout's one device-to-host copy
-            err = range_error(int(host[0]), int(host[1]), E)
+            err = range_error(int(host[0]), int(host[1]), E, self.shown_num_experts)
             counts_local, rows_local = host[2:2 + E], host[2 + E:2 + E + P]
             extra = host[2 + E + P:].tolist()
         # each rank's rows per destination ride along: they are everyone's receive counts

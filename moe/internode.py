@@ -116,6 +116,7 @@ class NodeAwareLayout:
         inner: the node group's :class:`~moe.records.DispatchLayout` for the R1 received rows.
         traffic: :class:`~moe.records.DispatchTraffic`, token bytes this rank sends.
         token_bags: the rail rows of each token (:func:`~moe.records.token_bags`), for the per-token sums.
+        masked_ranks: as :class:`~moe.records.DispatchLayout`'s (empty when none).
     The flat layout's attributes (``num_tokens``, ``top_k``, ``hidden``, ``dtype``, ``requires_grad``,
     ``dropped``, ``counts``, ``global_tokens_per_expert``, ``num_global_tokens``, ``capacity``,
     ``weights``, ``weights_id``) read through; ``tokens_per_expert`` is the inner layout's (the same
@@ -132,6 +133,7 @@ class NodeAwareLayout:
     inner: DispatchLayout
     traffic: DispatchTraffic
     token_bags: tuple[torch.Tensor, torch.Tensor]
+    masked_ranks: tuple[int, ...] = ()
 
     def __getattr__(self, name: str) -> Any:
         if name in ("num_tokens", "top_k", "hidden", "dtype", "requires_grad", "dropped", "counts",
@@ -150,11 +152,12 @@ class NodeAwareHandle:
 
     Properties as :class:`~moe.records.DispatchHandle`: ``dropped`` [T, k] bool,
     ``tokens_per_expert`` [L] int64, ``num_recv_rows`` (rows received over the node group) and
-    ``num_recv_pairs`` (N, the rows of recv_x).
+    ``num_recv_pairs`` (N, the rows of recv_x); ``masked_ranks`` as :class:`~moe.records.DispatchHandle`'s.
     """
 
     layout: NodeAwareLayout
     inner: DispatchHandle
+    masked_ranks: tuple[int, ...] = ()
 
     @property
     def dropped(self) -> torch.Tensor:

@@ -75,6 +75,9 @@ class DispatchLayout:
             the per-token sums of combine and of dispatch's backward.
         extra_counts: host ints a caller of the flat path's layout had copied along with the
             counts (see :meth:`moe.flat.FlatPath.layout`), else [].
+        masked_ranks: the ranks of the dispatcher's ``comm`` masked in the call that made this layout,
+            ascending (empty when none): the layout is then the masked group's (:mod:`moe.elastic`),
+            in its numbering (P = the unmasked ranks, E = their experts).
     """
 
     num_tokens: int
@@ -98,6 +101,7 @@ class DispatchLayout:
     traffic: DispatchTraffic | None = None
     token_bags: tuple[torch.Tensor, torch.Tensor] | None = None
     extra_counts: list[int] | None = None
+    masked_ranks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -114,6 +118,8 @@ class DispatchHandle:
         bag_index, bag_offsets: [N] and [R] int64, each received row's pairs as rows of ``recv_x``
             (in slot order) and where each row's run starts in ``bag_index``: the bags of
             :func:`_bag_sum` for combine's per-row sums and dispatch's backward.
+        masked_ranks: the ranks of the dispatcher's ``comm`` masked in the dispatch, ascending (empty
+            when none); ``combine`` and the backward passes run over the same masked group.
     Properties: ``dropped`` ([T, k] bool, ``layout.dropped``), ``tokens_per_expert`` ([L] int64),
     ``num_recv_rows`` (R) and ``num_recv_pairs`` (N).
     """
@@ -125,6 +131,7 @@ class DispatchHandle:
     pair_weight: torch.Tensor | None = None
     bag_index: torch.Tensor | None = None
     bag_offsets: torch.Tensor | None = None
+    masked_ranks: tuple[int, ...] = ()
 
     @property
     def dropped(self) -> torch.Tensor:
