@@ -52,6 +52,16 @@ transport that would exchange counts first (nccl) moves the rows at once: dispat
 the layout's all_gather (each rank's rows per destination ride along), except when capacity
 dropping changed the rows after it; combine and the backward passes reuse dispatch's counts.
 
+Masks (issue #55, :mod:`moe.elastic`): a masked rank is one the others treat as gone (dead, or
+stopped); no call of the unmasked ranks waits for it. A call with ``masked_ranks`` (or after
+:meth:`ExpertDispatcher.mask`, or after a peer failure with ``on_peer_failure="mask"``) runs on a
+:class:`~moe.elastic.MaskedGroup` of the unmasked ranks (built on first use of that set: one
+``comm.shrink``, collective over the unmasked ranks) through an inner dispatcher over
+``A * L`` experts (A unmasked ranks), the expert ids mapped into its layout: slots routed to a
+masked rank's experts are dropped and the other slots' weights are used as they are (not
+renormalised). This rank's local experts, the order of ``recv_x`` and ``tokens_per_expert`` [L] are
+those of an unmasked call. Calls without masks take the path above unchanged.
+
 Host syncs (device-to-host copies that wait for a GPU; none of them costs anything on the CPU): a
 layout makes one, :func:`moe.records._to_host`, which carries every count it needs and the least
 and greatest expert id (the range check is read there, so a bad id still raises ``ValueError`` on
@@ -66,13 +76,17 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import NoReturn
+import time
+import zlib
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 
 from collectives.agreement import agree, rank_label
 from collectives.protocols import CommunicatorLike, check_communicator
+from transports.base import CollectiveTimeoutError, PeerFailedError
 
+from .elastic import MaskedGroup, check_masked_ranks
 from .flat import FlatPath, check_inputs
 from .internode import NodeAwareHandle, NodeAwareLayout, NodeAwarePath, node_placement
 from .records import _FLOATS, DispatchHandle, DispatchLayout, _tensor_id
@@ -85,6 +99,27 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two float tensors of one shape and dtype hold the same values, NaN equal to NaN (``torch.equal``
     says NaN != NaN, which rejected NaN router weights passed alike to dispatch and combine)."""
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _mapped(group: MaskedGroup, experts: Any) -> Any:
+    """The experts' ids in the group's layout; an argument that is no integer tensor goes on as it is, so that
+    the group's count exchange rejects it on every rank."""
+    if isinstance(experts, torch.Tensor) and experts.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        return group.map_experts(experts)
+    return experts
+
+
+_ON_PEER_FAILURE = ("raise", "mask")
+_STEPS = ("layout", "dispatch", "combine")
+
+
+class _Masked:
+    """One set of masked ranks: its group and the dispatcher over it (``A * L`` experts)."""
+
+    __slots__ = ("group", "dispatcher")
+
+    def __init__(self, group: MaskedGroup, dispatcher: ExpertDispatcher):
+        self.group, self.dispatcher = group, dispatcher
 
 
 class ExpertDispatcher:
@@ -112,10 +147,22 @@ class ExpertDispatcher:
             over one all-to-all); True requires the node-aware path (ValueError where the topology
             does not allow it). ``self.node_aware`` tells which was taken. The node-aware path
             splits ``comm`` into two sub-groups: call :meth:`close` when done.
+        on_peer_failure: what a ``PeerFailedError`` (a peer died or left) in a call does.
+            "raise" (default): it propagates; the survivors may then call :meth:`mask` and go on.
+            "mask": in :meth:`get_dispatch_layout` / :meth:`dispatch` the failed ranks (those the error
+            names) join the permanent masks, the survivors build their group, agree that they were all
+            in the same call of this dispatcher (else ``ValueError`` on every survivor, saying so), log a
+            warning and run the call again on the survivors, returning its result; in :meth:`combine`
+            the ranks are masked and the group built alike, then the error is raised again: the
+            dispatch it belongs to cannot be completed without being redone (the caller, e.g.
+            :class:`~moe.MoELayer`, runs its step again). Every other error propagates as with "raise".
+
+    Masks: see :meth:`dispatch` (``masked_ranks``), :meth:`mask`, :attr:`masked_ranks`, :attr:`active_comm`
+    and the module docstring. :meth:`close` closes the masked groups too.
     """
 
     def __init__(self, comm: CommunicatorLike, num_experts: int, *, capacity_factor: float | None = None,
-                 node_aware: bool | None = None):
+                 node_aware: bool | None = None, on_peer_failure: str = "raise"):
         check_communicator(comm, "ExpertDispatcher")
         err = None
         placement = node_placement(comm)
@@ -129,10 +176,14 @@ class ExpertDispatcher:
         elif node_aware and placement is None:
             err = ValueError("node_aware=True needs a group that spans several nodes with equal ranks per node "
                              f"(comm.topology.nodes: {getattr(getattr(comm, 'topology', None), 'nodes', None)})")
+        elif on_peer_failure not in _ON_PEER_FAILURE:
+            err = ValueError(f"on_peer_failure must be one of {_ON_PEER_FAILURE}, got {on_peer_failure!r}")
         agree(comm, "ExpertDispatcher", {"num_experts": num_experts, "capacity_factor": capacity_factor,
-                                         "node_aware (-1: auto)": -1 if node_aware is None else int(node_aware)},
-              error=err, hint="Construct the dispatcher with the same num_experts, capacity_factor and node_aware "
-                              "on every rank.")
+                                         "node_aware (-1: auto)": -1 if node_aware is None else int(node_aware),
+                                         "on_peer_failure (0: raise, 1: mask)": _ON_PEER_FAILURE.index(on_peer_failure)
+                                         if on_peer_failure in _ON_PEER_FAILURE else None},
+              error=err, hint="Construct the dispatcher with the same num_experts, capacity_factor, node_aware "
+                              "and on_peer_failure on every rank.")
         if num_experts % comm.size:  # agreed values: every rank raises
             raise ValueError(f"ExpertDispatcher: num_experts={num_experts} is not divisible by the number of "
                              f"ranks {comm.size}; each rank must own the same number of experts")
@@ -142,6 +193,11 @@ class ExpertDispatcher:
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.first_local_expert = comm.rank * self.num_local_experts
         self.node_aware = placement is not None and node_aware is not False
+        self.on_peer_failure = on_peer_failure
+        self._masked: tuple[int, ...] = ()               # the permanent masks (ranks of comm, ascending)
+        self._masks: dict[tuple[int, ...], _Masked] = {}  # each set's group, built on first use
+        # calls of this dispatcher per set of masks (() for comm): after a failure the survivors compare them
+        self._calls: dict[tuple[int, ...], int] = {(): 0}
         # the strategy every call goes to; the flat one over the whole group also serves the node-aware one
         self._flat = FlatPath(comm, num_experts, self.capacity_factor)
         self._path: FlatPath | NodeAwarePath = self._flat
@@ -156,17 +212,173 @@ class ExpertDispatcher:
         self._path.reject(error, step=step, on=on)
 
     def close(self) -> None:
-        """Close the node-aware path's sub-groups (collective with the other ranks' close; no-op on the flat path)."""
+        """Close the masked groups (and their dispatchers) and the node-aware path's sub-groups (collective with
+        the other ranks' close; the flat path has none)."""
+        masks, self._masks = self._masks, {}
+        for m in masks.values():
+            self._close_masked(m)
         self._path.close()
         self._path = self._flat
 
     def __repr__(self) -> str:
         return (f"ExpertDispatcher(rank={self.comm.rank}, size={self.comm.size}, num_experts={self.num_experts}, "
-                f"capacity_factor={self.capacity_factor}, node_aware={self.node_aware})")
+                f"capacity_factor={self.capacity_factor}, node_aware={self.node_aware}"
+                + (f", masked_ranks={list(self._masked)}" if self._masked else "") + ")")
+
+    # ---- masks ----------------------------------------------------------------------------------
+    @property
+    def masked_ranks(self) -> tuple[int, ...]:
+        """The permanent masks: ranks of ``comm`` (ascending) that every call leaves out, from :meth:`mask`
+        or a peer failure with ``on_peer_failure="mask"``."""
+        return self._masked
+
+    @property
+    def active_comm(self) -> CommunicatorLike | None:
+        """The communicator the next call without per-call masks runs on: ``comm``, or the permanent masks'
+        group's. None only when that group is not built yet (after a failure in a call that had more
+        masks of its own; the next call without them builds it)."""
+        if not self._masked:
+            return self.comm
+        m = self._masks.get(self._masked)
+        return None if m is None else m.group.comm
+
+    def mask(self, ranks: Sequence[int]) -> None:
+        """Add ``ranks`` (of ``comm``) to the permanent masks and build their group now (collective over the
+        unmasked ranks; the masked ones take no part), e.g. after a ``PeerFailedError`` with
+        ``on_peer_failure="raise"``, or to time the shrink apart from the next call.
+
+        Raises ``ValueError`` naming this rank for an invalid rank (out of range, listed twice, this rank
+        itself); the build raises as :class:`~moe.elastic.MaskedGroup` does (e.g. ``PeerFailedError`` when
+        another rank died).
+        """
+        new = check_masked_ranks(self.comm, ranks, where="ExpertDispatcher.mask")
+        full = tuple(sorted(set(self._masked) | set(new)))
+        if full:
+            self._masked_path(full)
+        self._masked = full
+
+    def _call_mask(self, masked_ranks: Sequence[int] | None, where: str) -> tuple[int, ...]:
+        """The masks of one call: ``masked_ranks`` (checked) and the permanent ones, ascending."""
+        mine = check_masked_ranks(self.comm, masked_ranks, where=where)
+        return tuple(sorted(set(mine) | set(self._masked))) if mine else self._masked
+
+    def _masked_path(self, mask: tuple[int, ...]) -> _Masked:
+        """The group and dispatcher of ``mask``; built on first use (collective over the unmasked ranks)."""
+        m = self._masks.get(mask)
+        if m is None:
+            group = MaskedGroup(self.comm, mask, self.num_experts)
+            try:
+                # the node-aware path where the smaller group still allows it (equal ranks per node), else flat
+                inner = ExpertDispatcher(group.comm, group.num_active_experts, capacity_factor=self.capacity_factor,
+                                         node_aware=self.node_aware and node_placement(group.comm) is not None)
+            except BaseException:
+                group.close()
+                raise
+            inner._flat.shown_num_experts = self.num_experts  # range errors name the caller's E
+            m = self._masks[mask] = _Masked(group, inner)
+        return m
+
+    def _close_masked(self, m: _Masked) -> None:
+        try:
+            m.dispatcher.close()
+        finally:
+            m.group.close()
+
+    def _drop(self, mask: tuple[int, ...]) -> None:
+        """Close and forget the group of ``mask`` (its communicator broke); the next use builds another."""
+        m = self._masks.pop(mask, None)
+        if m is not None:
+            try:
+                self._close_masked(m)
+            except Exception:  # noqa: BLE001 - a broken group may fail to close cleanly; it is gone either way
+                log.debug("closing the broken group of masks %s failed", list(mask), exc_info=True)
+
+    def _world(self, ranks: Sequence[int]) -> list[int]:
+        return [self.comm.global_ranks[r] for r in ranks]
+
+    def _run(self, step: str, mask: tuple[int, ...], fn: Callable[[ExpertDispatcher, MaskedGroup | None], Any], *,
+             rerun: Callable[[ExpertDispatcher, MaskedGroup | None], Any] | None = None, build: bool = True) -> Any:
+        """``fn(dispatcher, group)`` on the communicator of ``mask`` (self and None for no masks), with the
+        peer-failure handling of ``on_peer_failure``. ``rerun``: what to run again on the survivors after a
+        failure (default ``fn``). ``build``: whether a missing group may be built (False for combine)."""
+        while True:
+            calls = self._calls[mask] = self._calls.get(mask, 0) + 1
+            try:
+                if not mask:
+                    return fn(self, None)
+                m = self._masks.get(mask)
+                if m is None:
+                    if not build:
+                        raise ValueError(f"{step} on {rank_label(self.comm)}: the group of the handle's masks "
+                                         f"{list(mask)} is closed (dispatcher closed, or the group broke); "
+                                         "dispatch again")
+                    m = self._masked_path(mask)
+                return fn(m.dispatcher, m.group)
+            except PeerFailedError as e:
+                if self.on_peer_failure != "mask":
+                    raise
+                mask = self._recover(e, step, mask, calls)
+                if step == "combine":
+                    raise PeerFailedError(f"{e}; ExpertDispatcher: rank(s) {self._world(self._masked)} are masked now, "
+                                          "and this combine cannot be completed without its dispatch: run the step "
+                                          "(dispatch and combine) again", e.missing_ranks) from e
+                fn = rerun or fn
+            except CollectiveTimeoutError as e:
+                if not mask:
+                    raise
+                # the group waited for an unmasked rank that never came; its communicator is broken
+                self._drop(mask)
+                missing = list(getattr(e, "missing_ranks", []))
+                raise ValueError(
+                    f"{step} on {rank_label(self.comm)} with masked_ranks={list(mask)}: rank(s) {missing} did not "
+                    f"join the masked call within the timeout ({self.comm.timeout:g} s). Every unmasked rank "
+                    "must pass the same masked_ranks (a rank that passed other masks, or none, waits on another "
+                    "group), and a rank that stopped responding must be masked too") from e
+
+    def _recover(self, error: PeerFailedError, step: str, mask: tuple[int, ...], calls: int) -> tuple[int, ...]:
+        """After ``error`` in the ``calls``-th call on the group of ``mask``: mask the failed ranks for good,
+        build the survivors' group and agree there that every survivor was in this very call.
+
+        Returns: the new masks of the call. Raises ``error`` when it names no rank to mask, ``ValueError``
+        (every survivor) when the survivors were in different calls.
+        """
+        g = self.comm.global_ranks
+        me = self.comm.rank
+
+        def failed(e: PeerFailedError, mask: tuple[int, ...]) -> set[int]:
+            return {g.index(w) for w in getattr(e, "missing_ranks", []) if w in g} - set(mask) - {me}
+
+        dead = failed(error, mask)
+        if not dead:
+            raise error
+        t0 = time.monotonic()
+        for _ in range(self.comm.size):
+            self._masked = tuple(sorted(set(self._masked) | dead))
+            new = tuple(sorted(set(mask) | dead))
+            try:
+                m = self._masked_path(new)
+                agree(m.group.comm, f"ExpertDispatcher after the failure of rank(s) {self._world(sorted(dead))}",
+                      {"calls on the failed group": calls, "step (0: layout, 1: dispatch, 2: combine)":
+                       _STEPS.index(step), "masks before the failure (crc32)": zlib.crc32(repr(mask).encode())},
+                      hint="The survivors were not all in the same call of this dispatcher when the failure came "
+                           "(one had gone on to a later call, or not reached this one), so the call cannot be "
+                           "run again on them; the failed ranks stay masked.")
+                break
+            except PeerFailedError as e:  # another rank died while the survivors regrouped
+                more = failed(e, new)
+                if not more:
+                    raise
+                self._drop(new)
+                dead |= more
+        log.warning("ExpertDispatcher on %s: rank(s) %s failed in %s (%s); masked for good, the %d survivors "
+                    "regrouped in %.3f s and %s", rank_label(self.comm), self._world(sorted(dead)), step, error,
+                    len(m.group.active), time.monotonic() - t0,
+                    "raise the error again (the dispatch must be redone)" if step == "combine" else "run the call again")
+        return new
 
     # ---- layout ---------------------------------------------------------------------------------
-    def get_dispatch_layout(self, x: torch.Tensor, experts: torch.Tensor, *,
-                            weights: torch.Tensor | None = None) -> DispatchLayout | NodeAwareLayout:
+    def get_dispatch_layout(self, x: torch.Tensor, experts: torch.Tensor, *, weights: torch.Tensor | None = None,
+                            masked_ranks: Sequence[int] | None = None) -> DispatchLayout | NodeAwareLayout:
         """The one count exchange of a dispatch (collective): who sends what where, after capacity dropping.
 
         Args:
@@ -178,22 +390,38 @@ class ExpertDispatcher:
             weights: [T, k] float router weights, or None, on every rank alike; required with a
                 capacity factor (the lowest-weight pairs are dropped). Given weights travel with
                 the tokens, and :meth:`combine` must then get the same values.
+            masked_ranks: ranks of ``comm`` to leave out of this call (with the permanent
+                :attr:`masked_ranks`), or None: see :meth:`dispatch`.
 
         Returns:
             A :class:`DispatchLayout` (a :class:`~moe.internode.NodeAwareLayout` on the node-aware
             path, with the same attributes), reusable with ``dispatch(..., layout=)`` for any x of
             the same shape, dtype and requires_grad; ``.traffic`` counts the bytes within and across
             nodes. Every rank raises ``ValueError`` (naming the ranks and values) if any rank's
-            arguments are invalid or they disagree.
+            arguments are invalid or they disagree. With masks the layout is the masked group's (in
+            its numbering: its ``counts`` are [A, A*L], ``global_tokens_per_expert`` [A*L]) and
+            ``.masked_ranks`` names them; ``dispatch(layout=)`` then runs on that group.
 
         Host syncs: one on the flat path (+1 when capacity dropping finds an over-full expert), two
-        on the node-aware path (+2); see the module docstring.
+        on the node-aware path (+2); see the module docstring. Masks add none.
         """
-        return self._path.layout(x, experts, weights)
+        if masked_ranks is None and not self._masked and self.on_peer_failure == "raise":
+            self._calls[()] += 1
+            return self._path.layout(x, experts, weights)
+        mask = self._call_mask(masked_ranks, "get_dispatch_layout")
+
+        def run(d: ExpertDispatcher, group: MaskedGroup | None) -> DispatchLayout | NodeAwareLayout:
+            if group is None:
+                return d._path.layout(x, experts, weights)
+            lay = d._path.layout(x, _mapped(group, experts), weights)
+            lay.masked_ranks = group.masked
+            return lay
+
+        return self._run("layout", mask, run)
 
     # ---- dispatch / combine ---------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, experts: torch.Tensor, *, weights: torch.Tensor | None = None,
-                 layout: DispatchLayout | NodeAwareLayout | None = None
+                 layout: DispatchLayout | NodeAwareLayout | None = None, masked_ranks: Sequence[int] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle | NodeAwareHandle]:
         """Send every (token, expert) pair to the expert's rank (collective, differentiable in x).
 
@@ -203,18 +431,65 @@ class ExpertDispatcher:
             weights: [T, k] float router weights or None (see :meth:`get_dispatch_layout`).
             layout: a :meth:`get_dispatch_layout` result for these experts (it carries the
                 weights, so ``weights`` is then ignored); None computes it here (the count exchange).
+                The call runs on the group of the layout's masks, which must include the permanent
+                ones (``ValueError`` here otherwise: recompute the layout after :meth:`mask`).
+            masked_ranks: ranks of ``comm`` (ints, in range, unique, not this rank: ``ValueError``
+                naming this rank otherwise) that this call leaves out, together with the permanent
+                :attr:`masked_ranks`; None or empty: none but those. Every unmasked rank must pass the
+                same set, and the masked ranks do not call. The call then runs on the unmasked ranks'
+                group (built on the first call with that set, collective over them; cached): slots of
+                the masked ranks' experts are dropped, and the other slots keep their weights as they
+                are (not renormalised); with a capacity factor, C counts the unmasked ranks' tokens and
+                experts (T_global and E of the group). Unmasked ranks that pass different sets wait on
+                different groups: a masked call raises ``ValueError`` after the communicator's timeout,
+                naming the ranks that never came (a rank in a call without masks gets that call's
+                ``CollectiveTimeoutError``).
 
         Returns:
             ``(recv_x, tokens_per_expert, handle)``: recv_x [N, H] x.dtype, one row per pair routed
-            to this rank, grouped by local expert, then source rank, token and slot;
-            tokens_per_expert [L] int64 on the CPU, rows of recv_x per local expert; handle, a
-            :class:`DispatchHandle` for :meth:`combine`.
+            to this rank, grouped by local expert, then source rank, token and slot (masked or not:
+            local expert j is this rank's expert j); tokens_per_expert [L] int64 on the CPU, rows of
+            recv_x per local expert; handle, a :class:`DispatchHandle` for :meth:`combine`, whose
+            ``masked_ranks`` names the call's masks (its layout is then the masked group's).
 
         Host syncs: none with ``layout=`` (the given experts are then checked for shape only: the
         layout holds the routing), else those of :meth:`get_dispatch_layout`.
         """
         if layout is None:
-            layout = self.get_dispatch_layout(x, experts, weights=weights)
+            if masked_ranks is None and not self._masked and self.on_peer_failure == "raise":
+                self._calls[()] += 1
+                return self._dispatch(x, experts, weights, None)
+            mask = self._call_mask(masked_ranks, "dispatch")
+        else:
+            mask = tuple(getattr(layout, "masked_ranks", ()))
+            if not mask and masked_ranks is None and not self._masked and self.on_peer_failure == "raise":
+                self._calls[()] += 1
+                return self._dispatch(x, experts, weights, layout)
+            if masked_ranks is not None and self._call_mask(masked_ranks, "dispatch") != mask:
+                raise ValueError(f"dispatch on {rank_label(self.comm)}: masked_ranks={list(masked_ranks)} (with the "
+                                 f"permanent masks {list(self._masked)}) differ from the layout's {list(mask)}")
+            if not set(self._masked) <= set(mask):
+                raise ValueError(f"dispatch on {rank_label(self.comm)}: the layout was made with masks {list(mask)}, "
+                                 f"but ranks {list(self._masked)} are masked now; recompute the layout")
+
+        def run(d: ExpertDispatcher, group: MaskedGroup | None, lay: Any = layout, w: Any = weights
+                ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle | NodeAwareHandle]:
+            if group is None:
+                return d._dispatch(x, experts, w, lay)
+            out = d._dispatch(x, experts if lay is not None else _mapped(group, experts), w, lay)
+            out[2].masked_ranks = out[2].layout.masked_ranks = group.masked
+            return out
+
+        # after a failure the layout (of the failed group) is made again on the survivors, with its weights
+        rerun = None if layout is None else (lambda d, group: run(d, group, None, layout.weights))
+        return self._run("dispatch", mask, run, rerun=rerun)
+
+    def _dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor | None,
+                  layout: DispatchLayout | NodeAwareLayout | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle | NodeAwareHandle]:
+        """:meth:`dispatch` on this dispatcher's own group (no masks)."""
+        if layout is None:
+            layout = self._path.layout(x, experts, weights)
         else:
             err = check_inputs(x, experts, weights, need_weights=False)
             if err is None and (x.shape[0] != layout.num_tokens or x.shape[1] != layout.hidden
@@ -234,19 +509,33 @@ class ExpertDispatcher:
 
         Args:
             expert_out: [N, H'] float, row i the expert output for row i of ``recv_x`` (same order).
-            handle: from :meth:`dispatch`.
+            handle: from :meth:`dispatch`; a masked dispatch's handle runs combine (and the backward
+                passes) over the same masked group.
             weights: [T, k] float router weights: the same values as given to dispatch, if any
                 (those already sit on the expert ranks, so combine is then a single all-to-all).
 
         Returns:
             y: [T, H'] expert_out.dtype, ``y[t] = sum_j weights[t, j] * out(t, j)``, where dropped
-            pairs and -1 slots contribute 0; sums accumulate in float32 (float64 for float64), in a
-            fixed order (deterministic). With 16-bit outputs each weight enters as two 16-bit parts
-            (about 16 significant bits; see :func:`moe.records._bag_sum`).
+            pairs, -1 slots and (masked dispatch) slots of masked ranks' experts contribute 0; sums
+            accumulate in float32 (float64 for float64), in a fixed order (deterministic). With 16-bit
+            outputs each weight enters as two 16-bit parts (about 16 significant bits; see
+            :func:`moe.records._bag_sum`).
+
+        With ``on_peer_failure="mask"``, a ``PeerFailedError`` here masks the failed ranks (as in
+        :meth:`dispatch`) and is raised again: this combine's dispatch must be redone on the survivors.
 
         Host syncs: none, except one to compare ``weights`` by value when they are not the tensor
         (or a view of it) given to dispatch.
         """
+        mask = tuple(getattr(handle, "masked_ranks", ()))
+        if not mask and self.on_peer_failure == "raise":
+            self._calls[()] += 1
+            return self._combine(expert_out, handle, weights)
+        return self._run("combine", mask, lambda d, group: d._combine(expert_out, handle, weights), build=False)
+
+    def _combine(self, expert_out: torch.Tensor, handle: DispatchHandle | NodeAwareHandle,
+                 weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`combine` on this dispatcher's own group (no masks)."""
         lay = handle.layout
         err = None
         if not isinstance(expert_out, torch.Tensor) or expert_out.dim() != 2 or \
