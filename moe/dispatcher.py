@@ -215,10 +215,16 @@ class ExpertDispatcher:
         """Close the masked groups (and their dispatchers) and the node-aware path's sub-groups (collective with
         the other ranks' close; the flat path has none)."""
         masks, self._masks = self._masks, {}
-        for m in masks.values():
-            self._close_masked(m)
+        first: Exception | None = None
+        for m in masks.values():  # each one, even after another failed to close
+            try:
+                self._close_masked(m)
+            except Exception as e:  # noqa: BLE001 - raised below, after the others
+                first = first or e
         self._path.close()
         self._path = self._flat
+        if first is not None:
+            raise first
 
     def __repr__(self) -> str:
         return (f"ExpertDispatcher(rank={self.comm.rank}, size={self.comm.size}, num_experts={self.num_experts}, "
@@ -450,7 +456,8 @@ class ExpertDispatcher:
             to this rank, grouped by local expert, then source rank, token and slot (masked or not:
             local expert j is this rank's expert j); tokens_per_expert [L] int64 on the CPU, rows of
             recv_x per local expert; handle, a :class:`DispatchHandle` for :meth:`combine`, whose
-            ``masked_ranks`` names the call's masks (its layout is then the masked group's).
+            ``masked_ranks`` names the call's masks (its layout is then the masked group's;
+            ``handle.dropped`` marks capacity drops only, not the slots of masked ranks' experts).
 
         Host syncs: none with ``layout=`` (the given experts are then checked for shape only: the
         layout holds the routing), else those of :meth:`get_dispatch_layout`.

@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,34 @@ pytestmark = pytest.mark.skipif(UNDER_MPI, reason="masked ranks sit calls out; f
 
 H, H2, K = 6, 5, 3
 L = 2  # local experts per rank
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Equal within 1e-12 (float64). Not torch.testing.assert_close: its first call imports torch.distributed.tensor
+    (seconds), which would be timed as the first masked call."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (what, (got - want).abs().max().item())
+
+
+def _inner(disp: ExpertDispatcher, masked: tuple[int, ...]) -> ExpertDispatcher:
+    """The dispatcher a call with these masks ran on (white box: the masked group's)."""
+    return disp._masks[masked].dispatcher if masked else disp
+
+
+class _Nodes:
+    """A communicator that reports ``nodes`` as its topology's nodes, also in the groups it shrinks to
+    (tests/jobs/moe_internode_job.py's FakeNodes, which forwards everything else)."""
+
+    def __init__(self, comm, nodes: tuple[tuple[int, ...], ...]):
+        self._comm, self.topology = comm, SimpleNamespace(nodes=nodes)
+
+    def __getattr__(self, name: str):
+        return getattr(self._comm, name)
+
+    def shrink(self, exclude, *, key=""):
+        active = [r for r in range(self._comm.size) if r not in exclude]
+        nodes = tuple(t for t in (tuple(active.index(r) for r in n if r in active) for n in self.topology.nodes) if t)
+        return _Nodes(self._comm.shrink(exclude, key=key), nodes)
 
 
 def _fds() -> int:
@@ -87,33 +116,42 @@ def _check(comm, disp: ExpertDispatcher, masked: tuple[int, ...], case: int, *, 
     kept = torch.where(ref["keep"], b["e"], -1).reshape(-1)
     p = ((kept >= r * L) & (kept < (r + 1) * L)).nonzero(as_tuple=True)[0]
     p = p[torch.argsort(kept[p], stable=True)]
-    assert torch.equal(recv_x.detach(), b["X"][p // K]), "recv_x rows"
+    want = b["X"][p // K]
+    if not getattr(_inner(disp, masked), "node_aware", False):
+        assert torch.equal(recv_x.detach(), want), "recv_x rows"
+    else:  # the node-aware path orders each expert's rows by forwarder, then source node and token
+        for got_j, want_j in zip(torch.split(recv_x.detach(), tpe.tolist()), torch.split(want, tpe.tolist())):
+            assert torch.equal(got_j[got_j[:, 0].argsort()], want_j[want_j[:, 0].argsort()]), "recv_x rows"
     assert tpe.tolist() == torch.bincount(kept[p] - r * L, minlength=L).tolist()
     out = torch.cat([c @ we[i] for i, c in enumerate(torch.split(recv_x, tpe.tolist()))])
     y = disp.combine(out, h, w)
-    torch.testing.assert_close(y.detach(), ref["y"][sl], rtol=1e-12, atol=1e-12)
+    _close(y.detach(), ref["y"][sl], "y")
     if grad:
         (y * b["G"][sl]).sum().backward()
-        torch.testing.assert_close(x.grad, ref["x"][sl], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(w.grad, ref["w"][sl], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(we.grad, ref["we"][r * L:(r + 1) * L], rtol=1e-12, atol=1e-12)
+        _close(x.grad, ref["x"][sl], "x.grad")
+        _close(w.grad, ref["w"][sl], "weights.grad")
+        _close(we.grad, ref["we"][r * L:(r + 1) * L], "expert grad")
     return {"handle": h, "pairs": int(tpe.sum())}
 
 
 # ---- (a) per-call masks -------------------------------------------------------------------------
-def _per_call_body(comm, sets: list[tuple[int, ...]]) -> dict:
+def _per_call_body(comm, sets: list[tuple[int, ...]], nodes: tuple[tuple[int, ...], ...] | None = None) -> dict:
     comm.barrier()  # the group's own connections are up (gloo's open on use)
     fds0 = _fds()
     P, r = comm.size, comm.rank
+    base = comm
+    if nodes is not None:
+        comm = _Nodes(comm, nodes)
     disp = ExpertDispatcher(comm, L * P)
-    cap = ExpertDispatcher(comm, L * P, capacity_factor=1.0)
-    done, builds = [], {}
+    cap = ExpertDispatcher(comm, L * P, capacity_factor=1.0, node_aware=False)
+    done, builds, node_aware = [], {}, {}
     for i, masked in enumerate(sets):
         if r in masked:  # a masked rank sits the call out
             continue
         t0 = time.monotonic()
         _check(comm, disp, masked, case=i, mode="layout" if i == 3 else "call")
         builds.setdefault(masked, time.monotonic() - t0)
+        node_aware[masked] = _inner(disp, masked).node_aware
         done.append(i)
     assert disp.masked_ranks == () and disp.active_comm is disp.comm  # per-call masks are not permanent
     # capacity with masks: C counts the unmasked ranks' tokens and experts
@@ -130,8 +168,9 @@ def _per_call_body(comm, sets: list[tuple[int, ...]]) -> dict:
         assert h.layout.global_tokens_per_expert.shape == (len(active) * L,)
     disp.close()
     cap.close()
-    comm.barrier()
-    return {"done": done, "fds": (fds0, _fds()), "build_s": max(builds.values()) if builds else 0.0}
+    base.barrier()
+    return {"done": done, "fds": (fds0, _fds()), "build_s": max(builds.values()) if builds else 0.0,
+            "node_aware": node_aware}
 
 
 @pytest.mark.parametrize("nprocs,transport", [(2, "shm"), (3, "shm"), (4, "shm"), (3, "gloo")])
@@ -148,6 +187,19 @@ def test_per_call_masks_match_the_reference(nprocs, transport):
         assert out["fds"][0] == out["fds"][1], (r, out["fds"])
         assert out["build_s"] < 5, out
     assert not left_behind(before)
+
+
+def test_per_call_masks_on_the_node_aware_path():
+    """6 ranks as 3 "nodes" of 2: masking a whole node leaves 2 nodes of 2 (the masked group takes the
+    node-aware path too), masking one rank leaves unequal nodes (flat); results as the reference."""
+    sets = [(4, 5), (5,), (), (2, 3), (0,)]
+    nodes = ((0, 1), (2, 3), (4, 5))
+    res = collectives.launch(_per_call_body, 6, sets, nodes, timeout=30)
+    for r, out in enumerate(res):
+        assert out["done"] == [i for i, m in enumerate(sets) if r not in m], (r, out)
+        assert out["fds"][0] == out["fds"][1], (r, out["fds"])
+        want = {(4, 5): True, (5,): False, (): True, (2, 3): True, (0,): False}
+        assert out["node_aware"] == {m: want[m] for m in sets if r not in m}, (r, out["node_aware"])
 
 
 # ---- (b) a stopped rank ---------------------------------------------------------------------------
@@ -250,6 +302,33 @@ def test_a_dead_rank_is_masked_in_the_call_that_meets_it():
         assert kind == "PeerFailedError" and "rank 3" in msg and "masked now" in msg, out["combine"]
         assert out["masked2"] == (2, 3), out
         assert out["fds"][1] <= out["fds"][0], out["fds"]
+    assert not left_behind(before)
+
+
+def _out_of_step_body(comm) -> dict:
+    disp = ExpertDispatcher(comm, L * comm.size, on_peer_failure="mask")
+    comm.barrier()
+    if comm.rank == 2:
+        os._exit(1)
+    if comm.rank == 1:
+        disp._calls[()] += 1  # as if rank 1 had gone on to the next call when rank 2 died
+    out = {"call": outcome(lambda: _check(comm, disp, (2,), case=0, mode="none")), "masked": disp.masked_ranks}
+    _check(comm, disp, (2,), case=1, mode="none")  # the masks stand: the next call runs on the survivors
+    disp.close()
+    return out
+
+
+def test_survivors_in_different_calls_raise_value_error():
+    """Rank 2 dies while the survivors are (as far as their call counters say) in different calls of the
+    dispatcher: every survivor raises ValueError saying so instead of re-running the call; the next call works."""
+    before = shm_segments()
+    res = collectives.launch(_out_of_step_body, 3, timeout=20, return_exceptions=True)
+    for r in (0, 1):
+        out = res[r]
+        assert not isinstance(out, BaseException), out
+        kind, msg = out["call"]
+        assert kind == "ValueError" and "not all in the same call" in msg and "rank 0: 1, rank 1: 2" in msg, msg
+        assert out["masked"] == (2,)
     assert not left_behind(before)
 
 
