@@ -7,7 +7,7 @@ importing the package that imports them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from transports.base import Rendezvous
@@ -18,7 +18,7 @@ from .topology import Topology, local_facts
 
 def build_communicator(rdv: Rendezvous, transport: str, timeout: float, launch_mode: str, mpi_comm: Any = None,
                        settings: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None,
-                       device: Any = None) -> Communicator:
+                       device: Any = None, global_ranks: Sequence[int] | None = None) -> Communicator:
     """The Communicator of ``rdv``'s group: exchange topology facts, then create it.
 
     Args:
@@ -31,11 +31,12 @@ def build_communicator(rdv: Rendezvous, transport: str, timeout: float, launch_m
             from ``options`` and the environment, so that a bad value on one rank reaches every rank).
         options: settings by option name (used when ``settings`` is None).
         device: the device each rank binds to (see :func:`collectives.init`); None: cuda:local_rank.
+        global_ranks: [size] world rank of each rank (default 0..size-1; a grown group's differ).
 
     Returns:
-        The world Communicator.
+        The group's Communicator.
     """
     facts = rdv.allgather_bytes(local_facts())
     topo = Topology.from_facts(rdv.rank, facts, launch_mode)
     return Communicator(rdv, topo, timeout=timeout, transport=transport, mpi_comm=mpi_comm, settings=settings,
-                        options=options, device=device)
+                        options=options, device=device, global_ranks=global_ranks)

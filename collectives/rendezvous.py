@@ -10,12 +10,17 @@ Three sources, tried in this order by :func:`detect_launch` (the ``launch`` sett
   on ``MASTER_ADDR``).
 - ``launch``: :func:`collectives.launch` hosts a ``TCPStore`` bound to 127.0.0.1.
 - otherwise a single process.
+
+A store rendezvous can also grow: :meth:`StoreRendezvous.grow` (the members) meets :func:`join_group`
+(a new process, given :meth:`StoreRendezvous.join_address`) in a bigger group (see ``Communicator.grow``).
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import json
+import logging
 import os
 import socket
 import time
@@ -29,6 +34,8 @@ from transports._host import pid_alive
 from transports.base import CollectiveTimeoutError, PeerFailedError, Rendezvous
 from transports.mpi import wait_posted
 from transports.settings import option_or_environment
+
+log = logging.getLogger("collectives")
 
 # Variables that MPI launchers (MPICH/Hydra, Open MPI, Intel MPI, MVAPICH, PMIx, Slurm's PMI) set.
 _MPI_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE",
@@ -122,10 +129,13 @@ class StoreRendezvous(Rendezvous):
             ``prefix``; :meth:`split` passes its own, whose ranks have registered already).
         host_rank: the world rank whose process hosts the store server, if a rank does (an unreachable
             store is then reported as that rank's failure); None: a launcher or agent hosts it.
+        world_base: the first world rank a newcomer of this world may take (:meth:`grow`); default: one
+            past the highest of ``global_ranks``, right for the world group (sub-groups pass their world's).
     """
 
     def __init__(self, store: Any, rank: int, size: int, timeout: float, prefix: str,
                  global_ranks: Sequence[int], *, root: str | None = None, host_rank: int | None = None,
+                 world_base: int | None = None,
                  _peers: dict[int, tuple[str, int]] | None = None, _lineage: Sequence[tuple[str, int]] = ()):
         self.store, self.rank, self.size, self.timeout = store, rank, size, timeout
         self.prefix = prefix
@@ -141,6 +151,11 @@ class StoreRendezvous(Rendezvous):
         self._round = 0
         self._splits = 0
         self._shrinks: dict[str, int] = {}  # shrinks so far, by key
+        # newcomers take world ranks from world_base on (a counter under root), so that no newcomer is
+        # ever mistaken for a rank of this world that died (its pid stays registered under root)
+        self.world_base = max(self.global_ranks, default=-1) + 1 if world_base is None else world_base
+        self._grows = 0  # grows of this group so far (each one writes its record {prefix}/grow/n{k})
+        self._taken = 0  # newcomers of the join queue the records so far have taken (or turned away)
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank contributes ``data``.
@@ -201,13 +216,21 @@ class StoreRendezvous(Rendezvous):
         me = self.global_ranks[self.rank]
         for r in missing:
             world = self.global_ranks[r]
-            why = self._gone(world)
-            who = self._identity(world)
-            dead = why is None and who is not None and who[0] == _this_node() and not pid_alive(who[1])
-            if (why is None and not dead) or self.store.check([keys[r]]):
+            what = self._failure(world)
+            if what is None or self.store.check([keys[r]]):
                 continue  # alive, or it arrived before it left (its contribution stands)
-            what = f"left the group ({why})" if why is not None else f"(pid {who[1]}) died"
             raise PeerFailedError(f"rank {world} {what} while rank {me} waited for it in a rendezvous", [world])
+
+    def _failure(self, world: int) -> str | None:
+        """How rank ``world`` failed ("left the group (why)", "(pid N) died": its process, on this node,
+        is gone), or None while it may still come."""
+        why = self._gone(world)
+        if why is not None:
+            return f"left the group ({why})"
+        who = self._identity(world)
+        if who is not None and who[0] == _this_node() and not pid_alive(who[1]):
+            return f"(pid {who[1]}) died"
+        return None
 
     def _gone(self, world: int) -> str | None:
         """Why rank ``world`` left this group or the ancestor it was split from, or None."""
@@ -229,11 +252,13 @@ class StoreRendezvous(Rendezvous):
             self._peers[world] = (node, int(pid))
         return self._peers[world]
 
-    def _unreachable(self, e: Exception) -> PeerFailedError:
+    def _unreachable(self, e: Exception, who: str | None = None) -> PeerFailedError:
+        """The PeerFailedError of a store that cannot be reached (``who``: whose wait, for the message)."""
         host = (f"rank {self.host_rank} hosts it: it has probably died" if self.host_rank is not None
                 else "its host (the launcher, or torchrun's agent) has probably exited")
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return PeerFailedError(f"rendezvous on rank {self.global_ranks[self.rank]}: the store cannot be reached "
+        who = f"rendezvous on rank {self.global_ranks[self.rank]}" if who is None else who
+        return PeerFailedError(f"{who}: the store cannot be reached "
                                f"({detail}); {host}", [] if self.host_rank is None else [self.host_rank])
 
     def leave(self, why: str, at: int | None = None) -> None:
@@ -258,7 +283,7 @@ class StoreRendezvous(Rendezvous):
         return StoreRendezvous(self.store, new_rank, new_size, self.timeout,
                                f"{self.prefix}/s{self._splits}/c{color}",
                                [self.global_ranks[r] for r in ranks], root=self.root if self._registered else None,
-                               host_rank=self.host_rank, _peers=self._peers,
+                               host_rank=self.host_rank, world_base=self.world_base, _peers=self._peers,
                                _lineage=[*self._lineage, (self.prefix, self._round - 1)])
 
     def shrink(self, survivors: list[int], *, error: str | None = None, key: str = "") -> "StoreRendezvous":
@@ -304,7 +329,7 @@ class StoreRendezvous(Rendezvous):
             raise ValueError(error)
         new = StoreRendezvous(self.store, survivors.index(self.rank), len(survivors), self.timeout,
                               f"{base}-{'.'.join(str(m) for m in members)}", members, root=self.root,
-                              host_rank=self.host_rank, _peers=self._peers)
+                              host_rank=self.host_rank, world_base=self.world_base, _peers=self._peers)
         new._registered = self._registered  # registers its pid under root at its first exchange if not yet
         keys = [f"{base}/ex/{m}" for m in members]
         try:
@@ -327,6 +352,171 @@ class StoreRendezvous(Rendezvous):
             new.leave("its shrink was aborted", 0)
             raise ValueError(why)
         return new
+
+    # ---- growing: members meet newcomers ------------------------------------------------------
+    # Keys under {prefix}/grow/: "info" (what a newcomer needs before a grow: root, world_base, members),
+    # "queue" (the join counter) and "q{i}" (the i-th newcomer's world rank; "q{i}/left" once it gave
+    # up), "n{k}" (the record of the k-th grow: which newcomers it took, or why it was aborted, and up
+    # to which place of the queue; set once by compare_set, so every member and newcomer reads the same
+    # outcome) and "g{k}/..." (the grown group's own keys).
+
+    def join_address(self) -> str:
+        """The address a newcomer passes to ``collectives.init(join=...)``: ``host:port/prefix``
+        (``[host]:port/prefix`` for IPv6), the store this group already uses and its key prefix.
+
+        Also publishes, in the store, what a newcomer needs to queue up before the members' grow.
+
+        Returns:
+            The address. Raises RuntimeError when the store has no network address (a FileStore,
+            HashStore or PrefixStore: a torch.distributed group's), PeerFailedError when it cannot be reached.
+        """
+        import torch.distributed as dist
+
+        host, port = getattr(self.store, "host", None), getattr(self.store, "port", None)
+        if not host or not port:
+            raise RuntimeError(f"rank {self.global_ranks[self.rank]}: this group's rendezvous store "
+                               f"({type(self.store).__name__}) has no network address a new process could "
+                               "join through; groups of collectives.launch and torchrun (collectives.init) have one")
+        try:
+            self.store.set(f"{self.prefix}/grow/info", self._grow_info())
+        except dist.DistError as e:
+            raise self._unreachable(e) from e
+        return f"[{host}]:{port}/{self.prefix}" if ":" in host else f"{host}:{port}/{self.prefix}"
+
+    def _grow_info(self) -> str:
+        return json.dumps({"root": self.root, "world_base": self.world_base, "members": self.global_ranks,
+                           "host_rank": self.host_rank})
+
+    def grow(self, count: int | None, *, error: str | None = None,
+             offer: Mapping[str, Any] | None = None) -> "StoreRendezvous":
+        """The rendezvous of this group and ``count`` newcomers (:func:`join_group`): member i stays rank
+        i, newcomers follow in the order they joined (took their world rank).
+
+        Called by every member. The members first tell each other their ``count`` (or ``error``)
+        through this group's rendezvous; then they wait, bounded by the timeout, for the next
+        ``count`` places of the join queue, and agree on the outcome through the grow's record, which
+        the newcomers read too: a newcomer whose place a record took joins, or raises that record's error.
+
+        Args:
+            count: newcomers to take (>= 1, the same on every member); None with ``error``.
+            error: this rank's own argument error (told to the members, then raised here as ValueError).
+            offer: what the newcomers need of the group (JSON; the Communicator's settings and launch
+                mode), handed to them with the record.
+        Returns:
+            The grown group's rendezvous (its own prefix, no lineage). Raises ValueError on every member
+            (and the queued newcomers) when a count is bad or they differ, naming the ranks;
+            CollectiveTimeoutError saying how many newcomers joined within the timeout; PeerFailedError
+            naming a member or newcomer that died or left meanwhile.
+        """
+        import torch.distributed as dist
+
+        self._grows += 1
+        base, first = f"{self.prefix}/grow", self._taken + 1
+        key = f"{base}/n{self._grows}"
+        me = self.global_ranks[self.rank]
+        record: dict | None = None
+        try:
+            self.store.set(f"{base}/info", self._grow_info())
+            mine = json.dumps({"count": None if error is not None else count, "error": error})
+            entries = [json.loads(b) for b in self.allgather_bytes(mine.encode())]
+            bad = [(self.global_ranks[r], e["error"]) for r, e in enumerate(entries) if e["error"] is not None]
+            counts = {self.global_ranks[r]: e["count"] for r, e in enumerate(entries)}
+            why = None
+            if bad:
+                why = (f"grow: rank(s) {[m for m, _ in bad]} passed an invalid count ({bad[0][1]}); "
+                       "every member aborted the grow")
+            elif len(set(counts.values())) > 1:
+                why = ("grow: the members disagree on count: "
+                       + ", ".join(f"rank {m} asks for {c}" for m, c in counts.items())
+                       + "; every member aborted the grow")
+            if why is not None:
+                record = self._settle(key, self._aborted(base, first, ValueError(why)))
+                raise ValueError(error if error is not None else why)
+            assert count is not None
+            worlds = self._await_newcomers(base, first, count, key)
+            record = self._settle(key, None if worlds is None else {
+                "error": None, "first": first, "last": first + count - 1, "prefix": f"{base}/g{self._grows}",
+                "members": self.global_ranks, "newcomers": worlds, "root": self.root, "world_base": self.world_base,
+                "host_rank": self.host_rank, "offer": dict(offer or {})})
+        except BaseException as e:
+            if record is None:  # tell the newcomers (and the members still waiting) why
+                try:
+                    record = self._settle(key, self._aborted(base, first, e))
+                except Exception:  # noqa: BLE001 - the store is gone: the raise below says so
+                    pass
+                if record is not None and record["error"] is None:  # decided without this rank: leave it
+                    self._leave_grown(record, f"{type(e).__name__} interrupted its grow")
+            if record is not None:
+                self._taken = record["last"]
+            if isinstance(e, dist.DistError):
+                raise self._unreachable(e) from e
+            raise
+        self._taken = record["last"]
+        if record["error"] is not None:
+            raise _record_error(record, "")
+        worlds = record["members"] + record["newcomers"]
+        new = StoreRendezvous(self.store, self.rank, len(worlds), self.timeout, record["prefix"], worlds,
+                              root=self.root, host_rank=self.host_rank, world_base=self.world_base,
+                              _peers=self._peers)
+        new._registered = self._registered
+        log.info("grow on rank %d: newcomer(s) %s joined; the group is now ranks %s", me, record["newcomers"], worlds)
+        return new
+
+    def _await_newcomers(self, base: str, first: int, count: int, key: str) -> list[int] | None:
+        """The world ranks of the newcomers at places first .. first+count-1 of the join queue, once all
+        are there, ascending; None when another member settled the grow's record first."""
+        me = self.global_ranks[self.rank]
+        places = [f"{base}/q{first + i}" for i in range(count)]
+        now = time.monotonic()
+        deadline, probe_at, pause = now + self.timeout, now + _PROBE_S, _POLL_MIN_S
+        while not self.store.check(places):
+            if self.store.check([key]):
+                return None
+            now = time.monotonic()
+            if now >= probe_at or now >= deadline:
+                for w in self.global_ranks:
+                    what = None if w == me else self._failure(w)
+                    if what is not None:
+                        if self.store.check([key]):
+                            return None  # another member settled the grow meanwhile: its record stands
+                        raise PeerFailedError(f"grow on rank {me}: rank {w} {what} while rank {me} waited for "
+                                              "newcomers", [w])
+                joined = [p for p in places if self.store.check([p])]
+                for p in joined:
+                    w = json.loads(self.store.get(p))["world"]
+                    what = (f"gave up ({self.store.get(p + '/left').decode(errors='replace')})"
+                            if self.store.check([p + "/left"]) else self._failure(w))
+                    if what is not None:
+                        if self.store.check([key]):
+                            return None
+                        raise PeerFailedError(f"grow on rank {me}: newcomer rank {w} {what} before the group "
+                                              "took it", [w])
+                if now >= deadline:
+                    raise CollectiveTimeoutError(
+                        f"grow on rank {me}: {len(joined)} of {count} newcomer(s) joined within the timeout of "
+                        f"{self.timeout:.1f}s (a newcomer calls collectives.init(join=comm.join_address()))")
+                probe_at = now + _PROBE_S
+            time.sleep(min(pause, max(0.0, deadline - now)))
+            pause = min(2 * pause, _POLL_MAX_S)
+        return sorted(json.loads(self.store.get(p))["world"] for p in places)
+
+    def _aborted(self, base: str, first: int, e: BaseException) -> dict:
+        """The record of an aborted grow: it turns away every newcomer queued so far."""
+        return {"error": str(e) or type(e).__name__, "kind": type(e).__name__,
+                "ranks": list(getattr(e, "missing_ranks", [])), "first": first,
+                "last": max(first - 1, self.store.add(f"{base}/queue", 0))}
+
+    def _settle(self, key: str, proposal: dict | None) -> dict:
+        """The grow's record: ``proposal`` if no one set it first (None: someone did)."""
+        if proposal is None:
+            return json.loads(bytes(self.store.get(key)).decode())
+        return json.loads(bytes(self.store.compare_set(key, "", json.dumps(proposal))).decode())
+
+    def _leave_grown(self, record: dict, why: str) -> None:
+        try:
+            self.store.set(f"{record['prefix']}/gone/{self.global_ranks[self.rank]}", f"0 {why}")
+        except Exception:  # noqa: BLE001 - best effort: the peers then wait for their timeout
+            pass
 
 
 class MPIRendezvous(Rendezvous):
@@ -442,3 +632,139 @@ def store_client(addr: str, port: int, timeout: float) -> Any:
     import torch.distributed as dist
 
     return dist.TCPStore(addr, port, None, False, timeout=datetime.timedelta(seconds=timeout))
+
+
+def parse_join_address(address: Any) -> tuple[str, int, str]:
+    """(host, port, key prefix) of a join address (``host:port/prefix``, ``[v6 host]:port/prefix``).
+
+    Raises ValueError naming it when it is not one.
+    """
+    where = f"collectives.init(join={address!r})"
+    if not isinstance(address, str):
+        raise ValueError(f"{where}: a join address is a str, as comm.join_address() returns it")
+    hostport, _, prefix = address.partition("/")
+    host, _, port = hostport.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not prefix or not port.isdigit() or not 0 < int(port) < 65536 or "[" in host:
+        raise ValueError(f"{where}: not a join address; expected 'host:port/prefix' (the group's store and key "
+                         "prefix), as a member's comm.join_address() returns it")
+    return host, int(port), prefix
+
+
+def join_group(address: str, timeout: float) -> tuple[StoreRendezvous, dict]:
+    """A new process's side of a grow: queue up at the group behind ``address``, wait (bounded by
+    ``timeout``) for the members' :meth:`StoreRendezvous.grow` that takes it, and return its rendezvous
+    in the grown group.
+
+    It connects to the store of the address only. On arrival it takes the next world rank of the
+    group's world (never used there before: the counter starts past the world's ranks) and registers
+    its pid under the world's prefix, so that members waiting for it see it die, then takes its place
+    in the group's join queue.
+
+    Args:
+        address: a member's ``comm.join_address()``.
+        timeout: seconds to wait for the store and for the members' grow.
+    Returns:
+        (rendezvous, offer): this process's rendezvous in the grown group, and what the members
+        handed over (``settings``: the group's agreed settings, ``launch``: its launch mode). Raises
+        ValueError for a malformed address or one whose group the store does not know, RuntimeError when
+        the store cannot be reached, CollectiveTimeoutError when no grow took this process within the
+        timeout, PeerFailedError naming a member that died or left meanwhile, and the error of a grow
+        the members aborted (ValueError for a bad count, ...).
+    """
+    import torch.distributed as dist
+
+    host, port, prefix = parse_join_address(address)
+    where = f"collectives.init(join={address!r})"
+    try:  # a refused connection is known at once; torch's client would retry it until the timeout
+        socket.create_connection((host, port), timeout=min(timeout, 10.0)).close()
+        store = store_client(host, port, timeout)
+    except (OSError, dist.DistError) as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeError(f"{where}: the group's store at {host}:{port} cannot be reached ({detail}); is the "
+                           "group still running, and is the address the one its comm.join_address() gave?") from e
+    base = f"{prefix}/grow"
+    try:
+        if not store.check([f"{base}/info"]):
+            raise ValueError(f"{where}: the store at {host}:{port} knows no group with the key prefix {prefix!r} "
+                             "(a join address comes from a member's comm.join_address())")
+        info = json.loads(bytes(store.get(f"{base}/info")).decode())
+        root = info["root"]
+        world = info["world_base"] + store.add(f"{root}/grown", 1) - 1
+        store.set(f"{root}/who/{world}", f"{_this_node()} {os.getpid()}")
+        place = store.add(f"{base}/queue", 1)
+        store.set(f"{base}/q{place}", json.dumps({"world": world}))
+    except dist.DistError as e:
+        raise RuntimeError(f"{where}: the group's store at {host}:{port} failed ({e})") from e
+    log.info("%s: queued as world rank %d (place %d)", where, world, place)
+    members = info["members"]
+    # the group as it was, for its members' liveness (its prefix's "gone" keys, their registered pids)
+    old = StoreRendezvous(store, 0, len(members), timeout, prefix, members, root=root, host_rank=info["host_rank"],
+                          world_base=info["world_base"])
+    try:
+        record = _await_record(old, base, place, world, where)
+    except BaseException as e:
+        try:  # members waiting for this place raise at once instead of at their timeout
+            store.set(f"{base}/q{place}/left", f"{type(e).__name__} on its side")
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        if isinstance(e, dist.DistError):
+            raise old._unreachable(e, where) from e
+        raise
+    if record["error"] is not None:
+        raise _record_error(record, f"{where}: the members' grow was aborted: ")
+    worlds = record["members"] + record["newcomers"]
+    rdv = StoreRendezvous(store, worlds.index(world), len(worlds), timeout, record["prefix"], worlds, root=root,
+                          host_rank=record["host_rank"], world_base=record["world_base"])
+    rdv._registered = True
+    log.info("%s: rank %d of the grown group (world ranks %s)", where, rdv.rank, worlds)
+    return rdv, record["offer"]
+
+
+def _await_record(old: StoreRendezvous, base: str, place: int, world: int, where: str) -> dict:
+    """The record of the grow that took (or turned away) the newcomer at ``place`` of the join queue."""
+    store, k = old.store, 1
+    now = time.monotonic()
+    deadline, probe_at, pause = now + old.timeout, now + _PROBE_S, _POLL_MIN_S
+    while True:
+        key = f"{base}/n{k}"
+        if store.check([key]):
+            record = json.loads(bytes(store.get(key)).decode())
+            if place <= record["last"]:
+                return record
+            k += 1  # an earlier grow: its newcomers were queued before this one
+            continue
+        now = time.monotonic()
+        if now >= probe_at or now >= deadline:
+            failed = next(((w, what) for w in old.global_ranks if (what := old._failure(w)) is not None), None)
+            if store.check([key]):
+                continue  # the grow's record came meanwhile: it says what happened
+            if failed is not None:
+                raise PeerFailedError(f"{where}: member rank {failed[0]} {failed[1]} while newcomer rank {world} "
+                                      "waited for the group's grow", [failed[0]])
+            if now >= deadline:
+                raise CollectiveTimeoutError(
+                    f"{where}: no grow of the group took newcomer rank {world} within the timeout of "
+                    f"{old.timeout:.1f}s (place {place} of its join queue, after {k - 1} grow(s) of the group); "
+                    "its members call comm.grow(count) to take newcomers", old.global_ranks)
+            probe_at = now + _PROBE_S
+        time.sleep(min(pause, max(0.0, deadline - now)))
+        pause = min(2 * pause, _POLL_MAX_S)
+
+
+def _record_error(record: dict, context: str) -> Exception:
+    """The error an aborted grow's record describes, as its class (ValueError, PeerFailedError, ...; else
+    RuntimeError). Every member raises it at the same point, so it leaves their communicator usable."""
+    msg = context + record["error"]
+    ranks = record.get("ranks", [])
+    kind = record.get("kind", "")
+    err: Exception
+    if kind == "PeerFailedError":
+        err = PeerFailedError(msg, ranks)
+    elif kind == "CollectiveTimeoutError":
+        err = CollectiveTimeoutError(msg, ranks)
+    else:
+        err = ValueError(msg) if kind in ("ValueError", "TypeError") else RuntimeError(msg)
+    err.in_step = True  # type: ignore[attr-defined] - see collectives._shared.leaves_out_of_step
+    return err
