@@ -41,7 +41,7 @@ def _torchrun_key_base() -> str:
 
 
 def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[str, Any] | None = None,
-         device: Any = None) -> Communicator:
+         device: Any = None, join: str | None = None) -> Communicator:
     """A Communicator over all ranks of this job.
 
     Detects the launch: ``mpirun``/``mpiexec`` (rendezvous over MPI; the mpi transport is
@@ -66,9 +66,21 @@ def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[st
             tensors passed to a collective must be on it. A bad value on one rank makes every
             rank raise (ValueError/TypeError). If NCCL cannot start (e.g. two ranks on one GPU),
             every rank raises RuntimeError saying what to do, unless ``transport`` is "shm" or "mpi".
+        join: a running group's ``comm.join_address()``: this process joins that group instead of
+            starting one (the launch is not detected). It connects to the group's store at that
+            address, waits (bounded by ``timeout``) for the members' ``comm.grow(count)`` that takes
+            it, and returns its communicator of the grown group: rank ``size + i`` for the i-th
+            newcomer, a world rank (``global_ranks``) never used in that world before. The settings
+            every rank must share and the forced transport come from the members (this process's
+            ``MOECOMM_*`` variables for them are ignored; an options= or transport= that differs
+            raises ValueError on every rank); its other settings, ``timeout`` and ``device`` are its own.
 
     Returns:
-        The world Communicator of this process (``comm.rank``, ``comm.size``).
+        The world Communicator of this process (``comm.rank``, ``comm.size``); with ``join``, the
+        grown group's. With ``join``: ValueError for a malformed address, one the store does not know, or
+        a grow the members aborted over its count; RuntimeError when the address cannot be reached;
+        CollectiveTimeoutError when no grow took this process within ``timeout``; PeerFailedError
+        naming a member that died meanwhile.
     """
     timeout = check_timeout(timeout, source="collectives.init: timeout")
     # options= come from the code, the same on every rank: checked up front. The environment may
@@ -76,6 +88,8 @@ def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[st
     # MOECOMM_LAUNCH can only raise here); the Communicator resolves the rest inside its first
     # exchange, so a bad value on one rank makes every rank raise instead of leaving them waiting.
     parse_options(options or {}, source="collectives.init")
+    if join is not None:
+        return _join(join, transport, timeout, options, device)
     mode = detect_launch(options)
     if mode == "mpi":
         try:
@@ -109,6 +123,31 @@ def init(transport: str = "auto", timeout: float = 300.0, *, options: Mapping[st
     from .rendezvous import LocalRendezvous
 
     return _build(LocalRendezvous(timeout), transport, timeout, "single", options=options, device=device)
+
+
+def _join(address: str, transport: str, timeout: float, options: Mapping[str, Any] | None, device: Any) -> Communicator:
+    """init(join=address): this process's communicator in the group that grows to take it."""
+    from transports.settings import SETTINGS, resolve
+
+    from .rendezvous import join_group
+
+    rdv, offer = join_group(address, timeout)
+    # The settings every rank shares come from the members, unless this process asks for a value
+    # explicitly (options=, transport=): then the creation's agreement check names the difference on
+    # every rank. The others (how this process's waits sleep, its model file) are its own.
+    explicit = set(parse_options(options or {}, source="collectives.init"))
+    if transport != "auto":
+        explicit.add("transport")
+    try:
+        settings: dict[str, Any] | None = resolve(options, source="collectives.init")
+    except ValueError:
+        settings = None  # a bad variable here: the Communicator resolves it again and tells every rank
+    if settings is not None:
+        settings.update({k: v for k, v in offer.get("settings", {}).items() if k in SETTINGS and k not in explicit})
+    comm = _build(rdv, transport, timeout, offer.get("launch", "launch"), settings=settings, options=options,
+                  device=device, global_ranks=rdv.global_ranks)
+    comm._store = rdv.store
+    return comm
 
 
 def _torchrun_store(rank: int, timeout: float) -> Any:

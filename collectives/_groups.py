@@ -1,22 +1,26 @@
 """``Communicator.split`` (a mixin of the Communicator): MPI_Comm_split over the group's rendezvous,
-arguments validated as part of the exchange so that a bad one on any rank stops every rank; and
-``Communicator.shrink``: the group of the survivors after a failure, made without the excluded ranks.
+arguments validated as part of the exchange so that a bad one on any rank stops every rank;
+``Communicator.shrink``: the group of the survivors after a failure, made without the excluded ranks;
+and ``Communicator.grow`` / ``join_address``: new processes (``collectives.init(join=...)``) join the group.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Mapping, Sequence, TypeVar
 
-from transports.settings import parse_options
+from transports.settings import agreed_items, parse_options
 
 from ._arrays import as_int
 
 C = TypeVar("C")  # the Communicator (not imported: it imports this module)
 
+log = logging.getLogger("collectives")
+
 
 class GroupCalls:
-    """split() and shrink() of :class:`collectives.Communicator`."""
+    """split(), shrink(), grow() and join_address() of :class:`collectives.Communicator`."""
 
     # ---- groups -------------------------------------------------------------------------------
     def split(self: C, color: int | None, key: int | None = None, *,
@@ -128,3 +132,81 @@ class GroupCalls:
         return type(self)(rdv, topo, timeout=self.timeout, transport=self._forced or "auto",
                           global_ranks=[self.global_ranks[m] for m in survivors],
                           settings=self.settings, device=self.device)
+
+    def join_address(self: C) -> str:
+        """Where a new process joins this group: pass it to ``collectives.init(join=...)`` there, then
+        let the members call :meth:`grow`.
+
+        The address is this group's rendezvous store (the one its ranks already use: 127.0.0.1 under
+        ``collectives.launch``, MASTER_ADDR under torchrun) and its key prefix; nothing else listens
+        for newcomers. Local: it writes what a newcomer needs into that store.
+
+        Returns:
+            ``"host:port/prefix"`` (``"[host]:port/prefix"`` for an IPv6 host), e.g.
+            ``"127.0.0.1:41234/moecomm/launch"``. Raises NotImplementedError where a group cannot grow
+            (see :meth:`grow`), RuntimeError when its store has no network address (a group of a
+            torch.distributed process group), PeerFailedError when the store cannot be reached.
+        """
+        return self._growable()._rdv.join_address()
+
+    def _growable(self: C) -> C:
+        """This communicator if it can grow, else NotImplementedError saying why."""
+        from .rendezvous import LocalRendezvous, StoreRendezvous
+
+        if self._mpi_comm is not None or self._forced == "mpi":
+            raise NotImplementedError("grow needs the store rendezvous (collectives.launch or torchrun); "
+                                      "an MPI job cannot take in processes it did not start (no MPI_Comm_spawn "
+                                      "or MPI_Comm_connect support here)")
+        if isinstance(self._rdv, LocalRendezvous):
+            raise NotImplementedError("grow: this is a single-process group (collectives.init without a launcher), "
+                                      "which has no rendezvous store a new process could reach; start the job "
+                                      "with collectives.launch or torchrun to let it grow")
+        if not isinstance(self._rdv, StoreRendezvous):
+            raise NotImplementedError(f"grow is not supported by {type(self._rdv).__name__}")
+        return self
+
+    def grow(self: C, count: int) -> C:
+        """A new communicator of this group and ``count`` new processes: member i stays rank i, the
+        newcomers become ranks size .. size+count-1 in the order they joined (each calls
+        ``collectives.init(join=comm.join_address())``, before or after the members call this).
+
+        Collective over the members, who must pass the same ``count``; it waits, bounded by the timeout,
+        for the newcomers. The new communicator keeps this one's timeout, settings, forced transport and
+        device on the members (the newcomers take the agreed settings and transport from the members),
+        and has new transports and a topology of all its ranks. This communicator stays usable, as a
+        split's parent does; close both when done. A newcomer's ``global_ranks`` entry is a world rank
+        never used in this world before (the next one past the world's ranks), so a rank that died is
+        never mistaken for it. After a failure, shrink first: a dead member makes the grow raise.
+
+        Args:
+            count: how many newcomers to take, >= 1.
+        Returns:
+            The grown :class:`Communicator` (size + count ranks). Raises ValueError on every member (and
+            on the newcomers waiting) when a member passes a bad ``count`` or the counts differ, naming
+            the ranks; CollectiveTimeoutError (a TimeoutError) saying how many newcomers joined when
+            fewer than ``count`` did within the timeout; PeerFailedError naming a member or newcomer that
+            died or left during the grow; NotImplementedError under MPI or in a single-process group;
+            RuntimeError when the group's store has no network address; CommunicatorBrokenError when
+            this communicator is closed.
+        """
+        # outside the one-call guard: a store without an address (RuntimeError) leaves this communicator as it is
+        address = self._growable()._rdv.join_address()  # the same on every member: raises on all or none
+        return self._guarded("grow", self._grow, count, address)
+
+    def _grow(self: C, count: Any, address: str) -> C:
+        from ._factory import build_communicator
+
+        me = self.global_ranks[self.rank]
+        c, err = None, None
+        try:
+            c = as_int(count, f"grow: count on rank {me}")
+            if c < 1:
+                raise ValueError(f"grow: count on rank {me} must be >= 1, got {c}")
+        except (TypeError, ValueError) as e:
+            err = str(e)
+        log.info("grow on rank %d: waiting for %s newcomer(s) at %s", me, c, address)
+        # what the newcomers take from the members: the settings every rank must share, and the launch mode
+        offer = {"settings": agreed_items(self.settings), "launch": self.topology.launch}
+        rdv = self._rdv.grow(c if err is None else None, error=err, offer=offer)
+        return build_communicator(rdv, self._forced or "auto", self.timeout, self.topology.launch,
+                                  settings=self.settings, device=self.device, global_ranks=rdv.global_ranks)
