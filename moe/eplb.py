@@ -149,18 +149,30 @@ class Placement:
         h.update(self.num_ranks.to_bytes(8, "little"))
         return h.hexdigest()
 
-    def tables(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, device: torch.device | str, masked_ranks: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logical_to_physical, replica_count)`` on ``device``, copied once and cached.
 
-        Call it (or :func:`route`) once before CUDA-graph capture: the first call copies.
+        With ``masked_ranks`` (ranks treated as gone: dead, or masked in a dispatch) only the replicas
+        on the other ranks are listed (ascending, padded with -1), and an expert none of whose replicas
+        survives has a count of 0. Call it (or :func:`route`) once before CUDA-graph capture: the
+        first call copies.
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        t = self._tables.get(device)
+        masked = tuple(sorted({int(r) for r in masked_ranks}))
+        t = self._tables.get((device, masked))
         if t is None:
-            t = (self.logical_to_physical.to(device), self.replica_count.to(device))
-            self._tables[device] = t
+            l2p, count = self.logical_to_physical, self.replica_count
+            if masked:
+                gone = torch.tensor(masked, dtype=torch.int64)
+                keep = (l2p >= 0) & ~torch.isin(torch.div(l2p, self.slots_per_rank, rounding_mode="floor"), gone)
+                count = keep.sum(1)
+                # surviving slots first (a stable sort on "gone"), the rest padded with -1
+                order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+                l2p = torch.where(torch.gather(keep, 1, order), torch.gather(l2p, 1, order), -1)
+            t = (l2p.to(device), count.to(device))
+            self._tables[(device, masked)] = t
         return t
 
     @classmethod
@@ -377,7 +389,8 @@ def balance(loads: torch.Tensor | Sequence[float], num_ranks: int, num_redundant
     return Placement(torch.tensor(p2l, dtype=torch.int64), num_ranks, e_count)
 
 
-def route(experts: torch.Tensor, placement: Placement, *, offset: int | torch.Tensor = 0) -> torch.Tensor:
+def route(experts: torch.Tensor, placement: Placement, *, offset: int | torch.Tensor = 0,
+          masked_ranks: Sequence[int] = ()) -> torch.Tensor:
     """Physical slot of every routed choice (gathers on the experts' device; no host synchronization).
 
     Token t's choice j of expert e goes to replica ``(offset + t + j) % replica_count[e]`` of e
@@ -389,15 +402,18 @@ def route(experts: torch.Tensor, placement: Placement, *, offset: int | torch.Te
         placement: the :class:`Placement`; its tables are copied to the device once and cached.
         offset: int, or an integer tensor of one element (e.g. a step counter on the device) that
             rotates the replica choice.
+        masked_ranks: ranks treated as gone (elastic EP, :mod:`moe.elastic`): choices go to the
+            replicas on the other ranks only (the same rule over the surviving replicas), and a
+            choice of an expert with no surviving replica gets -1 (its slot is dropped).
 
     Returns:
-        ``[T, k]`` int64 physical slot ids, same shape and device.
+        ``[T, k]`` int64 physical slot ids (or -1), same shape and device.
     """
     if not isinstance(experts, torch.Tensor) or experts.dim() not in (1, 2):
         raise ValueError(f"experts must be a [T, k] or [T] tensor, got {getattr(experts, 'shape', type(experts))}")
     if experts.dtype.is_floating_point or experts.dtype.is_complex or experts.dtype == torch.bool:
         raise ValueError(f"experts must hold integer ids, got {experts.dtype}")
-    l2p, count = placement.tables(experts.device)
+    l2p, count = placement.tables(experts.device, masked_ranks)
     ids = experts.long()
     t = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
     pos = t if ids.dim() == 1 else t[:, None] + torch.arange(ids.shape[1], device=ids.device, dtype=torch.int64)
@@ -407,8 +423,12 @@ def route(experts: torch.Tensor, placement: Placement, *, offset: int | torch.Te
                              f"shape {tuple(offset.shape)}")
         # a CPU tensor is read on the host (no device copy); a device one stays there
         offset = int(offset) if offset.device.type == "cpu" else offset.to(ids.device, torch.int64).reshape(())
-    replica = (pos + offset) % count[ids]
-    return l2p.view(-1)[ids * l2p.shape[1] + replica]
+    if not masked_ranks:
+        replica = (pos + offset) % count[ids]
+        return l2p.view(-1)[ids * l2p.shape[1] + replica]
+    n = count[ids]
+    replica = (pos + offset) % n.clamp(min=1)
+    return torch.where(n > 0, l2p.view(-1)[ids * l2p.shape[1] + replica], -1)
 
 
 def logical_loads(experts: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -10,7 +10,9 @@ from torch import nn
 
 from collectives.agreement import agree, rank_label, rejecting
 from collectives.protocols import CommunicatorLike, check_communicator
+from transports.base import PeerFailedError
 
+from . import elastic_layer as _elastic
 from . import expert_tp as _etp
 from . import rebalance as _rebalance
 from .dispatcher import ExpertDispatcher
@@ -126,6 +128,7 @@ class SharedExpert(nn.Module):
 # The transformers MoE blocks MoELayer.from_hf takes (matched by class name along the MRO, so transformers
 # need not be importable here), and the MoELayer keywords it passes on (the rest comes from the block).
 _HF_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE")
+_ON_PEER_FAILURE = ("raise", "mask")
 _HF_OPTIONS = ("capacity_factor", "node_aware", "aux_loss_coef", "z_loss_coef", "expert_tp_size")
 
 
@@ -262,6 +265,12 @@ class MoELayer(nn.Module):
             (:func:`~moe.expert_tp.etp_forward` gathers an ETP group's tokens, routes them, runs the
             shards and reduce-scatters the result); the weights, drawn whole and then sliced, and so
             the function, do not depend on T. With T = 1, ``ep_comm`` is ``comm`` and ``etp_comm`` None.
+        on_peer_failure: "raise" (default): a dead peer makes forward raise ``PeerFailedError`` naming
+            it on every survivor; the survivors then call :meth:`shrink` and go on. "mask": forward
+            masks the dead rank(s) itself (a communicator of the survivors, as :meth:`shrink`) and
+            returns the step computed by the survivors. Either way the dead ranks' experts are served
+            by their replicas (EPLB) or dropped, and :meth:`grow` takes newcomers in (elastic EP:
+            :mod:`moe.elastic_layer`). Needs ``expert_tp_size=1`` and a store rendezvous.
         router_kwargs: ``score``, ``normalize``, ``aux_loss_coef``, ``z_loss_coef``, ``num_groups``,
             ``topk_groups``, ``bias``, ``routed_scaling_factor`` of :class:`TopKRouter`.
 
@@ -280,7 +289,7 @@ class MoELayer(nn.Module):
                  top_k: int, *, activation: str = "swiglu", capacity_factor: float | None = None,
                  shared_ffn_hidden_size: int = 0, seed: int = 0, node_aware: bool | None = None,
                  num_redundant_experts: int = 0, placement: Placement | None = None, expert_tp_size: int = 1,
-                 **router_kwargs: Any):
+                 on_peer_failure: str = "raise", **router_kwargs: Any):
         super().__init__()
         check_communicator(comm, "MoELayer")
         options = {"score": "softmax", "normalize": True, "aux_loss_coef": 0.0, "z_loss_coef": 0.0, "num_groups": 1,
@@ -295,6 +304,10 @@ class MoELayer(nn.Module):
                                    aux_loss_coef=options["aux_loss_coef"], z_loss_coef=options["z_loss_coef"],
                                    num_groups=options["num_groups"], topk_groups=options["topk_groups"],
                                    routed_scaling_factor=options["routed_scaling_factor"])
+            if on_peer_failure not in _ON_PEER_FAILURE:
+                raise ValueError(f"on_peer_failure must be one of {_ON_PEER_FAILURE}, got {on_peer_failure!r}")
+            if on_peer_failure != "raise" and expert_tp_size != 1:
+                raise ValueError("on_peer_failure='mask' needs expert_tp_size=1 (an ETP group cannot lose a rank)")
             if activation not in _ACTIVATIONS:
                 raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
             if not is_positive_int(ffn_hidden_size):
@@ -325,6 +338,8 @@ class MoELayer(nn.Module):
                                             if isinstance(options["routed_scaling_factor"], (int, float)) else None),
                   "num_redundant_experts": R if isinstance(R, int) and not isinstance(R, bool) else None,
                   "expert_tp_size": T if is_positive_int(T) else None,
+                  "on_peer_failure": (_ON_PEER_FAILURE.index(on_peer_failure) if on_peer_failure in _ON_PEER_FAILURE
+                                      else None),
                   "placement (digest)": _rebalance.digest_int(placement) if isinstance(placement, Placement) else None}
         agree(comm, "MoELayer", values, error=err,
               formats={"activation": lambda i: repr(names[i]), "score": lambda i: repr(SCORES[i])},
@@ -334,7 +349,7 @@ class MoELayer(nn.Module):
         self.ep_comm, self.etp_comm = _etp.expert_tp_groups(comm, T) if T > 1 else (comm, None)
         try:
             self.dispatcher = ExpertDispatcher(self.ep_comm, num_experts + R, capacity_factor=capacity_factor,
-                                               node_aware=node_aware)
+                                               node_aware=node_aware, on_peer_failure=on_peer_failure)
         except BaseException:
             self._close_groups()
             raise
@@ -358,6 +373,14 @@ class MoELayer(nn.Module):
         self.expert_load: torch.Tensor
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.last_handle = None
+        self.on_peer_failure = on_peer_failure
+        self.low_latency: Any = None  # the LowLatencyDispatcher of decode(), made by init_low_latency
+        # what a newcomer needs to build this layer (MoELayer.join): the arguments but the communicator and placement
+        self._config = {"hidden_size": hidden_size, "ffn_hidden_size": ffn_hidden_size, "num_experts": num_experts,
+                        "top_k": top_k, "activation": activation, "capacity_factor": capacity_factor,
+                        "shared_ffn_hidden_size": shared_ffn_hidden_size, "seed": seed, "node_aware": node_aware,
+                        "num_redundant_experts": R, "expert_tp_size": T, "on_peer_failure": on_peer_failure,
+                        **options}
 
     @classmethod
     def from_hf(cls, block: nn.Module, comm: CommunicatorLike, **kwargs: Any) -> MoELayer:
@@ -419,10 +442,12 @@ class MoELayer(nn.Module):
         return layer
 
     def close(self) -> None:
-        """Close the dispatcher's sub-groups (the node-aware path's) and, with ETP, the EP and ETP groups
-        (collective like their creation)."""
+        """Close the dispatchers' sub-groups (the node-aware path's, the masks') and, with ETP, the EP and
+        ETP groups (collective like their creation)."""
         try:
             self.dispatcher.close()
+            if self.low_latency is not None:
+                self.low_latency.close()
         finally:
             self._close_groups()
 
@@ -464,6 +489,90 @@ class MoELayer(nn.Module):
         """Move the experts to ``placement`` (collective): see :func:`moe.rebalance.rebalance`."""
         return _rebalance.rebalance(self, placement, optimizer, max_experts_per_round=max_experts_per_round)
 
+    # ---- elastic EP: lose ranks, keep serving, take new ranks in (moe/elastic_layer.py) ----------
+    @property
+    def masked_ranks(self) -> tuple[int, ...]:
+        """Ranks of ``comm`` this layer no longer uses (after :meth:`shrink` or a masked failure)."""
+        return self.dispatcher.masked_ranks
+
+    def shrink(self, exclude: Sequence[int]) -> None:
+        """Go on without the ranks ``exclude`` (collective over the other ranks; the excluded take no part).
+
+        For a rank that died: its forward raised ``PeerFailedError`` naming it on every survivor (or,
+        with ``on_peer_failure="mask"``, this happened inside forward). The dispatchers run their next
+        calls over a communicator of the survivors (``comm.shrink``, made here). The excluded ranks'
+        experts are served by their replicas on the survivors (EPLB, :func:`moe.eplb.route` with
+        ``masked_ranks``); an expert with none is dropped: the slots that chose it are left out of the
+        sum and the remaining weights are used as they are. The survivors' tokens only are served.
+
+        Args:
+            exclude: ranks of ``comm`` (ints), the same on every survivor. Raises ValueError on every
+                survivor when they differ or one is invalid; NotImplementedError with expert_tp_size > 1.
+        """
+        _elastic.shrink(self, exclude)
+
+    def grow(self, comm: CommunicatorLike) -> None:
+        """Take new ranks in, in place of the masked ones (collective over ``comm``; the newcomers call
+        :meth:`join`), so that the layer runs over all its experts again.
+
+        ``comm`` is the survivors' communicator grown by as many ranks as are masked
+        (``layer.dispatcher.active_comm.grow(n)``; the newcomers' ``collectives.init(join=...)``): its first
+        ranks are the survivors in order, newcomer i takes masked rank ``masked_ranks[i]``'s expert
+        slots. The newcomers get the layer's arguments and its replicated weights (router, shared
+        expert) from rank 0, and each of their experts' weights from a survivor holding a replica of
+        it (EPLB), else from the ``expert_weights`` they pass to :meth:`join` (a checkpoint). The
+        survivors keep their parameters (the same tensors); the layer's ``comm`` becomes ``comm``.
+        Optimizer state is not moved (serving). Raises ValueError on every rank when the newcomers do
+        not match the masked ranks or an expert has no source.
+        """
+        _elastic.grow(self, comm)
+
+    @classmethod
+    def join(cls, comm: CommunicatorLike, *, expert_weights: dict[str, torch.Tensor] | None = None) -> MoELayer:
+        """The newcomers' side of :meth:`grow` (collective over ``comm``): a layer built from what the
+        survivors send.
+
+        Args:
+            comm: the grown communicator (from ``collectives.init(join=...)``).
+            expert_weights: optional full expert tensors (``experts.fc1`` [E, H, F or 2F],
+                ``experts.fc2`` [E, F, H], as :func:`gather_state_dict` gives them): used for the
+                experts no survivor holds.
+        Returns:
+            The layer, equal on every rank to the one the survivors hold.
+        """
+        return _elastic.join(cls, comm, expert_weights)
+
+    # ---- decoding over the low-latency dispatcher -----------------------------------------------
+    def init_low_latency(self, max_tokens_per_rank: int, *, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Make the :class:`~moe.low_latency.LowLatencyDispatcher` that :meth:`decode` uses (collective;
+        needs the ipc transport: one node, CUDA, or ``MOECOMM_IPC_EMULATE=1`` on the CPU).
+
+        Args:
+            max_tokens_per_rank: M, the most tokens a rank passes to one :meth:`decode`.
+            dtype: what travels (bfloat16, float16 or float32); the experts run in their own dtype.
+        """
+        _elastic.init_low_latency(self, max_tokens_per_rank, dtype)
+
+    def decode(self, x: torch.Tensor, *, use_fp8: bool = False) -> torch.Tensor:
+        """Inference forward through the low-latency dispatcher (collective; no autograd).
+
+        Route, dispatch to fixed [L, P*M, H] buffers, run every local expert on all its rows (one
+        batched GEMM pair; rows past the count are computed and ignored), combine, add the shared
+        expert. No host synchronization with EPLB or without (CUDA-graph capturable once warm).
+
+        Args:
+            x: [T, H] or [B, S, H] float, T (B * S) <= M of :meth:`init_low_latency`.
+            use_fp8: dispatch in float8 e4m3 (per-128-channel scales), combine in the dispatcher's dtype.
+        Returns:
+            y of x's shape and dtype. ``on_peer_failure`` and :meth:`shrink` apply as in forward.
+        """
+        try:
+            return _elastic.decode(self, x, use_fp8)
+        except PeerFailedError:
+            if self.on_peer_failure != "mask":
+                raise
+            return _elastic.decode(self, x, use_fp8)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route, dispatch, run the experts, combine (collective; its backward is collective too).
 
@@ -485,9 +594,21 @@ class MoELayer(nn.Module):
             raise RuntimeError(f"MoELayer on {rank_label(self.comm)}: {self._moving}")
         if self.etp_comm is not None:
             return self._forward_etp(x)
+        try:
+            return self._forward(x)
+        except PeerFailedError:
+            if self.on_peer_failure != "mask":
+                raise
+            # the dispatcher masked the dead rank(s) (a dispatch it could not finish it re-ran on the
+            # survivors; a combine it could not): run the whole step again on the survivors
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        comm = self.dispatcher.active_comm
+        masked = self.dispatcher.masked_ranks
         # Local work between collectives runs under `rejecting`: a failure on this rank makes the peers'
         # next collective raise. Before dispatch that is its count exchange, which moves CPU tensors.
-        with rejecting(self.comm):
+        with rejecting(comm):
             if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != self.hidden_size:
                 raise ValueError(f"MoELayer on {rank_label(self.comm)}: x must be [T, {self.hidden_size}] or "
                                  f"[B, S, {self.hidden_size}], got "
@@ -497,16 +618,23 @@ class MoELayer(nn.Module):
             weights, experts, scores = self.router.route(x2)
             with torch.no_grad():
                 self.expert_load += logical_loads(experts, self.num_experts).to(self.expert_load.device)
-            slots = experts if self._identity else route(experts, self.placement, offset=self.comm.rank)
+            slots = experts if self._identity else route(experts, self.placement, offset=self.comm.rank,
+                                                         masked_ranks=masked)
         recv_x, tokens_per_expert, handle = self.dispatcher.dispatch(x2, slots, weights=weights.detach())
-        with rejecting(self.comm, on=recv_x):  # the peers go on to combine's all-to-all
+        if self.dispatcher.masked_ranks != masked:
+            # the dispatch lost a peer and ran again on the survivors (on_peer_failure="mask") with the slots
+            # routed before: route again, so that the dead rank's experts go to their surviving replicas
+            return self._forward(x)
+        with rejecting(comm, on=recv_x):  # the peers go on to combine's all-to-all
             expert_out = self.experts(recv_x, tokens_per_expert)
         y = self.dispatcher.combine(expert_out, handle, weights).to(x.dtype)
         if self.shared is not None:
-            with rejecting(self.comm, on=y):
+            with rejecting(comm, on=y):
                 y = y + self.shared(x2).to(x.dtype)
         lay = handle.layout
         per_expert = lay.global_tokens_per_expert  # [E + R] (CPU): fold the replicas' counts into their experts'
+        if handle.masked_ranks:  # the survivors' slots: the masked ranks' count 0
+            per_expert = _elastic.unmask_counts(per_expert, handle.masked_ranks, self.dispatcher.comm.size)
         if not self._identity:
             per_expert = fold_replicas(per_expert, self.placement)
         aux = self.router.aux_loss(scores, per_expert, lay.num_global_tokens)
