@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence, TypeVar
 from transports.settings import agreed_items, parse_options
 
 from ._arrays import as_int
+from .topology import Topology, local_facts
 
 C = TypeVar("C")  # the Communicator (not imported: it imports this module)
 
@@ -194,8 +195,6 @@ class GroupCalls:
         return self._guarded("grow", self._grow, count, address)
 
     def _grow(self: C, count: Any, address: str) -> C:
-        from ._factory import build_communicator
-
         me = self.global_ranks[self.rank]
         c, err = None, None
         try:
@@ -208,5 +207,9 @@ class GroupCalls:
         # what the newcomers take from the members: the settings every rank must share, and the launch mode
         offer = {"settings": agreed_items(self.settings), "launch": self.topology.launch}
         rdv = self._rdv.grow(c if err is None else None, error=err, offer=offer)
-        return build_communicator(rdv, self._forced or "auto", self.timeout, self.topology.launch,
-                                  settings=self.settings, device=self.device, global_ranks=rdv.global_ranks)
+        # as collectives._factory.build_communicator (not imported: it imports the Communicator): the
+        # topology over every rank of the grown group, as the newcomers compute it too
+        facts = rdv.allgather_bytes(local_facts())
+        topo = Topology.from_facts(rdv.rank, facts, self.topology.launch)
+        return type(self)(rdv, topo, timeout=self.timeout, transport=self._forced or "auto",
+                          global_ranks=rdv.global_ranks, settings=self.settings, device=self.device)
