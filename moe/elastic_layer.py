@@ -183,7 +183,7 @@ def _send_experts(new: MoELayer, plan: dict[str, Any], own: MoELayer | None,
                     rows.append(src[s - comm.rank * S].detach())
                     counts[d // S] += 1
         send = torch.stack(rows) if rows else dest.detach().new_zeros((0, *dest.shape[1:]))
-        recv = comm.all_to_all(send.reshape(send.shape[0], -1), counts)
+        recv = comm.all_to_all(send.reshape(send.shape[0], dest[0].numel()), counts)
         if comm.rank < members:
             continue
         # rows arrive by source rank, and from each source in slot order
@@ -221,6 +221,8 @@ def grow(layer: MoELayer, comm: Any) -> None:
         mine = ValueError(f"MoELayer.grow on {rank_label(comm)}: the survivors must be the first ranks of the grown "
                           "communicator, in their order (grow layer.dispatcher.active_comm)")
     new = _rebuild(type(layer), comm, plan, mine)
+    # a survivor keeps its own modules (the same parameter tensors: its slots are the same); rank 0's are sent
+    new.router, new.shared, new.experts = layer.router, layer.shared, layer.experts
     _send_replicated(new, plan)
     _send_experts(new, plan, layer, None)
     old_ll = layer.low_latency
