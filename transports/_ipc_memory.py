@@ -117,7 +117,8 @@ class IPCMemory:
         self._more_regions.append(regions)
         return regions.sig_ptrs
 
-    def launch_exchange(self, *launches: tuple[Any, tuple, dict]) -> tuple[int, int, int, int] | None:
+    def launch_exchange(self, *launches: tuple[Any, tuple, dict], finish: bool = True
+                        ) -> tuple[int, int, int, int] | None:
         """Launch one call of an exchange: its kernels ``(kernel, args, constexprs)``, back to back,
         each as ``kernel(*args, sig_ptrs, status, max_spins, **constexprs)`` on our programs and
         counted for the watchdog, as :meth:`_launch` does. Earlier failures raise before the first
@@ -132,13 +133,38 @@ class IPCMemory:
         calls, and the next call of one rank would pair with another call of its peers. Waiting
         makes every rank raise in this call. Under capture: None (replays record; the next check
         raises it and closes the transport, see :meth:`_failed`).
+
+        finish: False launches only these kernels (a call's send half) and returns None at once,
+        nothing waited for; :meth:`finish_exchange` launches the rest of the call and does the above.
         """
         self._start()
+        self._queue_exchange(launches, counted=1)
+        return self._exchange_words() if finish else None
+
+    def finish_exchange(self, *launches: tuple[Any, tuple, dict]) -> tuple[int, int, int, int] | None:
+        """The rest of a call that ``launch_exchange(..., finish=False)`` began: launch its kernels
+        (a receive half), then wait and return the recorded words as :meth:`launch_exchange` does.
+
+        Only a broken transport raises before these kernels: what the status block holds now (an
+        error of the call's first kernels, or of other calls since) raises after them, so that no
+        peer waits for a half this rank dropped.
+        """
+        if self._broken:
+            self._raise_broken()
+        self._queue_exchange(launches, counted=0)
+        return self._exchange_words()
+
+    def _queue_exchange(self, launches: tuple[tuple[Any, tuple, dict], ...], counted: int) -> None:
+        """Queue ``launches`` back to back; the first ``counted`` of them :meth:`_start` counted."""
         tail = (self._regions.sig_ptrs, self._status_arg, self._max_spins)
         for i, (kernel, args, constexprs) in enumerate(launches):
-            if i and not self._regions.capturing():
+            if i >= counted and not self._regions.capturing():
                 self._launched += 1  # counted as _start counts the first
             self._queue(self._bind(kernel, constexprs), *args, *tail)
+
+    def _exchange_words(self) -> tuple[int, int, int, int] | None:
+        """Outside capture: wait for our kernels, raise failures, return (and clear) the call's
+        recorded words (see :meth:`launch_exchange`); under capture None."""
         if self._regions.capturing():
             return None
         self._regions.sync()

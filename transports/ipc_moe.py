@@ -4,7 +4,9 @@ region every rank maps (:mod:`transports.kernels.moe_ll` has the protocol).
 Call path: ``moe.LowLatencyDispatcher`` -> :class:`IPCExpertExchange` (checks, outputs, launch
 arguments, call words) -> ``IPCTransport.launch_exchange`` (failure checks, the watchdog's count,
 the pre-bound launch; eagerly, the wait for the kernels) -> two kernels per dispatch and two per
-combine.
+combine. With ``return_recv_hook``, ``launch_exchange(send, finish=False)`` launches the send
+kernel alone and the call's :class:`RecvHook` later ``IPCTransport.finish_exchange(recv)``: the
+receive kernel, then the wait and the checks of a plain call.
 
 Every rank raises a refused call in that same call, so the ranks never leave the exchange at
 different calls. Inputs the kernels can judge only from the data (expert ids out of range or
@@ -19,15 +21,27 @@ before launching) would pair its next call with its peers' last, so every call a
 the receivers compare before they read any row: a difference raises on every rank, and the call
 numbers jump to one past the largest, so the next call pairs again.
 
+Receive hooks (DeepEP's ``return_recv_hook``): the send kernels never wait for this call's
+receivers. ``ll_dispatch_send`` / ``ll_combine_send`` wait only for D_ACK / C_ACK of the *previous*
+call (the peers' receive kernels of it, which every rank launches before its next call's send),
+then write, arrive and end; so between a send and its hook the caller's work has the SMs (a send
+still waits while a peer has not called the previous call's hook, as a plain call waits for a late
+peer). One call is in flight per exchange: a dispatch or combine while a hook is pending raises
+RuntimeError on its rank before anything is launched (it counts as a skipped call: the next pairs
+by its call word); two overlapping micro-batches use two exchanges. A hooked call raises every
+error of the plain call from its hook, the host's refusal of its own inputs included, since the
+peers learn of it only from their receive kernels.
+
 Under CUDA-graph capture nothing is waited for; what replays record raises at the transport's next
-check and closes it (the ranks could no longer raise at one call).
+check and closes it (the ranks could no longer raise at one call). A send and its hook are captured
+as the plain call's two kernels are.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -61,6 +75,35 @@ def region_layout(ranks: int, num_experts: int, max_tokens: int, hidden: int, it
     off_rows = off_info + _align(local * P * M * 4, _REGION_ALIGN)
     off_comb = off_rows + _align(local * P * M * row_bytes, _REGION_ALIGN)
     return row_bytes, off_cnt, off_info, off_rows, off_comb, off_comb + M * KM * H * itemsize
+
+
+def _usage_error(message: str) -> RuntimeError:
+    """A RuntimeError raised before anything was launched: it leaves the ranks in step, so the
+    communicator stays open (``collectives._shared.leaves_out_of_step`` reads ``in_step``)."""
+    e = RuntimeError(message)
+    e.in_step = True  # type: ignore[attr-defined]
+    return e
+
+
+class RecvHook:
+    """The receive half of a call launched with ``return_recv_hook=True``: calling it (once) launches
+    the receive kernel, then waits and raises as the plain call does; the exchange takes calls
+    again once it has been called, whether it returned or raised."""
+
+    def __init__(self, exchange: "IPCExpertExchange", op: str, finish: Callable[[], None]):
+        self._exchange, self._op, self._finish = exchange, op, finish
+        self.called = False
+
+    def __call__(self) -> None:
+        ex = self._exchange
+        if self.called:
+            raise _usage_error(f"LowLatencyDispatcher.{self._op}'s receive hook on rank "
+                               f"{ex._ranks[ex.t.rank]} was called twice; a hook runs once")
+        self.called = True
+        try:
+            self._finish()
+        finally:
+            ex._pending = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +176,7 @@ class IPCExpertExchange:
         self._recv_const["LC"] = self._csend_const["LC"] = lc
         self._next_call = 0  # this exchange's dispatch calls so far (the call words' number)
         self.last: Dispatched | None = None  # the last dispatch, for a combine given none
+        self._pending: str | None = None  # the op whose receive hook is not called yet
         self._dummy_x = torch.zeros(1, H, dtype=dtype, device=self.device)
         self._dummy_idx = torch.full((1, 1), -1, dtype=torch.int64, device=self.device)
         self._no_words = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -142,6 +186,18 @@ class IPCExpertExchange:
     @property
     def _ranks(self) -> list[int]:
         return self.t.group.global_ranks
+
+    def _refuse_if_pending(self, op: str) -> None:
+        """RuntimeError (this rank, nothing launched) while a call's receive hook is pending."""
+        if self._pending is not None:
+            raise _usage_error(
+                f"LowLatencyDispatcher.{op} on rank {self._ranks[self.t.rank]}: the {self._pending} launched "
+                "with return_recv_hook=True has not had its hook called; one call is in flight per dispatcher: "
+                "call the hook first (two overlapping micro-batches use two dispatchers)")
+
+    def _hook(self, op: str, finish: Callable[[], None]) -> RecvHook:
+        self._pending = op
+        return RecvHook(self, op, finish)
 
     # ---- dispatch ------------------------------------------------------------------------------
     def _refusal(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[int, str, type]:
@@ -166,23 +222,28 @@ class IPCExpertExchange:
                     f"more than max_tokens_per_rank {self.max_tokens}"), ValueError)
         return 0, "", None
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool = False,
+                 return_recv_hook: bool = False) -> tuple:
         """Send every token to its top-k experts' ranks; see ``moe.LowLatencyDispatcher.dispatch``.
 
         Returns:
             (recv_x, scales, info, recv_count): recv_x [L, P*M, H] of the dtype (float8_e4m3fn
             with ``use_fp8``), scales float32 [L, P*M, H/128] with ``use_fp8`` else None, info
             int32 [L, P*M] (``src*M*max_topk + t*max_topk + k`` of each row), recv_count int32 [L].
-            :attr:`last` is then this call's :class:`Dispatched` (for :meth:`combine`).
+            :attr:`last` is then this call's :class:`Dispatched` (for :meth:`combine`). With
+            ``return_recv_hook``: the same and a :class:`RecvHook` after them, the send kernel
+            alone launched; the tensors are written once the hook has been called.
 
         Raises:
-            ValueError / TypeError (every rank, in this call): a rank's inputs were refused, or the
-                ranks' calls do not pair (see the module docstring).
+            ValueError / TypeError (every rank, in this call; from the hook with
+                ``return_recv_hook``): a rank's inputs were refused, or the ranks' calls do not
+                pair (see the module docstring).
+            RuntimeError (this rank, nothing launched): a receive hook is pending.
         """
         t = self.t
         call = self._next_call * 2 + int(bool(use_fp8))
         self._next_call += 1  # also when the launch raises: a skipped call must not pair
+        self._refuse_if_pending("dispatch")
         P, M, H, Lc = t.size, self.max_tokens, self.hidden, self.local
         err, message, exc = self._refusal(x, topk_idx)
         if err:
@@ -203,13 +264,19 @@ class IPCExpertExchange:
         info = torch.empty(rows, dtype=torch.int32, device=self.device)
         recv_count = torch.empty(Lc, dtype=torch.int32, device=self.device)
         saved = torch.empty(T, K, dtype=torch.int64, device=self.device) if not err else self._dummy_idx
-        recorded = t.launch_exchange(
-            (self._k.ll_dispatch_send, (x, topk_idx, saved, T, K, err, self.table, t.rank, P, call),
-             {**self._send_const, "FP8": bool(use_fp8)}),
-            (self._k.ll_dispatch_recv, (out, out2, info, recv_count, self.table, t.rank, P, call),
-             {**self._recv_const, "W1": w1, "W2": w2}))
+        send = (self._k.ll_dispatch_send, (x, topk_idx, saved, T, K, err, self.table, t.rank, P, call),
+                {**self._send_const, "FP8": bool(use_fp8)})
+        recv = (self._k.ll_dispatch_recv, (out, out2, info, recv_count, self.table, t.rank, P, call),
+                {**self._recv_const, "W1": w1, "W2": w2})
+        own = exc(message) if err else None
+        if return_recv_hook:
+            t.launch_exchange(send, finish=False)
+            self.last = Dispatched(call, saved) if not err else None
+            hook = self._hook("dispatch", lambda: self._raise_recorded(t.finish_exchange(recv), "dispatch", call, own))
+            return recv_x, scales, info, recv_count, hook
+        recorded = t.launch_exchange(send, recv)
         self.last = Dispatched(call, saved) if not err else None
-        self._raise_recorded(recorded, "dispatch", call, exc(message) if err else None)
+        self._raise_recorded(recorded, "dispatch", call, own)
         return recv_x, scales, info, recv_count
 
     def _raise_recorded(self, recorded: tuple[int, int, int, int] | None, op: str, call: int,
@@ -262,21 +329,25 @@ class IPCExpertExchange:
         return 0, "", None
 
     def combine(self, expert_out: torch.Tensor, info: torch.Tensor, recv_count: torch.Tensor,
-                topk_idx: torch.Tensor, topk_weights: torch.Tensor, dispatched: Dispatched | None = None
-                ) -> torch.Tensor:
+                topk_idx: torch.Tensor, topk_weights: torch.Tensor, dispatched: Dispatched | None = None,
+                return_recv_hook: bool = False) -> torch.Tensor | tuple[torch.Tensor, RecvHook]:
         """Return each expert's rows to their tokens and sum them; see ``moe.LowLatencyDispatcher.combine``.
 
         dispatched: the dispatch whose ``info``/``recv_count`` these are (default :attr:`last`);
         every rank must combine the same dispatch's, with the ``topk_idx`` it sent.
 
         Returns:
-            [T, H] of the dtype.
+            [T, H] of the dtype; with ``return_recv_hook`` (y, :class:`RecvHook`), the send kernel
+            alone launched, y written once the hook has been called.
 
         Raises:
-            ValueError / TypeError (every rank, in this call): a rank's inputs were refused (by its
-                host, or by its kernel: topk_idx that differ from the dispatch's, a stale handle),
-                or the ranks combined different dispatches.
+            ValueError / TypeError (every rank, in this call; from the hook with
+                ``return_recv_hook``): a rank's inputs were refused (by its host, or by its kernel:
+                topk_idx that differ from the dispatch's, a stale handle), or the ranks combined
+                different dispatches.
+            RuntimeError (this rank, nothing launched): a receive hook is pending.
         """
+        self._refuse_if_pending("combine")
         t = self.t
         P, H = t.size, self.hidden
         dispatched = self.last if dispatched is None else dispatched
@@ -295,9 +366,13 @@ class IPCExpertExchange:
             idx = topk_idx.to(torch.int64).contiguous()
             w = topk_weights.to(torch.float32).contiguous()
             out = torch.empty(T, H, dtype=self.dtype, device=self.device)
-        recorded = t.launch_exchange(
-            (self._k.ll_combine_send, (y, info, recv_count, idx, saved, T, K, err, self.table, t.rank, P, call),
-             self._csend_const),
-            (self._k.ll_combine_recv, (out, idx, w, T, K, self.table, t.rank, P, call), self._crecv_const))
-        self._raise_recorded(recorded, "combine", call, exc(message) if err else None)
+        send = (self._k.ll_combine_send, (y, info, recv_count, idx, saved, T, K, err, self.table, t.rank, P, call),
+                self._csend_const)
+        recv = (self._k.ll_combine_recv, (out, idx, w, T, K, self.table, t.rank, P, call), self._crecv_const)
+        own = exc(message) if err else None
+        if return_recv_hook:
+            t.launch_exchange(send, finish=False)
+            hook = self._hook("combine", lambda: self._raise_recorded(t.finish_exchange(recv), "combine", call, own))
+            return out, hook
+        self._raise_recorded(t.launch_exchange(send, recv), "combine", call, own)
         return out
