@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -121,7 +122,7 @@ def _dropped(layer: MoELayer) -> set[int]:
 
 def _rank(comm: collectives.Communicator, args: argparse.Namespace) -> dict:
     ll = args.dispatch == "low-latency"
-    fds = _open_fds()
+    fds, threads = _open_fds(), threading.active_count()
     ref = Reference()
     layer = MoELayer(comm, **_layer_args(args))
     _perturb(layer)
@@ -169,6 +170,7 @@ def _rank(comm: collectives.Communicator, args: argparse.Namespace) -> dict:
     layer.close()
     grown.close()
     report["fds_before"], report["fds_after"] = fds, _open_fds()
+    report["threads_before"], report["threads_after"] = threads, threading.active_count()
     if joiner is not None:
         report["joiner_exit"] = joiner.wait(timeout=args.timeout)
     return report
@@ -228,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                 + (f" (PeerFailedError naming {res['named']} after {res['detected_s']:.2f} s, shrink "
                    f"{res['shrink_s']:.2f} s)" if "named" in res else " (masked)")
                 + f"; masked {res['masked']}, dropped experts {res['dropped']}; grow {res['grow_s']:.2f} s; "
-                f"fds {res['fds_before']} -> {res['fds_after']}")
+                f"fds {res['fds_before']} -> {res['fds_after']}, threads {res['threads_before']} -> "
+                f"{res['threads_after']}")
         print(line)
         ok &= res.get("joiner_exit", 0) == 0
     print("elastic decode: ok" if ok else "elastic decode: FAILED")
