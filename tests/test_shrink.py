@@ -4,43 +4,16 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 
 import pytest
 import torch
 
 import collectives
 from collectives import PeerFailedError
+from _joiner import check_group
 from spmd import UNDER_MPI, left_behind, outcome, shm_segments
 
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="fault injection needs spawned ranks")
-
-
-def _data(kind: str, world: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Random input of world rank ``world`` that any rank can regenerate."""
-    g = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{world}".encode()))
-    return torch.randn(*shape, generator=g, dtype=torch.float64)
-
-
-def _check_group(new, tag: str) -> None:
-    """all_reduce / all_gather / all_to_all (uneven counts) / broadcast against references."""
-    worlds, me = new.global_ranks, new.global_ranks[new.rank]
-    x = {w: _data(f"{tag}ar", w, (1000,)) for w in worlds}
-    torch.testing.assert_close(new.all_reduce(x[me]), sum(x[w] for w in worlds))
-    g = {w: _data(f"{tag}ag", w, (7, 3)) for w in worlds}
-    torch.testing.assert_close(new.all_gather(g[me]), torch.cat([g[w] for w in worlds]))
-    # rank i sends (i + j) % 3 + (j != 1) rows to rank j: uneven, some zero
-    counts = {i: [(i + j) % 3 + (j != 1) for j in range(new.size)] for i in range(new.size)}
-    a = {i: _data(f"{tag}a2a", worlds[i], (sum(counts[i]), 5)) for i in range(new.size)}
-    got = new.all_to_all(a[new.rank], counts[new.rank])
-    want = []
-    for i in range(new.size):
-        start = sum(counts[i][: new.rank])
-        want.append(a[i][start : start + counts[i][new.rank]])
-    torch.testing.assert_close(got, torch.cat(want))
-    b = {w: _data(f"{tag}bc", w, (64,)) for w in worlds}
-    src = new.size - 1
-    torch.testing.assert_close(new.broadcast(b[me], src=src), b[worlds[src]])
 
 
 def _body_death(comm, victim: int):
@@ -60,7 +33,7 @@ def _body_death(comm, victim: int):
     new = comm.shrink(exclude=[victim])
     shrink_s = time.monotonic() - t0
     shape = (new.size, new.rank, list(new.global_ranks), new.timeout == comm.timeout)
-    _check_group(new, "s")
+    check_group(new, "s")
     new.close()
     comm.close()
     return failed, shrink_s, shape
