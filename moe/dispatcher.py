@@ -76,17 +76,14 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-import zlib
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 
 from collectives.agreement import agree, rank_label
 from collectives.protocols import CommunicatorLike, check_communicator
-from transports.base import CollectiveTimeoutError, PeerFailedError
 
-from .elastic import MaskedGroup, check_masked_ranks
+from .elastic import ON_PEER_FAILURE, MaskedGroup, MaskSet, mapped
 from .flat import FlatPath, check_inputs
 from .internode import NodeAwareHandle, NodeAwareLayout, NodeAwarePath, node_placement
 from .records import _FLOATS, DispatchHandle, DispatchLayout, _tensor_id
@@ -99,27 +96,6 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two float tensors of one shape and dtype hold the same values, NaN equal to NaN (``torch.equal``
     says NaN != NaN, which rejected NaN router weights passed alike to dispatch and combine)."""
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
-
-
-def _mapped(group: MaskedGroup, experts: Any) -> Any:
-    """The experts' ids in the group's layout; an argument that is no integer tensor goes on as it is, so that
-    the group's count exchange rejects it on every rank."""
-    if isinstance(experts, torch.Tensor) and experts.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        return group.map_experts(experts)
-    return experts
-
-
-_ON_PEER_FAILURE = ("raise", "mask")
-_STEPS = ("layout", "dispatch", "combine")
-
-
-class _Masked:
-    """One set of masked ranks: its group and the dispatcher over it (``A * L`` experts)."""
-
-    __slots__ = ("group", "dispatcher")
-
-    def __init__(self, group: MaskedGroup, dispatcher: ExpertDispatcher):
-        self.group, self.dispatcher = group, dispatcher
 
 
 class ExpertDispatcher:
@@ -176,12 +152,12 @@ class ExpertDispatcher:
         elif node_aware and placement is None:
             err = ValueError("node_aware=True needs a group that spans several nodes with equal ranks per node "
                              f"(comm.topology.nodes: {getattr(getattr(comm, 'topology', None), 'nodes', None)})")
-        elif on_peer_failure not in _ON_PEER_FAILURE:
-            err = ValueError(f"on_peer_failure must be one of {_ON_PEER_FAILURE}, got {on_peer_failure!r}")
+        elif on_peer_failure not in ON_PEER_FAILURE:
+            err = ValueError(f"on_peer_failure must be one of {ON_PEER_FAILURE}, got {on_peer_failure!r}")
         agree(comm, "ExpertDispatcher", {"num_experts": num_experts, "capacity_factor": capacity_factor,
                                          "node_aware (-1: auto)": -1 if node_aware is None else int(node_aware),
-                                         "on_peer_failure (0: raise, 1: mask)": _ON_PEER_FAILURE.index(on_peer_failure)
-                                         if on_peer_failure in _ON_PEER_FAILURE else None},
+                                         "on_peer_failure (0: raise, 1: mask)": ON_PEER_FAILURE.index(on_peer_failure)
+                                         if on_peer_failure in ON_PEER_FAILURE else None},
               error=err, hint="Construct the dispatcher with the same num_experts, capacity_factor, node_aware "
                               "and on_peer_failure on every rank.")
         if num_experts % comm.size:  # agreed values: every rank raises
@@ -194,10 +170,9 @@ class ExpertDispatcher:
         self.first_local_expert = comm.rank * self.num_local_experts
         self.node_aware = placement is not None and node_aware is not False
         self.on_peer_failure = on_peer_failure
-        self._masked: tuple[int, ...] = ()               # the permanent masks (ranks of comm, ascending)
-        self._masks: dict[tuple[int, ...], _Masked] = {}  # each set's group, built on first use
-        # calls of this dispatcher per set of masks (() for comm): after a failure the survivors compare them
-        self._calls: dict[tuple[int, ...], int] = {(): 0}
+        # the permanent masks, each set's group and inner dispatcher (built on first use), the calls per set
+        self._masks = MaskSet(self, comm, num_experts, self._build_masked, name="ExpertDispatcher",
+                              on_peer_failure=on_peer_failure)
         # the strategy every call goes to; the flat one over the whole group also serves the node-aware one
         self._flat = FlatPath(comm, num_experts, self.capacity_factor)
         self._path: FlatPath | NodeAwarePath = self._flat
@@ -214,13 +189,11 @@ class ExpertDispatcher:
     def close(self) -> None:
         """Close the masked groups (and their dispatchers) and the node-aware path's sub-groups (collective with
         the other ranks' close; the flat path has none)."""
-        masks, self._masks = self._masks, {}
         first: Exception | None = None
-        for m in masks.values():  # each one, even after another failed to close
-            try:
-                self._close_masked(m)
-            except Exception as e:  # noqa: BLE001 - raised below, after the others
-                first = first or e
+        try:
+            self._masks.close()  # each group, even after another failed to close
+        except Exception as e:  # noqa: BLE001 - raised below, after the path's
+            first = e
         self._path.close()
         self._path = self._flat
         if first is not None:
@@ -229,24 +202,21 @@ class ExpertDispatcher:
     def __repr__(self) -> str:
         return (f"ExpertDispatcher(rank={self.comm.rank}, size={self.comm.size}, num_experts={self.num_experts}, "
                 f"capacity_factor={self.capacity_factor}, node_aware={self.node_aware}"
-                + (f", masked_ranks={list(self._masked)}" if self._masked else "") + ")")
+                + (f", masked_ranks={list(self._masks.masked)}" if self._masks.masked else "") + ")")
 
     # ---- masks ----------------------------------------------------------------------------------
     @property
     def masked_ranks(self) -> tuple[int, ...]:
         """The permanent masks: ranks of ``comm`` (ascending) that every call leaves out, from :meth:`mask`
         or a peer failure with ``on_peer_failure="mask"``."""
-        return self._masked
+        return self._masks.masked
 
     @property
     def active_comm(self) -> CommunicatorLike | None:
         """The communicator the next call without per-call masks runs on: ``comm``, or the permanent masks'
         group's. None only when that group is not built yet (after a failure in a call that had more
         masks of its own; the next call without them builds it)."""
-        if not self._masked:
-            return self.comm
-        m = self._masks.get(self._masked)
-        return None if m is None else m.group.comm
+        return self._masks.active_comm
 
     def mask(self, ranks: Sequence[int]) -> None:
         """Add ``ranks`` (of ``comm``) to the permanent masks and build their group now (collective over the
@@ -257,130 +227,15 @@ class ExpertDispatcher:
         itself); the build raises as :class:`~moe.elastic.MaskedGroup` does (e.g. ``PeerFailedError`` when
         another rank died).
         """
-        new = check_masked_ranks(self.comm, ranks, where="ExpertDispatcher.mask")
-        full = tuple(sorted(set(self._masked) | set(new)))
-        if full:
-            self._masked_path(full)
-        self._masked = full
+        self._masks.mask(ranks, "ExpertDispatcher.mask")
 
-    def _call_mask(self, masked_ranks: Sequence[int] | None, where: str) -> tuple[int, ...]:
-        """The masks of one call: ``masked_ranks`` (checked) and the permanent ones, ascending."""
-        mine = check_masked_ranks(self.comm, masked_ranks, where=where)
-        return tuple(sorted(set(mine) | set(self._masked))) if mine else self._masked
-
-    def _masked_path(self, mask: tuple[int, ...]) -> _Masked:
-        """The group and dispatcher of ``mask``; built on first use (collective over the unmasked ranks)."""
-        m = self._masks.get(mask)
-        if m is None:
-            group = MaskedGroup(self.comm, mask, self.num_experts)
-            try:
-                # the node-aware path where the smaller group still allows it (equal ranks per node), else flat
-                inner = ExpertDispatcher(group.comm, group.num_active_experts, capacity_factor=self.capacity_factor,
-                                         node_aware=self.node_aware and node_placement(group.comm) is not None)
-            except BaseException:
-                group.close()
-                raise
-            inner._flat.shown_num_experts = self.num_experts  # range errors name the caller's E
-            m = self._masks[mask] = _Masked(group, inner)
-        return m
-
-    def _close_masked(self, m: _Masked) -> None:
-        try:
-            m.dispatcher.close()
-        finally:
-            m.group.close()
-
-    def _drop(self, mask: tuple[int, ...]) -> None:
-        """Close and forget the group of ``mask`` (its communicator broke); the next use builds another."""
-        m = self._masks.pop(mask, None)
-        if m is not None:
-            try:
-                self._close_masked(m)
-            except Exception:  # noqa: BLE001 - a broken group may fail to close cleanly; it is gone either way
-                log.debug("closing the broken group of masks %s failed", list(mask), exc_info=True)
-
-    def _world(self, ranks: Sequence[int]) -> list[int]:
-        return [self.comm.global_ranks[r] for r in ranks]
-
-    def _run(self, step: str, mask: tuple[int, ...], fn: Callable[[ExpertDispatcher, MaskedGroup | None], Any], *,
-             rerun: Callable[[ExpertDispatcher, MaskedGroup | None], Any] | None = None, build: bool = True) -> Any:
-        """``fn(dispatcher, group)`` on the communicator of ``mask`` (self and None for no masks), with the
-        peer-failure handling of ``on_peer_failure``. ``rerun``: what to run again on the survivors after a
-        failure (default ``fn``). ``build``: whether a missing group may be built (False for combine)."""
-        while True:
-            calls = self._calls[mask] = self._calls.get(mask, 0) + 1
-            try:
-                if not mask:
-                    return fn(self, None)
-                m = self._masks.get(mask)
-                if m is None:
-                    if not build:
-                        raise ValueError(f"{step} on {rank_label(self.comm)}: the group of the handle's masks "
-                                         f"{list(mask)} is closed (dispatcher closed, or the group broke); "
-                                         "dispatch again")
-                    m = self._masked_path(mask)
-                return fn(m.dispatcher, m.group)
-            except PeerFailedError as e:
-                if self.on_peer_failure != "mask":
-                    raise
-                mask = self._recover(e, step, mask, calls)
-                if step == "combine":
-                    raise PeerFailedError(f"{e}; ExpertDispatcher: rank(s) {self._world(self._masked)} are masked now, "
-                                          "and this combine cannot be completed without its dispatch: run the step "
-                                          "(dispatch and combine) again", e.missing_ranks) from e
-                fn = rerun or fn
-            except CollectiveTimeoutError as e:
-                if not mask:
-                    raise
-                # the group waited for an unmasked rank that never came; its communicator is broken
-                self._drop(mask)
-                missing = list(getattr(e, "missing_ranks", []))
-                raise ValueError(
-                    f"{step} on {rank_label(self.comm)} with masked_ranks={list(mask)}: rank(s) {missing} did not "
-                    f"join the masked call within the timeout ({self.comm.timeout:g} s). Every unmasked rank "
-                    "must pass the same masked_ranks (a rank that passed other masks, or none, waits on another "
-                    "group), and a rank that stopped responding must be masked too") from e
-
-    def _recover(self, error: PeerFailedError, step: str, mask: tuple[int, ...], calls: int) -> tuple[int, ...]:
-        """After ``error`` in the ``calls``-th call on the group of ``mask``: mask the failed ranks for good,
-        build the survivors' group and agree there that every survivor was in this very call.
-
-        Returns: the new masks of the call. Raises ``error`` when it names no rank to mask, ``ValueError``
-        (every survivor) when the survivors were in different calls.
-        """
-        g = self.comm.global_ranks
-        me = self.comm.rank
-
-        def failed(e: PeerFailedError, mask: tuple[int, ...]) -> set[int]:
-            return {g.index(w) for w in getattr(e, "missing_ranks", []) if w in g} - set(mask) - {me}
-
-        dead = failed(error, mask)
-        if not dead:
-            raise error
-        t0 = time.monotonic()
-        for _ in range(self.comm.size):
-            self._masked = tuple(sorted(set(self._masked) | dead))
-            new = tuple(sorted(set(mask) | dead))
-            try:
-                m = self._masked_path(new)
-                agree(m.group.comm, f"ExpertDispatcher after the failure of rank(s) {self._world(sorted(dead))}",
-                      {"calls on the failed group": calls, "step (0: layout, 1: dispatch, 2: combine)":
-                       _STEPS.index(step), "masks before the failure (crc32)": zlib.crc32(repr(mask).encode())},
-                      hint="The survivors were not all in the same call of this dispatcher when the failure came "
-                           "(one had gone on to a later call, or not reached this one), so the call cannot be "
-                           "run again on them; the failed ranks stay masked.")
-                break
-            except PeerFailedError as e:  # another rank died while the survivors regrouped
-                more = failed(e, new)
-                if not more:
-                    raise
-                self._drop(new)
-                dead |= more
-        log.warning("ExpertDispatcher on %s: rank(s) %s failed in %s (%s); masked for good, the %d survivors "
-                    "regrouped in %.3f s and %s", rank_label(self.comm), self._world(sorted(dead)), step, error,
-                    len(m.group.active), time.monotonic() - t0,
-                    "raise the error again (the dispatch must be redone)" if step == "combine" else "run the call again")
-        return new
+    def _build_masked(self, group: MaskedGroup) -> ExpertDispatcher:
+        """The dispatcher over a masked group (``A * L`` experts): the node-aware path where the smaller group
+        still allows it (equal ranks per node), else flat."""
+        inner = ExpertDispatcher(group.comm, group.num_active_experts, capacity_factor=self.capacity_factor,
+                                 node_aware=self.node_aware and node_placement(group.comm) is not None)
+        inner._flat.shown_num_experts = self.num_experts  # range errors name the caller's E
+        return inner
 
     # ---- layout ---------------------------------------------------------------------------------
     def get_dispatch_layout(self, x: torch.Tensor, experts: torch.Tensor, *, weights: torch.Tensor | None = None,
@@ -411,19 +266,20 @@ class ExpertDispatcher:
         Host syncs: one on the flat path (+1 when capacity dropping finds an over-full expert), two
         on the node-aware path (+2); see the module docstring. Masks add none.
         """
-        if masked_ranks is None and not self._masked and self.on_peer_failure == "raise":
-            self._calls[()] += 1
+        masks = self._masks
+        if masked_ranks is None and not masks.masked and self.on_peer_failure == "raise":
+            masks.calls[()] += 1
             return self._path.layout(x, experts, weights)
-        mask = self._call_mask(masked_ranks, "get_dispatch_layout")
+        mask = masks.call_mask(masked_ranks, "get_dispatch_layout")
 
         def run(d: ExpertDispatcher, group: MaskedGroup | None) -> DispatchLayout | NodeAwareLayout:
             if group is None:
                 return d._path.layout(x, experts, weights)
-            lay = d._path.layout(x, _mapped(group, experts), weights)
+            lay = d._path.layout(x, mapped(group, experts), weights)
             lay.masked_ranks = group.masked
             return lay
 
-        return self._run("layout", mask, run)
+        return masks.run("layout", mask, run)
 
     # ---- dispatch / combine ---------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, experts: torch.Tensor, *, weights: torch.Tensor | None = None,
@@ -462,34 +318,35 @@ class ExpertDispatcher:
         Host syncs: none with ``layout=`` (the given experts are then checked for shape only: the
         layout holds the routing), else those of :meth:`get_dispatch_layout`.
         """
+        masks = self._masks
         if layout is None:
-            if masked_ranks is None and not self._masked and self.on_peer_failure == "raise":
-                self._calls[()] += 1
+            if masked_ranks is None and not masks.masked and self.on_peer_failure == "raise":
+                masks.calls[()] += 1
                 return self._dispatch(x, experts, weights, None)
-            mask = self._call_mask(masked_ranks, "dispatch")
+            mask = masks.call_mask(masked_ranks, "dispatch")
         else:
             mask = tuple(getattr(layout, "masked_ranks", ()))
-            if not mask and masked_ranks is None and not self._masked and self.on_peer_failure == "raise":
-                self._calls[()] += 1
+            if not mask and masked_ranks is None and not masks.masked and self.on_peer_failure == "raise":
+                masks.calls[()] += 1
                 return self._dispatch(x, experts, weights, layout)
-            if masked_ranks is not None and self._call_mask(masked_ranks, "dispatch") != mask:
+            if masked_ranks is not None and masks.call_mask(masked_ranks, "dispatch") != mask:
                 raise ValueError(f"dispatch on {rank_label(self.comm)}: masked_ranks={list(masked_ranks)} (with the "
-                                 f"permanent masks {list(self._masked)}) differ from the layout's {list(mask)}")
-            if not set(self._masked) <= set(mask):
+                                 f"permanent masks {list(masks.masked)}) differ from the layout's {list(mask)}")
+            if not set(masks.masked) <= set(mask):
                 raise ValueError(f"dispatch on {rank_label(self.comm)}: the layout was made with masks {list(mask)}, "
-                                 f"but ranks {list(self._masked)} are masked now; recompute the layout")
+                                 f"but ranks {list(masks.masked)} are masked now; recompute the layout")
 
         def run(d: ExpertDispatcher, group: MaskedGroup | None, lay: Any = layout, w: Any = weights
                 ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle | NodeAwareHandle]:
             if group is None:
                 return d._dispatch(x, experts, w, lay)
-            out = d._dispatch(x, experts if lay is not None else _mapped(group, experts), w, lay)
+            out = d._dispatch(x, experts if lay is not None else mapped(group, experts), w, lay)
             out[2].masked_ranks = out[2].layout.masked_ranks = group.masked
             return out
 
         # after a failure the layout (of the failed group) is made again on the survivors, with its weights
         rerun = None if layout is None else (lambda d, group: run(d, group, None, layout.weights))
-        return self._run("dispatch", mask, run, rerun=rerun)
+        return masks.run("dispatch", mask, run, rerun=rerun)
 
     def _dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor | None,
                   layout: DispatchLayout | NodeAwareLayout | None
@@ -536,9 +393,10 @@ class ExpertDispatcher:
         """
         mask = tuple(getattr(handle, "masked_ranks", ()))
         if not mask and self.on_peer_failure == "raise":
-            self._calls[()] += 1
+            self._masks.calls[()] += 1
             return self._combine(expert_out, handle, weights)
-        return self._run("combine", mask, lambda d, group: d._combine(expert_out, handle, weights), build=False)
+        return self._masks.run("combine", mask, lambda d, group: d._combine(expert_out, handle, weights), build=False,
+                               retry=False)
 
     def _combine(self, expert_out: torch.Tensor, handle: DispatchHandle | NodeAwareHandle,
                  weights: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def _inner(disp: ExpertDispatcher, masked: tuple[int, ...]) -> ExpertDispatcher:
     """The dispatcher a call with these masks ran on (white box: the masked group's)."""
-    return disp._masks[masked].dispatcher if masked else disp
+    return disp._masks.paths[masked].dispatcher if masked else disp
 
 
 class _Nodes:
@@ -311,7 +311,7 @@ def _out_of_step_body(comm) -> dict:
     if comm.rank == 2:
         os._exit(1)
     if comm.rank == 1:
-        disp._calls[()] += 1  # as if rank 1 had gone on to the next call when rank 2 died
+        disp._masks.calls[()] += 1  # as if rank 1 had gone on to the next call when rank 2 died
     out = {"call": outcome(lambda: _check(comm, disp, (2,), case=0, mode="none")), "masked": disp.masked_ranks}
     _check(comm, disp, (2,), case=1, mode="none")  # the masks stand: the next call runs on the survivors
     disp.close()
