@@ -23,6 +23,8 @@ Expert tensor parallelism (ETP): ``MoELayer(comm, ..., expert_tp_size=T)`` runs 
 Masks (elastic EP): ``disp.dispatch(x, experts, masked_ranks=[r])`` runs without rank r (dead or
 stopped: no call waits for it) over a :class:`MaskedGroup` of the others; ``disp.mask([r])`` masks
 it for good, and ``ExpertDispatcher(..., on_peer_failure="mask")`` does so itself when r dies.
+:class:`LowLatencyDispatcher` takes the same masks (``dispatch(..., masked_ranks=)``, ``mask``,
+``on_peer_failure``); both hold a :class:`moe.elastic.MaskSet`.
 """
 
 from .dispatcher import ExpertDispatcher
