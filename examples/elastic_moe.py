@@ -108,8 +108,15 @@ def _check(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"{what}: {m}")
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_fds() -> set[str]:
+    """This process's descriptors, as "fd -> target"."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return out
 
 
 def _dropped(layer: MoELayer) -> set[int]:
@@ -169,7 +176,8 @@ def _rank(comm: collectives.Communicator, args: argparse.Namespace) -> dict:
         _check(_step(layer, x, ll), ref(x, set()), f"rank {me} (now {grown.rank}) step {step} after the grow")
     layer.close()
     grown.close()
-    report["fds_before"], report["fds_after"] = fds, _open_fds()
+    comm.close()  # the first communicator too: the low-latency buffers of the first layer live in its ipc transport
+    report["new_fds"] = sorted(_open_fds() - fds)
     report["threads_before"], report["threads_after"] = threads, threading.active_count()
     if joiner is not None:
         report["joiner_exit"] = joiner.wait(timeout=args.timeout)
@@ -230,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (f" (PeerFailedError naming {res['named']} after {res['detected_s']:.2f} s, shrink "
                    f"{res['shrink_s']:.2f} s)" if "named" in res else " (masked)")
                 + f"; masked {res['masked']}, dropped experts {res['dropped']}; grow {res['grow_s']:.2f} s; "
-                f"fds {res['fds_before']} -> {res['fds_after']}, threads {res['threads_before']} -> "
+                f"descriptors left open: {res['new_fds']}, threads {res['threads_before']} -> "
                 f"{res['threads_after']}")
         print(line)
         ok &= res.get("joiner_exit", 0) == 0

@@ -107,7 +107,10 @@ def decode(layer: MoELayer, x: torch.Tensor, use_fp8: bool) -> torch.Tensor:
             except Exception:  # noqa: BLE001 - the rank's own error is the one to raise
                 pass
             raise
+        masked = ll.masked_ranks
         recv, _, handle = ll.dispatch(x2.to(ll.dtype), slots, use_fp8=use_fp8)
+        if ll.masked_ranks != masked:  # it lost a peer and ran on the survivors: route again (EPLB replicas)
+            return decode(layer, x, use_fp8)
         rows = _dequantize(*recv) if use_fp8 else recv
         out = _padded_experts(layer, rows).to(ll.dtype)
         y = ll.combine(out, slots, weights, handle).to(x.dtype)
