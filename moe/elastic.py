@@ -272,7 +272,7 @@ class MaskSet:
         """
         while True:
             if failed is None:
-                calls = self.calls[mask] = self.calls.get(mask, 0) + 1
+                self.calls[mask] = self.calls.get(mask, 0) + 1
                 try:
                     if not mask:
                         return fn(self.owner, None)
@@ -299,11 +299,11 @@ class MaskSet:
                         f"join the masked call within the timeout ({self.comm.timeout:g} s). Every unmasked rank "
                         "must pass the same masked_ranks (a rank that passed other masks, or none, waits on another "
                         "group), and a rank that stopped responding must be masked too") from e
-            elif self.count is None:
+            if self.count is None:  # the call that failed, as counted here
                 calls = self.calls.get(mask, 0)
-            if self.count is not None:
+            else:  # as counted by the dispatcher it ran on
                 m = self.paths.get(mask)
-                calls = self.count(self.owner if not mask or m is None else m.dispatcher)
+                calls = self.count(self.owner if m is None else m.dispatcher)
             error, failed = failed, None
             mask = self.recover(error, step, mask, calls, retry=retry)
             if not retry:

@@ -44,7 +44,10 @@ from transports.ipc_moe import Dispatched, IPCExpertExchange, RecvHook
 from .elastic import ON_PEER_FAILURE, MaskedGroup, MaskSet, mapped
 
 
-@dataclass(frozen=True)
+_set = object.__setattr__
+
+
+@dataclass(frozen=True, init=False)
 class LowLatencyHandle:
     """What :meth:`LowLatencyDispatcher.combine` needs from its dispatch.
 
@@ -60,6 +63,16 @@ class LowLatencyHandle:
     recv_count: torch.Tensor
     dispatched: Dispatched
     masked_ranks: tuple[int, ...] = ()
+
+    def __init__(self, info: torch.Tensor, recv_count: torch.Tensor, dispatched: Dispatched,
+                 masked_ranks: tuple[int, ...] = ()):
+        # the generated __init__ would set masked_ranks on every plain dispatch's handle too (its cost on the
+        # unmasked path); unset, the class's () is read
+        _set(self, "info", info)
+        _set(self, "recv_count", recv_count)
+        _set(self, "dispatched", dispatched)
+        if masked_ranks:
+            _set(self, "masked_ranks", tuple(masked_ranks))
 
 
 class LowLatencyDispatcher:
@@ -243,38 +256,34 @@ class LowLatencyDispatcher:
         CUDA-graph capturable as before; a masked call does host work (the mask check, the id map,
         the group's lookup) and runs the group's kernels, capturable too once its group is built.
         """
-        if masked_ranks is None and not self._masks.masked:
+        if masked_ranks is None and not self._masks.masked:  # the plain exchange, as without masks
             try:
-                return self._dispatch(x, topk_idx, use_fp8, return_recv_hook)
+                res = self.comm._guarded("LowLatencyDispatcher.dispatch", self._x.dispatch, x, topk_idx, use_fp8,
+                                         return_recv_hook)
             except PeerFailedError as e:
                 if self.on_peer_failure != "mask":
                     raise
                 return self._masks.run("dispatch", (), self._dispatch_on(x, topk_idx, use_fp8, return_recv_hook),
                                        failed=e, retry=not return_recv_hook)
+            recv_x, scales, info, recv_count = res[:4]
+            out = (recv_x, scales) if use_fp8 else recv_x
+            handle = LowLatencyHandle(info, recv_count, self._x.last)
+            if return_recv_hook:
+                return out, recv_count, handle, self._guarded_hook("dispatch", res[4])
+            return out, recv_count, handle
         mask = self._masks.call_mask(masked_ranks, "LowLatencyDispatcher.dispatch")
         self._x._refuse_if_pending("dispatch")  # a masked call's hook may be pending (it runs on another exchange)
         return self._masks.run("dispatch", mask, self._dispatch_on(x, topk_idx, use_fp8, return_recv_hook),
                                retry=not return_recv_hook)
 
-    def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, use_fp8: bool, return_recv_hook: bool):
-        """:meth:`dispatch` on this dispatcher's own exchange (no masks)."""
-        res = self.comm._guarded("LowLatencyDispatcher.dispatch", self._x.dispatch, x, topk_idx, use_fp8,
-                                 return_recv_hook)
-        recv_x, scales, info, recv_count = res[:4]
-        out = (recv_x, scales) if use_fp8 else recv_x
-        handle = LowLatencyHandle(info, recv_count, self._x.last)
-        if return_recv_hook:
-            return out, recv_count, handle, self._guarded_hook("dispatch", res[4])
-        return out, recv_count, handle
-
     def _dispatch_on(self, x: Any, topk_idx: Any, use_fp8: bool, return_recv_hook: bool
                      ) -> Callable[[LowLatencyDispatcher, MaskedGroup | None], tuple]:
-        """A dispatch as :meth:`MaskSet.run <moe.elastic.MaskSet.run>` runs it: on the owner (no group) or on a
-        group's dispatcher, topk_idx mapped into the group's layout."""
+        """A dispatch as :meth:`MaskSet.run <moe.elastic.MaskSet.run>` runs it: on the owner (no group: no masks
+        at all) or on a group's dispatcher (no masks of its own), topk_idx mapped into the group's layout."""
         def run(d: LowLatencyDispatcher, group: MaskedGroup | None) -> tuple:
             if group is None:
-                return d._dispatch(x, topk_idx, use_fp8, return_recv_hook)
-            res = d._dispatch(x, mapped(group, topk_idx), use_fp8, return_recv_hook)
+                return d.dispatch(x, topk_idx, use_fp8, return_recv_hook)
+            res = d.dispatch(x, mapped(group, topk_idx), use_fp8, return_recv_hook)
             handle = replace(res[2], masked_ranks=group.masked)
             if return_recv_hook:
                 return res[0], res[1], handle, self._masked_hook("dispatch", group.masked, res[3])
@@ -339,31 +348,37 @@ class LowLatencyDispatcher:
         redone on the survivors (run the step again). A masked handle whose group was closed
         (:meth:`close`, or it timed out) raises ``ValueError`` on this rank.
         """
-        mask = getattr(handle, "masked_ranks", ())
-        if not mask:
+        try:
+            mask = handle.masked_ranks  # (an attribute load: the plain call's one added step)
+        except AttributeError:  # not a handle: refused below, with the peers
+            mask = ()
+        if not mask:  # the plain exchange, as without masks
             try:
-                return self._combine(expert_out, topk_idx, topk_weights, handle, return_recv_hook)
+                # a handle of another kind is refused with the peers (as a non-tensor info), not here alone
+                res = self.comm._guarded("LowLatencyDispatcher.combine", self._x.combine, expert_out,
+                                         getattr(handle, "info", handle), getattr(handle, "recv_count", None),
+                                         topk_idx, topk_weights, getattr(handle, "dispatched", None), return_recv_hook)
             except PeerFailedError as e:
                 if self.on_peer_failure != "mask":
                     raise
-                self._masks.run("combine", (), None, failed=e, retry=False)
-        mask = tuple(mask)
+                self._masks.run("combine", (), None, failed=e, retry=False)  # masks, then raises
+                raise
+            if return_recv_hook:
+                return res[0], self._guarded_hook("combine", res[1])
+            return res
+        return self._masked_combine(expert_out, topk_idx, topk_weights, handle, return_recv_hook, tuple(mask))
+
+    def _masked_combine(self, expert_out: Any, topk_idx: Any, topk_weights: Any, handle: Any, return_recv_hook: bool,
+                        mask: tuple[int, ...]):
+        """:meth:`combine` of a masked dispatch's handle, on its group (a method of its own: the closure's cells
+        would cost the plain combine their creation)."""
         self._x._refuse_if_pending("combine")
+        # the group's dispatcher takes the handle as its own (no masks); one of another kind is refused there
+        inner = replace(handle, masked_ranks=()) if isinstance(handle, LowLatencyHandle) else None
 
         def run(d: LowLatencyDispatcher, group: MaskedGroup | None):
-            res = d._combine(expert_out, mapped(group, topk_idx), topk_weights, handle, return_recv_hook)
+            res = d.combine(expert_out, mapped(group, topk_idx), topk_weights, inner, return_recv_hook)
             if return_recv_hook:
                 return res[0], self._masked_hook("combine", mask, res[1])
             return res
         return self._masks.run("combine", mask, run, build=False, retry=False)
-
-    def _combine(self, expert_out: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 handle: LowLatencyHandle, return_recv_hook: bool):
-        """:meth:`combine` on this dispatcher's own exchange (no masks)."""
-        # a handle of another kind is refused with the peers (as a non-tensor info), not here alone
-        res = self.comm._guarded("LowLatencyDispatcher.combine", self._x.combine, expert_out,
-                                 getattr(handle, "info", handle), getattr(handle, "recv_count", None), topk_idx,
-                                 topk_weights, getattr(handle, "dispatched", None), return_recv_hook)
-        if return_recv_hook:
-            return res[0], self._guarded_hook("combine", res[1])
-        return res
