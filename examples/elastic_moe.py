@@ -2,6 +2,7 @@
 
     python examples/elastic_moe.py                 # 4 ranks; rank 2 is killed (SIGKILL) at step 10
     python examples/elastic_moe.py --dispatch low-latency --on-peer-failure mask --redundant 4 --kill 0
+    python examples/elastic_moe.py --transport gloo  # the host path over gloo instead of shared memory
 
 What happens (every rank checks every step against a reference computed in its own process):
 
@@ -209,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="steps after the death, and again after the grow")
     ap.add_argument("--dispatch", choices=["normal", "low-latency"], default="normal")
     ap.add_argument("--on-peer-failure", choices=["raise", "mask"], default="raise")
+    ap.add_argument("--transport", choices=["auto", "shm", "gloo"], default="auto",
+                    help="the host path's transport (low-latency dispatch needs ipc, which auto adds)")
     ap.add_argument("--redundant", type=int, default=0, help="EPLB redundant expert slots")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--join", help=argparse.SUPPRESS)
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         args.checkpoint = os.path.join(tmp, "experts.pt")
         results = collectives.launch(_rank, args.ranks, args, timeout=args.timeout, return_exceptions=True,
-                                     device="cpu")
+                                     device="cpu", transport=args.transport)
     ok = True
     for r, res in enumerate(results):
         if r == args.kill:

@@ -55,6 +55,19 @@ def shrink(layer: MoELayer, exclude: Sequence[int]) -> None:
         layer.low_latency.mask(exclude)
 
 
+def sync_masks(layer: MoELayer) -> None:
+    """After one of the layer's dispatchers masked a dead peer itself (``on_peer_failure="mask"``), mask it in
+    the other too (collective over the survivors: they all met the death in the same call)."""
+    ll = layer.low_latency
+    if ll is None:
+        return
+    normal, low = set(layer.dispatcher.masked_ranks), set(ll.masked_ranks)
+    if low - normal:
+        layer.dispatcher.mask(sorted(low - normal))
+    if normal - low:
+        ll.mask(sorted(normal - low))
+
+
 # ---- decode ----------------------------------------------------------------------------------
 def init_low_latency(layer: MoELayer, max_tokens_per_rank: int, dtype: torch.dtype) -> None:
     """``MoELayer.init_low_latency`` (collective over ``layer.comm``)."""
@@ -110,6 +123,7 @@ def decode(layer: MoELayer, x: torch.Tensor, use_fp8: bool) -> torch.Tensor:
         masked = ll.masked_ranks
         recv, _, handle = ll.dispatch(x2.to(ll.dtype), slots, use_fp8=use_fp8)
         if ll.masked_ranks != masked:  # it lost a peer and ran on the survivors: route again (EPLB replicas)
+            sync_masks(layer)
             return decode(layer, x, use_fp8)
         rows = _dequantize(*recv) if use_fp8 else recv
         out = _padded_experts(layer, rows).to(ll.dtype)

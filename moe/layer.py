@@ -571,6 +571,7 @@ class MoELayer(nn.Module):
         except PeerFailedError:
             if self.on_peer_failure != "mask":
                 raise
+            _elastic.sync_masks(self)  # the low-latency dispatcher masked the dead rank(s) in a combine or hook
             return _elastic.decode(self, x, use_fp8)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -601,6 +602,7 @@ class MoELayer(nn.Module):
                 raise
             # the dispatcher masked the dead rank(s) (a dispatch it could not finish it re-ran on the
             # survivors; a combine it could not): run the whole step again on the survivors
+            _elastic.sync_masks(self)
             return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -624,6 +626,7 @@ class MoELayer(nn.Module):
         if self.dispatcher.masked_ranks != masked:
             # the dispatch lost a peer and ran again on the survivors (on_peer_failure="mask") with the slots
             # routed before: route again, so that the dead rank's experts go to their surviving replicas
+            _elastic.sync_masks(self)
             return self._forward(x)
         with rejecting(comm, on=recv_x):  # the peers go on to combine's all-to-all
             expert_out = self.experts(recv_x, tokens_per_expert)
