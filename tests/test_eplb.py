@@ -281,6 +281,32 @@ def test_route_spreads_a_hot_expert_evenly_and_keeps_single_replicas():
         route(hot.view(1, 999, 1), p)
 
 
+def test_route_with_masked_ranks_uses_the_surviving_replicas_only():
+    p = balance(zipf(16) * 100, 4, 4)  # 5 slots per rank
+    g = torch.Generator().manual_seed(11)
+    experts = torch.randint(0, 16, (400, 3), generator=g)
+    for masked in ((), (0,), (2,), (1, 3), (0, 1, 2)):
+        out = route(experts, p, masked_ranks=masked, offset=3)
+        alive = [s for r in range(4) if r not in masked for s in p.slots_of(r)]
+        held = {int(p.physical_to_logical[s]) for s in alive}
+        kept = out >= 0
+        # a choice is dropped exactly when its expert has no replica on the unmasked ranks
+        assert torch.equal(kept, torch.tensor([[int(e) in held for e in row] for row in experts]))
+        # the kept ones go to a slot of an unmasked rank holding that expert
+        assert torch.equal(p.physical_to_logical[out[kept]], experts[kept])
+        assert set(torch.div(out[kept], p.slots_per_rank, rounding_mode="floor").tolist()) <= set(range(4)) - set(masked)
+        # over the surviving replicas, round-robin as without masks: every surviving replica of an expert is used
+        for e in held:
+            replicas = {s for s in alive if int(p.physical_to_logical[s]) == e}
+            if (experts == e).sum() >= 2 * len(replicas):
+                assert set(out[experts == e].tolist()) == replicas, (masked, e)
+    assert torch.equal(route(experts, p, masked_ranks=()), route(experts, p))
+    l2p, count = p.tables("cpu", [1, 3])
+    assert count.tolist() == [sum(1 for s in [*p.slots_of(0), *p.slots_of(2)] if int(p.physical_to_logical[s]) == e)
+                              for e in range(16)]
+    assert p.tables("cpu", (3, 1))[0] is l2p  # cached per set, whatever the order
+
+
 def test_route_caches_the_tables_per_device():
     p = Placement.default(8, 2, 2)
     assert p.tables("cpu")[0] is p.tables(torch.device("cpu"))[0]
