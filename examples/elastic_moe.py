@@ -165,7 +165,7 @@ def _rank(comm: collectives.Communicator, args: argparse.Namespace) -> dict:
                "--dispatch", args.dispatch, "--on-peer-failure", args.on_peer_failure,
                "--redundant", str(args.redundant), "--kill-step", str(args.kill_step), "--steps", str(args.steps),
                "--kill", str(args.kill), "--timeout", str(args.timeout)]
-        if _dropped(layer):
+        if _dropped(layer) and not args.no_checkpoint:
             cmd += ["--checkpoint", args.checkpoint]
         joiner = subprocess.Popen(cmd)
     t0 = time.monotonic()
@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--join", help=argparse.SUPPRESS)
     ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    ap.add_argument("--no-checkpoint", action="store_true",
+                    help="give the newcomer no checkpoint (the grow then fails when no survivor holds some expert)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.dispatch == "low-latency":

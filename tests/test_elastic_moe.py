@@ -67,3 +67,16 @@ def test_mask_on_failure(tmp_path, dispatch):
     out = _run(tmp_path, "--on-peer-failure", "mask", "--kill", "2", "--redundant", "4", "--dispatch", dispatch)
     assert out.count("(masked)") == 3, out
     assert max(_times(out, "took")) < 5.0, out
+
+
+def test_a_newcomer_without_a_source_for_an_expert_fails_on_every_rank(tmp_path):
+    """No replica of the dead rank's experts and no checkpoint: the grow raises on every rank, naming them."""
+    before = shm_segments()
+    p = subprocess.run([sys.executable, str(EXAMPLE), "--no-checkpoint", "--kill-step", "1", "--steps", "1"],
+                       capture_output=True, text=True, timeout=240, env=_env(), cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "elastic decode: FAILED" in out, out
+    for r in (0, 1, 3):
+        assert re.search(rf"rank {r}: FAILED: ValueError: .*no survivor holds experts \[4, 5\]", out), out
+    assert "MoELayer.join on rank 4 (rank 3 of 4 in its group): no survivor holds experts [4, 5]" in out, out
+    assert not left_behind(before)
