@@ -292,8 +292,9 @@ class StoreRendezvous(Rendezvous):
 
         Called by every survivor (each call with a given ``key`` takes that key's next shrink prefix, so
         the survivors must shrink it with that key equally often). The survivors first tell each other
-        their lists under ``{prefix}/x{key}{n}/ex/{world rank}``; lists that differ, or a survivor's ``error``, make every survivor
-        that sees them raise ValueError naming the ranks. The new group has its own prefix (with its
+        their lists under ``{prefix}/x{key}.{n}/ex/{world rank}`` (``x{n}`` for the default key); lists
+        that differ, or a survivor's ``error``, make every survivor that sees them raise ValueError naming
+        the ranks. The new group has its own prefix (with its
         members) and no lineage: its members all left this group (closed its communicator), which does
         not count against them there; a member that dies is seen by its pid as in any group.
 
@@ -311,7 +312,7 @@ class StoreRendezvous(Rendezvous):
 
         n = self._shrinks[key] = self._shrinks.get(key, 0) + 1
         me = self.global_ranks[self.rank]
-        base = f"{self.prefix}/x{key}{n}"
+        base = f"{self.prefix}/x{key}.{n}" if key else f"{self.prefix}/x{n}"  # the dot: "a1"+"2" is not "a"+"12"
         members = [self.global_ranks[r] for r in survivors]
         if error is None and self.host_rank is not None and self.host_rank not in members:
             raise RuntimeError(

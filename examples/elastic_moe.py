@@ -169,8 +169,13 @@ def _rank(comm: collectives.Communicator, args: argparse.Namespace) -> dict:
             cmd += ["--checkpoint", args.checkpoint]
         joiner = subprocess.Popen(cmd)
     t0 = time.monotonic()
-    grown = survivors.grow(1)
-    layer.grow(grown)
+    try:
+        grown = survivors.grow(1)
+        layer.grow(grown)
+    except BaseException:
+        if joiner is not None:  # it fails too (its grow was aborted): reap it
+            joiner.wait(timeout=args.timeout)
+        raise
     report["grow_s"] = time.monotonic() - t0
     for step in range(args.kill_step + args.steps, args.kill_step + 2 * args.steps):
         x = _tokens(step, f"g{grown.rank}")

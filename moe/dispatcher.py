@@ -268,7 +268,6 @@ class ExpertDispatcher:
         """
         masks = self._masks
         if masked_ranks is None and not masks.masked and self.on_peer_failure == "raise":
-            masks.calls[()] += 1
             return self._path.layout(x, experts, weights)
         mask = masks.call_mask(masked_ranks, "get_dispatch_layout")
 
@@ -321,14 +320,12 @@ class ExpertDispatcher:
         masks = self._masks
         if layout is None:
             if masked_ranks is None and not masks.masked and self.on_peer_failure == "raise":
-                masks.calls[()] += 1
-                return self._dispatch(x, experts, weights, None)
+                    return self._dispatch(x, experts, weights, None)
             mask = masks.call_mask(masked_ranks, "dispatch")
         else:
             mask = tuple(getattr(layout, "masked_ranks", ()))
             if not mask and masked_ranks is None and not masks.masked and self.on_peer_failure == "raise":
-                masks.calls[()] += 1
-                return self._dispatch(x, experts, weights, layout)
+                    return self._dispatch(x, experts, weights, layout)
             if masked_ranks is not None and masks.call_mask(masked_ranks, "dispatch") != mask:
                 raise ValueError(f"dispatch on {rank_label(self.comm)}: masked_ranks={list(masked_ranks)} (with the "
                                  f"permanent masks {list(masks.masked)}) differ from the layout's {list(mask)}")
@@ -393,7 +390,6 @@ class ExpertDispatcher:
         """
         mask = tuple(getattr(handle, "masked_ranks", ()))
         if not mask and self.on_peer_failure == "raise":
-            self._masks.calls[()] += 1
             return self._combine(expert_out, handle, weights)
         return self._masks.run("combine", mask, lambda d, group: d._combine(expert_out, handle, weights), build=False,
                                retry=False)

@@ -97,14 +97,14 @@ class MaskedGroup:
         build_s: seconds the shrink took on this rank.
     """
 
-    def __init__(self, comm: CommunicatorLike, masked: Sequence[int], num_experts: int):
+    def __init__(self, comm: CommunicatorLike, masked: Sequence[int], num_experts: int, *, key: str | None = None):
         self.masked = tuple(sorted(int(r) for r in masked))
         self.active = tuple(r for r in range(comm.size) if r not in self.masked)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // comm.size
         self.num_active_experts = len(self.active) * self.num_local_experts
         t0 = time.monotonic()
-        self.comm = comm.shrink(exclude=list(self.masked), key=mask_key(self.masked))
+        self.comm = comm.shrink(exclude=list(self.masked), key=mask_key(self.masked) if key is None else key)
         self.build_s = time.monotonic() - t0
         # [E + 1] int64: entry e + 1 is expert e's id in the group (-1: on a masked rank); entry 0 is -1's
         L = self.num_local_experts
@@ -195,23 +195,43 @@ class MaskSet:
         return None if m is None else m.group.comm
 
     def mask(self, ranks: Sequence[int], where: str) -> None:
-        """Add ``ranks`` to the permanent masks and build their group now (collective over the unmasked ranks)."""
-        new = check_masked_ranks(self.comm, ranks, where=where)
-        full = tuple(sorted(set(self.masked) | set(new)))
-        if full:
-            self.path(full)
-        self.masked = full
+        """Add ``ranks`` to the permanent masks and build their group now (collective over the unmasked ranks).
+
+        The group is made by a shrink of the one series ``"masked"`` (not the set's own), so that survivors
+        that pass different ranks meet in it and all raise ``ValueError`` naming the lists, instead of
+        waiting on different groups until the timeout. The group of the previous permanent set is closed.
+        """
+        err = None
+        try:
+            new = check_masked_ranks(self.comm, ranks, where=where)
+            full = tuple(sorted(set(self.masked) | set(new)))
+        except (TypeError, ValueError) as e:
+            err, full = e, self.masked
+        if err is not None or (full and full not in self.paths):
+            # the shrink compares the survivors' lists (a bad one on this rank is told to the others)
+            self.path(full, key="masked", error=err)
+        old, self.masked = self.masked, full
+        if old and old != full:
+            self.drop(old)
 
     def call_mask(self, masked_ranks: Sequence[int] | None, where: str) -> tuple[int, ...]:
         """The masks of one call: ``masked_ranks`` (checked) and the permanent ones, ascending."""
         mine = check_masked_ranks(self.comm, masked_ranks, where=where)
         return tuple(sorted(set(mine) | set(self.masked))) if mine else self.masked
 
-    def path(self, mask: tuple[int, ...]) -> MaskedPath:
-        """The group and dispatcher of ``mask``; built on first use (collective over the unmasked ranks)."""
+    def path(self, mask: tuple[int, ...], *, key: str | None = None, error: Exception | None = None) -> MaskedPath:
+        """The group and dispatcher of ``mask``; built on first use (collective over the unmasked ranks).
+        ``key``: the shrink series (default: the set's own); ``error``: this rank's argument error, told to
+        the others through the shrink (which then raises ValueError on every one of them)."""
+        if error is not None:
+            try:
+                self.comm.shrink(exclude=[-1], key=key or mask_key(mask))  # an exclude every survivor refuses
+            except ValueError:
+                pass
+            raise error
         m = self.paths.get(mask)
         if m is None:
-            group = MaskedGroup(self.comm, mask, self.num_experts)
+            group = MaskedGroup(self.comm, mask, self.num_experts, key=key)
             try:
                 inner = self.build(group)
             except BaseException:
@@ -331,11 +351,16 @@ class MaskSet:
         if not dead:
             raise error
         t0 = time.monotonic()
+        if mask:  # its group holds a dead rank: it can never complete a call again
+            self.drop(mask)
         for _ in range(self.comm.size):
-            self.masked = tuple(sorted(set(self.masked) | dead))
             new = tuple(sorted(set(mask) | dead))
             try:
                 m = self.path(new)
+                # with the survivors' group built (masked ranks always have one: active_comm), mask them for good
+                old, self.masked = self.masked, tuple(sorted(set(self.masked) | dead))
+                if old and old not in (self.masked, mask, new):
+                    self.drop(old)  # it holds a dead rank
                 agree(m.group.comm, f"{self.name} after the failure of rank(s) {self.world(sorted(dead))}",
                       {"calls on the failed group": calls, "step (0: layout, 1: dispatch, 2: combine)":
                        _STEPS.index(step), "masks before the failure (crc32)": zlib.crc32(repr(mask).encode())},

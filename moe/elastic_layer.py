@@ -110,7 +110,6 @@ def decode(layer: MoELayer, x: torch.Tensor, use_fp8: bool) -> torch.Tensor:
                                  f"or [B, S, {layer.hidden_size}], got {getattr(x, 'shape', type(x).__name__)}")
             x2 = x.reshape(-1, layer.hidden_size)
             weights, experts, _ = layer.router.route(x2)
-            layer.expert_load += logical_loads(experts, layer.num_experts).to(layer.expert_load.device)
             slots = experts if layer._identity else route(experts, layer.placement, offset=layer.comm.rank,
                                                           masked_ranks=ll.masked_ranks)
         except Exception:
@@ -125,6 +124,7 @@ def decode(layer: MoELayer, x: torch.Tensor, use_fp8: bool) -> torch.Tensor:
         if ll.masked_ranks != masked:  # it lost a peer and ran on the survivors: route again (EPLB replicas)
             sync_masks(layer)
             return decode(layer, x, use_fp8)
+        layer.expert_load += logical_loads(experts, layer.num_experts).to(layer.expert_load.device)
         rows = _dequantize(*recv) if use_fp8 else recv
         out = _padded_experts(layer, rows).to(ll.dtype)
         y = ll.combine(out, slots, weights, handle).to(x.dtype)
@@ -244,16 +244,19 @@ def grow(layer: MoELayer, comm: Any) -> None:
     _send_experts(new, plan, layer, None)
     old_ll = layer.low_latency
     old = layer.dispatcher
-    # the survivor keeps its own modules (the same parameter tensors): they hold the same slots
     layer.comm, layer.ep_comm, layer.dispatcher = new.comm, new.ep_comm, new.dispatcher
     layer.placement, layer._identity = new.placement, new._identity
     layer.last_handle, layer.low_latency = None, None
     layer.reset_expert_load()
-    old.close()
-    if old_ll is not None:
-        old_ll.close()
-    if plan["low_latency"] is not None:
-        init_low_latency(layer, plan["low_latency"][0], _DTYPES[plan["low_latency"][1]])
+    try:
+        if plan["low_latency"] is not None:  # collective: before the local closes, which may fail on one rank
+            init_low_latency(layer, plan["low_latency"][0], _DTYPES[plan["low_latency"][1]])
+    finally:
+        try:
+            old.close()
+        finally:
+            if old_ll is not None:
+                old_ll.close()
 
 
 def join(cls: type, comm: Any, expert_weights: dict[str, torch.Tensor] | None) -> MoELayer:

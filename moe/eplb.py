@@ -160,7 +160,7 @@ class Placement:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        masked = tuple(sorted({int(r) for r in masked_ranks}))
+        masked = tuple(sorted({int(r) for r in masked_ranks})) if masked_ranks else ()
         t = self._tables.get((device, masked))
         if t is None:
             l2p, count = self.logical_to_physical, self.replica_count

@@ -13,6 +13,7 @@ from collectives.protocols import CommunicatorLike, check_communicator
 from transports.base import PeerFailedError
 
 from . import elastic_layer as _elastic
+from .elastic import ON_PEER_FAILURE as _ON_PEER_FAILURE
 from . import expert_tp as _etp
 from . import rebalance as _rebalance
 from .dispatcher import ExpertDispatcher
@@ -128,7 +129,6 @@ class SharedExpert(nn.Module):
 # The transformers MoE blocks MoELayer.from_hf takes (matched by class name along the MRO, so transformers
 # need not be importable here), and the MoELayer keywords it passes on (the rest comes from the block).
 _HF_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE")
-_ON_PEER_FAILURE = ("raise", "mask")
 _HF_OPTIONS = ("capacity_factor", "node_aware", "aux_loss_coef", "z_loss_coef", "expert_tp_size")
 
 
@@ -445,9 +445,11 @@ class MoELayer(nn.Module):
         """Close the dispatchers' sub-groups (the node-aware path's, the masks') and, with ETP, the EP and
         ETP groups (collective like their creation)."""
         try:
-            self.dispatcher.close()
-            if self.low_latency is not None:
-                self.low_latency.close()
+            try:
+                self.dispatcher.close()
+            finally:
+                if self.low_latency is not None:
+                    self.low_latency.close()
         finally:
             self._close_groups()
 
@@ -558,7 +560,8 @@ class MoELayer(nn.Module):
 
         Route, dispatch to fixed [L, P*M, H] buffers, run every local expert on all its rows (one
         batched GEMM pair; rows past the count are computed and ignored), combine, add the shared
-        expert. No host synchronization with EPLB or without (CUDA-graph capturable once warm).
+        expert. Shapes depend only on T, so a step can be captured in a CUDA graph once warm (eagerly,
+        the dispatcher waits for its kernels to raise errors on every rank, as its calls do).
 
         Args:
             x: [T, H] or [B, S, H] float, T (B * S) <= M of :meth:`init_low_latency`.
@@ -618,8 +621,6 @@ class MoELayer(nn.Module):
             shape = x.shape
             x2 = x.reshape(-1, self.hidden_size)
             weights, experts, scores = self.router.route(x2)
-            with torch.no_grad():
-                self.expert_load += logical_loads(experts, self.num_experts).to(self.expert_load.device)
             slots = experts if self._identity else route(experts, self.placement, offset=self.comm.rank,
                                                          masked_ranks=masked)
         recv_x, tokens_per_expert, handle = self.dispatcher.dispatch(x2, slots, weights=weights.detach())
@@ -628,6 +629,8 @@ class MoELayer(nn.Module):
             # routed before: route again, so that the dead rank's experts go to their surviving replicas
             _elastic.sync_masks(self)
             return self._forward(x)
+        with torch.no_grad():  # counted once per step, also when a step is run again
+            self.expert_load += logical_loads(experts, self.num_experts).to(self.expert_load.device)
         with rejecting(comm, on=recv_x):  # the peers go on to combine's all-to-all
             expert_out = self.experts(recv_x, tokens_per_expert)
         y = self.dispatcher.combine(expert_out, handle, weights).to(x.dtype)

@@ -305,9 +305,11 @@ class LowLatencyDispatcher:
     def _masked_hook(self, op: str, mask: tuple[int, ...], hook: Callable[[], None]) -> Callable[[], None]:
         """The hook of a masked call (its group's dispatcher's), with the masks' failure handling. Until it is
         called, this dispatcher's own exchange counts as having a hook pending (one call in flight)."""
-        self._x._pending = f"{op} (masked_ranks={list(mask)})"
+        token = self._x._pending = f"{op} (masked_ranks={list(mask)})"
 
         def recv_hook() -> None:
+            if self._x._pending is not token:  # called before: the inner hook raises, and no other call's flag goes
+                return hook()
             try:
                 self._masks.run(op, mask, lambda d, group: hook(), build=False, retry=False)
             finally:
