@@ -74,6 +74,8 @@ SLOW: dict[str, str] = {
         "31-52 s; the same with 2 steps before and after the death ([low-latency-0-4-auto-2]) stays",
     "test_elastic_moe.py::test_raise_shrink_grow[normal-2-0-gloo-10]": "15 s; shm ([normal-2-0-auto-10]) stays",
     "test_elastic_moe.py::test_mask_on_failure[low-latency]": "27 s; [normal] stays",
+    "test_moe_ll_hooks.py::test_hooked_calls_equal_plain_ones_bitwise_and_the_rules_hold[3]":
+        "32 s; 2 ranks (50 hooked calls and the rules) stay",
     "test_elastic_moe.py::test_a_newcomer_without_a_source_for_an_expert_fails_on_every_rank":
         "12 s; the grows with a checkpoint and with replicas stay",
 }
@@ -91,7 +93,7 @@ LONGEST_FIRST: dict[str, float] = {
     "test_communicator_threads.py": 25, "test_interrupted_calls.py": 25, "test_examples_hf.py": 25,
     "test_examples_train_moe.py": 24, "test_p2p.py": 22,
     # issue #55's files (2026-11-28)
-    "test_elastic_moe.py": 55, "test_moe_ll_hooks.py": 53, "test_moe_masks.py": 22, "test_moe_ll_masks.py": 19,
+    "test_elastic_moe.py": 45, "test_moe_ll_hooks.py": 25, "test_moe_masks.py": 22, "test_moe_ll_masks.py": 19,
     "test_grow.py": 20,
 }
 # workers for `-n auto`: each runs jobs of 2 to 4 ranks (and a few of 8), so more would only

@@ -7,8 +7,8 @@ handle's info, the combine's y), over 50 hooked calls (25 dispatches, each follo
 of random token counts (0 on some rank, M on some), top-k with unused slots, bfloat16 and float32,
 with and without FP8, in every order of plain and hooked calls and with two dispatchers' calls
 overlapped (two micro-batches). Then the rules: a hook runs once, one call is in flight per
-dispatcher, and a refused or unpaired hooked call raises from the hook on every rank (with 3 ranks:
-a bystander raises too). One launch per rank count runs all of it (each interpreted kernel costs
+dispatcher, and a refused or unpaired hooked call raises from the hook on every rank (with 3 ranks, in
+the slow tier: a bystander raises too). One launch per rank count runs all of it (each interpreted kernel costs
 0.05-0.1 s of a 2-core machine: hence 25 rounds, M = 4).
 """
 
@@ -230,7 +230,7 @@ def _body(comm, rules: bool) -> tuple[float, dict, float]:
 
 @pytest.mark.parametrize("P", [2, 3])
 def test_hooked_calls_equal_plain_ones_bitwise_and_the_rules_hold(P):
-    rules = P == 3
+    rules = True
     results = collectives.launch(_body, P, rules, transport="ipc", timeout=60.0, options={"ipc_emulate": 1})
     for r, (acc, res, _) in enumerate(results):
         assert acc > 0
