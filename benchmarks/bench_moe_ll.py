@@ -48,8 +48,9 @@ def _expert_input(recv: Any, fp8: bool, dtype: torch.dtype) -> torch.Tensor:
     """Identity experts: the received rows (dequantized with FP8) in ``dtype``."""
     if not fp8:
         return recv
-    q, scales = recv
-    return (q.float() * scales.repeat_interleave(128, -1)).to(dtype)
+    from moe.low_latency import dequantize
+
+    return dequantize(*recv).to(dtype)
 
 
 def time_low_latency(comm, o: dict[str, Any], x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,

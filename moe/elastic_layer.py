@@ -25,14 +25,13 @@ from typing import Any, Sequence
 import torch
 
 from collectives.agreement import agree, rank_label
+from transports.base import DTYPE_BY_CODE, dtype_code
 
 from .eplb import Placement, logical_loads, route
 from .ffn import _ACTIVATIONS
-from .low_latency import LowLatencyDispatcher
+from .low_latency import LowLatencyDispatcher, dequantize
 
 MoELayer = Any  # moe.layer.MoELayer, which imports this module
-
-_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
 
 
 def unmask_counts(per_slot: torch.Tensor, masked: Sequence[int], num_ranks: int) -> torch.Tensor:
@@ -91,12 +90,6 @@ def _padded_experts(layer: MoELayer, recv: torch.Tensor) -> torch.Tensor:
     return torch.bmm(_ACTIVATIONS[ex.activation](h), ex.fc2)
 
 
-def _dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """FP8 rows [S, N, H] float8_e4m3fn with scales [S, N, H/128] -> float32 [S, N, H]."""
-    S, N, H = q.shape
-    return (q.float().view(S, N, H // 128, 128) * scales[..., None]).view(S, N, H)
-
-
 def decode(layer: MoELayer, x: torch.Tensor, use_fp8: bool) -> torch.Tensor:
     """``MoELayer.decode``: route, low-latency dispatch, padded experts, combine, shared expert."""
     ll = layer.low_latency
@@ -125,7 +118,7 @@ def decode(layer: MoELayer, x: torch.Tensor, use_fp8: bool) -> torch.Tensor:
             sync_masks(layer)
             return decode(layer, x, use_fp8)
         layer.expert_load += logical_loads(experts, layer.num_experts).to(layer.expert_load.device)
-        rows = _dequantize(*recv) if use_fp8 else recv
+        rows = dequantize(*recv) if use_fp8 else recv
         out = _padded_experts(layer, rows).to(ll.dtype)
         y = ll.combine(out, slots, weights, handle).to(x.dtype)
         if layer.shared is not None:
@@ -150,10 +143,10 @@ def _plan(layer: MoELayer, comm: Any) -> dict[str, Any]:
     p2l = layer.placement.physical_to_logical
     new = torch.cat([p2l[layer.placement.slots_of(r).start: layer.placement.slots_of(r).stop] for r in order])
     ll = layer.low_latency
-    replicated = {k: str(t.dtype) for k, t in layer.state_dict().items() if k not in layer.expert_keys}
+    replicated = {k: dtype_code(t.dtype) for k, t in layer.state_dict().items() if k not in layer.expert_keys}
     return {"config": layer._config, "physical_to_logical": new.tolist(), "members": P - len(masked),
-            "size": P, "dtype": str(layer.experts.fc1.dtype), "replicated": replicated,
-            "low_latency": None if ll is None else [ll.max_tokens_per_rank, str(ll.dtype)]}
+            "size": P, "dtype": dtype_code(layer.experts.fc1.dtype), "replicated": replicated,
+            "low_latency": None if ll is None else [ll.max_tokens_per_rank, dtype_code(ll.dtype)]}
 
 
 def _rebuild(cls: type, comm: Any, plan: dict[str, Any], error: Exception | None) -> MoELayer:
@@ -221,7 +214,7 @@ def _send_replicated(new: MoELayer, plan: dict[str, Any]) -> None:
         for key, t in sorted(new.state_dict(keep_vars=True).items()):
             if key in new.expert_keys:
                 continue
-            t.data = t.data.to(_DTYPES.get(plan["replicated"].get(key), t.dtype))
+            t.data = t.data.to(DTYPE_BY_CODE.get(plan["replicated"].get(key), t.dtype))
             t.data.copy_(comm.broadcast(t.detach(), src=0))
 
 
@@ -250,7 +243,7 @@ def grow(layer: MoELayer, comm: Any) -> None:
     layer.reset_expert_load()
     try:
         if plan["low_latency"] is not None:  # collective: before the local closes, which may fail on one rank
-            init_low_latency(layer, plan["low_latency"][0], _DTYPES[plan["low_latency"][1]])
+            init_low_latency(layer, plan["low_latency"][0], DTYPE_BY_CODE[plan["low_latency"][1]])
     finally:
         try:
             old.close()
@@ -268,9 +261,9 @@ def join(cls: type, comm: Any, expert_weights: dict[str, torch.Tensor] | None) -
     new = _rebuild(cls, comm, plan, err)
     device = comm.device if getattr(comm.device, "type", "cpu") == "cuda" else torch.device("cpu")
     new.to(device=device)
-    new.experts.to(dtype=_DTYPES[plan["dtype"]])
+    new.experts.to(dtype=DTYPE_BY_CODE[plan["dtype"]])
     _send_replicated(new, plan)
     _send_experts(new, plan, None, expert_weights)
     if plan["low_latency"] is not None:
-        init_low_latency(new, plan["low_latency"][0], _DTYPES[plan["low_latency"][1]])
+        init_low_latency(new, plan["low_latency"][0], DTYPE_BY_CODE[plan["low_latency"][1]])
     return new

@@ -44,10 +44,7 @@ from transports.ipc_moe import Dispatched, IPCExpertExchange, RecvHook
 from .elastic import ON_PEER_FAILURE, MaskedGroup, MaskSet, mapped
 
 
-_set = object.__setattr__
-
-
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class LowLatencyHandle:
     """What :meth:`LowLatencyDispatcher.combine` needs from its dispatch.
 
@@ -64,15 +61,11 @@ class LowLatencyHandle:
     dispatched: Dispatched
     masked_ranks: tuple[int, ...] = ()
 
-    def __init__(self, info: torch.Tensor, recv_count: torch.Tensor, dispatched: Dispatched,
-                 masked_ranks: tuple[int, ...] = ()):
-        # the generated __init__ would set masked_ranks on every plain dispatch's handle too (its cost on the
-        # unmasked path); unset, the class's () is read
-        _set(self, "info", info)
-        _set(self, "recv_count", recv_count)
-        _set(self, "dispatched", dispatched)
-        if masked_ranks:
-            _set(self, "masked_ranks", tuple(masked_ranks))
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """FP8 rows as ``dispatch(..., use_fp8=True)`` returns them back to float32: q float8_e4m3fn [..., H] times
+    its scales float32 [..., H/128], each over its 128 channels. Returns float32 [..., H]."""
+    return (q.float().unflatten(-1, (-1, 128)) * scales[..., None]).flatten(-2)
 
 
 class LowLatencyDispatcher:
