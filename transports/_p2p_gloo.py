@@ -85,22 +85,32 @@ class GlooChannel(MessageChannel):
         return self._BASE + 4 * tag + kind
 
     def _isend(self, peer, kind, tag, buf):
-        return _WAITERS.submit(self.t.pg.send([buf], peer, self._tag(kind, tag)))
+        try:
+            return _WAITERS.submit(self.t.pg.send([buf], peer, self._tag(kind, tag)))
+        except RuntimeError as e:  # gloo refuses to post on a pair whose peer has gone
+            raise self._failed(peer, e) from e
 
     def _irecv(self, peer, kind, tag, buf):
-        return _WAITERS.submit(self.t.pg.recv([buf], peer, self._tag(kind, tag)))
+        try:
+            return _WAITERS.submit(self.t.pg.recv([buf], peer, self._tag(kind, tag)))
+        except RuntimeError as e:
+            raise self._failed(peer, e) from e
+
+    def _failed(self, peer: int, e: BaseException) -> BaseException:
+        """The error to raise for gloo's ``e`` on the pair with ``peer``: the peer's own news if it closed or
+        died (gloo says only "connection closed" or "reset"), else a PeerFailedError quoting gloo."""
+        told = self.peer_failure(peer)
+        if told is not None:
+            return told
+        text = str(e).splitlines()[0].split(" This is typically")[0]
+        return PeerFailedError(f"gloo point-to-point with rank {self.ranks[peer]} failed on rank "
+                               f"{self.ranks[self.rank]}: {text}", [self.ranks[peer]])
 
     def _test(self, req, peer):
         if not req.done:
             return False
         if req.error is not None:
-            e = req.error
-            told = self.peer_failure(peer)  # a peer that closed or died says so; gloo says only "connection closed"
-            if told is not None:
-                raise told from e
-            text = str(e).splitlines()[0].split(" This is typically")[0]
-            raise PeerFailedError(f"gloo point-to-point with rank {self.ranks[peer]} failed on rank "
-                                  f"{self.ranks[self.rank]}: {text}", [self.ranks[peer]]) from e
+            raise self._failed(peer, req.error) from req.error
         return True
 
     def token(self) -> int:
